@@ -1,0 +1,83 @@
+"""The two contracts every algorithm shares: `ClientBatches` and `FederatedAlgorithm`.
+
+A round's participating clients are an array axis, not a Python list:
+
+* `ClientBatches.data` is any pytree whose leaves are shaped `[C, S, B, ...]`
+  (clients, local steps, examples per step);
+* `ClientBatches.mask` `[C, S, B]` is False on padding, so clients with unequal
+  amounts of data share one static shape;
+* `ClientBatches.weight` `[C]` is the client's weight in the average (its
+  sample count n_k for FedAvg); a weight of 0 marks a client that takes no
+  part (padding clients added to fill a device mesh, for instance);
+* `ClientBatches.client_id` `[C]` indexes per-client state stored stacked as
+  `[num_clients, ...]` in the server state.
+
+`FederatedAlgorithm(init, step)` mirrors `optax.GradientTransformation`: two
+pure functions, `init(params, key) -> state` and `step(state, batches) -> state`.
+Diagnostics of the last round live in `state.metrics`, so `step` drops into
+`jax.lax.scan` unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol
+
+import flax.struct
+import jax
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+"""Per-example loss: `loss_fn(params, batch) -> [B]`. The library masks and averages."""
+
+
+@flax.struct.dataclass
+class ClientBatches:
+  """One round's participating clients, packed into arrays.
+
+  Attributes:
+    data: pytree of arrays shaped `[C, S, B, ...]`, e.g. `{"x": ..., "y": ...}`.
+    mask: `[C, S, B]` bool, True on real examples, False on padding.
+    weight: `[C]` float, the client's aggregation weight (n_k); 0 = not taking part.
+    client_id: `[C]` int32, index of each client in per-client state.
+  """
+
+  data: PyTree
+  mask: jax.Array
+  weight: jax.Array
+  client_id: jax.Array
+
+  @property
+  def num_clients(self) -> int:
+    """C, the number of clients in the round (static)."""
+    return self.mask.shape[0]
+
+  @property
+  def local_steps(self) -> int:
+    """S, the number of local steps per client (static)."""
+    return self.mask.shape[1]
+
+  @property
+  def batch_size(self) -> int:
+    """B, the number of example slots per local step (static)."""
+    return self.mask.shape[2]
+
+
+class ServerState(Protocol):
+  """What every algorithm's state has; each algorithm's dataclass adds its own fields."""
+
+  params: PyTree
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+class FederatedAlgorithm(NamedTuple):
+  """A federated algorithm as two pure functions.
+
+  Attributes:
+    init: `init(params, key) -> state`. Options are given to the factory, not here.
+    step: `step(state, batches: ClientBatches) -> state`: one communication round.
+  """
+
+  init: Callable[..., Any]
+  step: Callable[[Any, ClientBatches], Any]

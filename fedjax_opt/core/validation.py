@@ -1,0 +1,108 @@
+"""Trace-time checks with errors that name the argument, the expected and the actual value.
+
+Shape and dtype checks run while tracing, before any compute, jitted or not.
+Value checks (a negative weight, say) need concrete values: they run whenever
+the values are concrete (eager calls, building batches on the host) and are
+skipped for traced values, where no Python error can be raised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_opt.core.types import ClientBatches
+
+
+def is_concrete(x: Any) -> bool:
+  """True when `x` holds values Python can read (not a tracer inside jit/vmap/grad)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _leaf_paths(tree: Any) -> list[tuple[str, Any]]:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(jax.tree_util.keystr(path) or "<root>", leaf) for path, leaf in leaves]
+
+
+def check_client_batches(batches: Any, name: str = "batches") -> None:
+  """Validates a `ClientBatches` at trace time.
+
+  Raises:
+    TypeError: `batches` is not a ClientBatches, or a field has the wrong dtype.
+    ValueError: a field has the wrong rank or a shape that disagrees with `mask`
+      `[C, S, B]`; or, when concrete, a weight is negative or not finite.
+  """
+  if not isinstance(batches, ClientBatches):
+    raise TypeError(f"{name} must be a fedjax_opt.ClientBatches, got {type(batches).__name__}.")
+  mask = batches.mask
+  if jnp.ndim(mask) != 3:
+    raise ValueError(
+        f"{name}.mask must have rank 3 [C, S, B] (clients, local steps, batch); "
+        f"got shape {tuple(jnp.shape(mask))}.")
+  if jnp.result_type(mask) != jnp.bool_:
+    raise TypeError(f"{name}.mask must be bool (True on real examples); got dtype {jnp.result_type(mask)}.")
+  c, s, b = jnp.shape(mask)
+  leaves = _leaf_paths(batches.data)
+  if not leaves:
+    raise ValueError(f"{name}.data holds no arrays.")
+  for path, leaf in leaves:
+    shape = tuple(jnp.shape(leaf))
+    if len(shape) < 3 or shape[:3] != (c, s, b):
+      raise ValueError(
+          f"{name}.data{path} must be shaped [C, S, B, ...] = ({c}, {s}, {b}, ...) to match "
+          f"{name}.mask; got shape {shape}.")
+  if tuple(jnp.shape(batches.weight)) != (c,):
+    raise ValueError(f"{name}.weight must have shape [C] = ({c},); got shape {tuple(jnp.shape(batches.weight))}.")
+  if not jnp.issubdtype(jnp.result_type(batches.weight), jnp.floating):
+    raise TypeError(f"{name}.weight must be a float array; got dtype {jnp.result_type(batches.weight)}.")
+  if tuple(jnp.shape(batches.client_id)) != (c,):
+    raise ValueError(
+        f"{name}.client_id must have shape [C] = ({c},); got shape {tuple(jnp.shape(batches.client_id))}.")
+  if not jnp.issubdtype(jnp.result_type(batches.client_id), jnp.integer):
+    raise TypeError(f"{name}.client_id must be an integer array; got dtype {jnp.result_type(batches.client_id)}.")
+  if is_concrete(batches.weight):
+    w = np.asarray(batches.weight)
+    if not np.all(np.isfinite(w)):
+      raise ValueError(f"{name}.weight must be finite; got {w}.")
+    if np.any(w < 0):
+      raise ValueError(f"{name}.weight must be non-negative (a client's sample count); got {w}.")
+  if is_concrete(batches.client_id):
+    ids = np.asarray(batches.client_id)
+    if np.any(ids < 0):
+      raise ValueError(f"{name}.client_id must be non-negative indices; got {ids}.")
+
+
+def check_per_example_loss(losses: Any, batch_size: int) -> None:
+  """Checks that a loss_fn returned one loss per example, `[B]`."""
+  shape = tuple(jnp.shape(losses))
+  if shape != (batch_size,):
+    hint = " (it returned a scalar: return per-example losses, the library masks and averages)" if not shape else ""
+    raise ValueError(
+        f"loss_fn must return per-example losses shaped [B] = ({batch_size},); got shape {shape}{hint}.")
+  if not jnp.issubdtype(jnp.result_type(losses), jnp.floating):
+    raise TypeError(f"loss_fn must return floating-point losses; got dtype {jnp.result_type(losses)}.")
+
+
+def check_positive(value: Any, name: str, *, allow_zero: bool = False) -> None:
+  """Raises ValueError if a concrete hyper-parameter is not > 0 (or >= 0)."""
+  if value is None or not is_concrete(value):
+    return
+  v = np.asarray(value)
+  bad = np.any(v < 0) if allow_zero else np.any(v <= 0)
+  if bad or not np.all(np.isfinite(v)):
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ValueError(f"{name} must be finite and {bound}; got {value}.")
+
+
+def check_in_range(value: Any, name: str, low: float, high: float, *, closed_high: bool = False) -> None:
+  """Raises ValueError if a concrete hyper-parameter is outside [low, high) (or [low, high])."""
+  if value is None or not is_concrete(value):
+    return
+  v = np.asarray(value)
+  ok = np.all(v >= low) and (np.all(v <= high) if closed_high else np.all(v < high))
+  if not ok:
+    right = "]" if closed_high else ")"
+    raise ValueError(f"{name} must lie in [{low}, {high}{right}; got {value}.")
