@@ -1,6 +1,13 @@
-"""fedjax_opt: federated optimization algorithms in JAX."""
+"""fedjax_opt: federated optimization algorithms in JAX.
 
-from fedjax_opt import core
+    import fedjax_opt as fo
+    algo = fo.algorithms.fedavg(loss_fn, optax.sgd(0.1), fo.server_optimizers.fedadam(0.01))
+    state = algo.init(params, jax.random.key(0))
+    state = jax.jit(algo.step)(state, batches)
+"""
+
+from fedjax_opt import aggregators, algorithms, core, server_optimizers
 from fedjax_opt.core import ClientBatches, FederatedAlgorithm
+from fedjax_opt.core import client_map
 
 __version__ = "0.1.0"

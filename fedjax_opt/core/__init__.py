@@ -1,4 +1,9 @@
 """Shared mechanics: the contracts, client mapping, local training, server-side aggregation."""
 
+from fedjax_opt.core import client_map, validation
+from fedjax_opt.core.client_map import map_clients
+from fedjax_opt.core.local import LocalResult, as_single_step, local_train, masked_mean_loss
+from fedjax_opt.core.server import (Aggregated, aggregate_updates, apply_server_update, initial_round_metrics,
+                                    round_metrics)
+from fedjax_opt.core.tree import global_norm, select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, ServerState
-from fedjax_opt.core import validation

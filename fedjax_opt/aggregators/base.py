@@ -1,0 +1,74 @@
+"""The aggregator seam: how stacked client updates become one server update.
+
+An `Aggregator` is a NamedTuple of two pure functions, like an optax
+transformation:
+
+* `init(params) -> state`
+* `aggregate(updates, weights, state, key) -> (update, state)`, where every
+  leaf of `updates` is stacked `[C, ...]` and `weights` is `[C]`.
+
+A weight of 0 marks a client that takes no part: padding clients, and clients
+whose update was non-finite (see `fedjax_opt.core.server.aggregate_updates`,
+which every averaging algorithm calls and which zeroes those before the
+aggregator sees them). Robust rules, compression with error feedback and
+differential-privacy noise are further aggregators behind the same seam.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+class Aggregator(NamedTuple):
+  """`init(params) -> state`; `aggregate(updates [C, ...], weights [C], state, key) -> (update, state)`."""
+
+  init: Callable[[PyTree], Any]
+  aggregate: Callable[[PyTree, jax.Array, Any, jax.Array], tuple[PyTree, Any]]
+
+
+def _stateless_init(params: PyTree) -> tuple:
+  del params
+  return ()
+
+
+def weighted_sum(updates: PyTree, coefficients: jax.Array) -> PyTree:
+  """Σ_c a_c u_c over the leading client axis of every leaf of `updates`."""
+  return jax.tree.map(lambda u: jnp.tensordot(coefficients.astype(u.dtype), u, axes=1), updates)
+
+
+def _normalized(w: jax.Array) -> jax.Array:
+  total = jnp.sum(w)
+  return jnp.where(total > 0, w / jnp.where(total > 0, total, 1), jnp.zeros_like(w))
+
+
+def weighted_mean() -> Aggregator:
+  """Δ = Σ_k n_k Δ_k / Σ_k n_k: FedAvg's average weighted by client sample counts n_k.
+
+  Returns zeros when every weight is 0.
+  """
+
+  def aggregate(updates, weights, state, key):
+    del key
+    return weighted_sum(updates, _normalized(weights)), state
+
+  return Aggregator(_stateless_init, aggregate)
+
+
+def mean() -> Aggregator:
+  """Δ = (1/|S|) Σ_{k∈S} Δ_k: the uniform average over clients taking part (weight > 0).
+
+  This is the form of Reddi et al.'s Algorithm 2 (FedOpt). Returns zeros when
+  no client takes part.
+  """
+
+  def aggregate(updates, weights, state, key):
+    del key
+    taking_part = (weights > 0).astype(weights.dtype)
+    return weighted_sum(updates, _normalized(taking_part)), state
+
+  return Aggregator(_stateless_init, aggregate)

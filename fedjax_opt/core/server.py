@@ -1,0 +1,117 @@
+"""Server-side mechanics shared by every averaging algorithm.
+
+* `aggregate_updates`: the non-finite guard around any aggregator. A client
+  whose update holds a NaN or Inf is dropped (its weight set to 0 and its
+  update to 0 before the aggregator sees it) and counted; a round where no
+  client is left is rejected: the update is 0 and the aggregator state is
+  kept. The model is never corrupted by one broken client.
+* `apply_server_update`: feeds the pseudo-gradient −Δ to an optax server
+  optimizer, x ← x + u with u = ServerOpt(−Δ); a rejected round leaves both
+  the model and the optimizer state unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_opt.aggregators.base import Aggregator
+from fedjax_opt.core.tree import global_norm, select_tree
+
+PyTree = Any
+
+
+class Aggregated(NamedTuple):
+  """Result of `aggregate_updates`.
+
+  Attributes:
+    update: the aggregate Δ (zeros when the round is rejected).
+    state: the aggregator's new state (the old one when rejected).
+    finite: `[C]` bool, the clients whose update was finite.
+    num_nonfinite: scalar int32, clients taking part whose update was dropped.
+    accepted: scalar bool, False when no client with a finite update took part.
+  """
+
+  update: PyTree
+  state: Any
+  finite: jax.Array
+  num_nonfinite: jax.Array
+  accepted: jax.Array
+
+
+def client_is_finite(updates: PyTree) -> jax.Array:
+  """`[C]` bool: True where every entry of client c's update is finite."""
+  per_leaf = [jnp.all(jnp.isfinite(u.reshape(u.shape[0], -1)), axis=1) for u in jax.tree.leaves(updates)]
+  return jnp.all(jnp.stack(per_leaf), axis=0)
+
+
+def aggregate_updates(aggregator: Aggregator, updates: PyTree, weights: jax.Array, state: Any, key: jax.Array) -> Aggregated:
+  """Aggregates stacked client updates `[C, ...]` with the non-finite guard."""
+  finite = client_is_finite(updates)
+  taking_part = weights > 0
+  w = jnp.where(finite, weights, jnp.zeros_like(weights))
+  clean = jax.tree.map(
+      lambda u: jnp.where(finite.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u)), updates)
+  update, new_state = aggregator.aggregate(clean, w, state, key)
+  accepted = jnp.any(w > 0) & jnp.all(client_is_finite(jax.tree.map(lambda u: u[None], update)))
+  update = jax.tree.map(lambda u: jnp.where(accepted, u, jnp.zeros_like(u)), update)
+  return Aggregated(
+      update=update,
+      state=select_tree(accepted, new_state, state),
+      finite=finite,
+      num_nonfinite=jnp.sum(taking_part & ~finite, dtype=jnp.int32),
+      accepted=accepted,
+  )
+
+
+def apply_server_update(optimizer: optax.GradientTransformation, params: PyTree, opt_state: Any, delta: PyTree,
+                        accepted: jax.Array) -> tuple[PyTree, Any]:
+  """x ← x + ServerOpt(−Δ); unchanged (model and optimizer state) when `accepted` is False."""
+  pseudo_gradient = jax.tree.map(jnp.negative, delta)
+  updates, new_opt_state = optimizer.update(pseudo_gradient, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  return select_tree(accepted, new_params, params), select_tree(accepted, new_opt_state, opt_state)
+
+
+ROUND_METRICS = {
+    "client_loss": jnp.float32,
+    "update_norm": jnp.float32,
+    "num_clients": jnp.int32,
+    "num_nonfinite": jnp.int32,
+    "num_examples": jnp.float32,
+    "round_accepted": jnp.bool_,
+}
+"""The diagnostics every averaging algorithm reports in `state.metrics` after a round.
+
+* client_loss: mean training loss over the examples of the aggregated clients
+  (each loss taken before the local step that used it);
+* update_norm: ‖Δ‖₂ of the aggregate;
+* num_clients: clients aggregated (weight > 0 and a finite update);
+* num_nonfinite: clients dropped because their update held NaN/Inf;
+* num_examples: examples the aggregated clients trained on;
+* round_accepted: False when no finite client took part (model unchanged).
+"""
+
+
+def initial_round_metrics() -> dict[str, jax.Array]:
+  """Zeros with the structure and dtypes of `round_metrics`, for `init` (so `step` scans)."""
+  return {name: jnp.zeros((), dtype) for name, dtype in ROUND_METRICS.items()}
+
+
+def round_metrics(loss: jax.Array, num_examples: jax.Array, weights: jax.Array, agg: Aggregated) -> dict[str, jax.Array]:
+  """Builds `ROUND_METRICS` from the clients' `[C]` losses and example counts and the aggregation result."""
+  used = (weights > 0) & agg.finite & agg.accepted
+  n = jnp.where(used, num_examples, 0)
+  safe_loss = jnp.where(used, loss, 0)
+  values = {
+      "client_loss": jnp.sum(n * safe_loss) / jnp.maximum(jnp.sum(n), 1),
+      "update_norm": global_norm(agg.update),
+      "num_clients": jnp.sum(used),
+      "num_nonfinite": agg.num_nonfinite,
+      "num_examples": jnp.sum(n),
+      "round_accepted": agg.accepted,
+  }
+  return {name: values[name].astype(dtype) for name, dtype in ROUND_METRICS.items()}

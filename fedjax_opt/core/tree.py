@@ -1,0 +1,23 @@
+"""Small pytree helpers used across core and the algorithms."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+PyTree = Any
+
+
+def select_tree(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
+  """Leaf-wise `jnp.where(pred, a, b)` over two pytrees of the same structure."""
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+  """‖tree‖₂ over all leaves."""
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return jnp.zeros(())
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in leaves))
