@@ -112,10 +112,9 @@ def scale_by_server_adaptivity(
     nu = jax.tree.map(lambda v, g: _second_moment(rule, v, jnp.square(g), b2), state.nu, updates)
     mu_hat, nu_hat = mu, nu
     if bias_correction:
-      t = count.astype(jnp.float32)
-      mu_hat = jax.tree.map(lambda m: m / (1 - b1**t), mu)
+      mu_hat = jax.tree.map(lambda m: m / (1 - b1**count.astype(m.dtype)), mu)
       if rule != "adagrad":
-        nu_hat = jax.tree.map(lambda v: v / (1 - b2**t), nu)
+        nu_hat = jax.tree.map(lambda v: v / (1 - b2**count.astype(v.dtype)), nu)
     out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + tau), mu_hat, nu_hat)
     return out, ServerAdaptivityState(count=count, mu=mu, nu=nu)
 

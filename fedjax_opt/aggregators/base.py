@@ -41,9 +41,15 @@ def weighted_sum(updates: PyTree, coefficients: jax.Array) -> PyTree:
   return jax.tree.map(lambda u: jnp.tensordot(coefficients.astype(u.dtype), u, axes=1), updates)
 
 
-def _normalized(w: jax.Array) -> jax.Array:
-  total = jnp.sum(w)
-  return jnp.where(total > 0, w / jnp.where(total > 0, total, 1), jnp.zeros_like(w))
+def normalized_sum(updates: PyTree, weights: jax.Array) -> PyTree:
+  """Σ_c w_c u_c / Σ_c w_c per leaf, in the leaf's dtype; zeros when Σ w = 0."""
+
+  def leaf(u):
+    w = weights.astype(u.dtype)
+    total = jnp.sum(w)
+    return jnp.where(total > 0, jnp.tensordot(w, u, axes=1) / jnp.where(total > 0, total, 1), jnp.zeros_like(u[0]))
+
+  return jax.tree.map(leaf, updates)
 
 
 def weighted_mean() -> Aggregator:
@@ -54,7 +60,7 @@ def weighted_mean() -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
-    return weighted_sum(updates, _normalized(weights)), state
+    return normalized_sum(updates, weights), state
 
   return Aggregator(_stateless_init, aggregate)
 
@@ -69,6 +75,6 @@ def mean() -> Aggregator:
   def aggregate(updates, weights, state, key):
     del key
     taking_part = (weights > 0).astype(weights.dtype)
-    return weighted_sum(updates, _normalized(taking_part)), state
+    return normalized_sum(updates, taking_part), state
 
   return Aggregator(_stateless_init, aggregate)

@@ -1,0 +1,89 @@
+"""Shared test helpers: NumPy packing of client data and float64 NumPy references."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fedjax_opt as fo
+
+
+def pack(clients, steps, batch, *, extra_steps=0, extra_slots=0, extra_clients=0, dtype=np.float32, weights=None):
+  """Packs `[(x_k [n_k, d], y_k [n_k])]` into ClientBatches, examples in order, step by step.
+
+  Client k's examples fill steps of `batch` real slots each (the last step may be
+  partial); `extra_steps` all-padding steps, `extra_slots` padding slots per step
+  and `extra_clients` zero-weight padding clients are added on top. Padding
+  holds arbitrary finite values, which must not matter.
+  """
+  n_clients = len(clients) + extra_clients
+  s_total, b_total = steps + extra_steps, batch + extra_slots
+  d = clients[0][0].shape[1]
+  rng = np.random.default_rng(12345)
+  x = rng.normal(size=(n_clients, s_total, b_total, d)).astype(dtype)
+  y_dtype = clients[0][1].dtype
+  y = np.zeros((n_clients, s_total, b_total), y_dtype)
+  mask = np.zeros((n_clients, s_total, b_total), bool)
+  for k, (xk, yk) in enumerate(clients):
+    n = len(xk)
+    assert n <= steps * batch
+    for i in range(n):
+      s, b = divmod(i, batch)
+      x[k, s, b], y[k, s, b], mask[k, s, b] = xk[i], yk[i], True
+  if weights is None:
+    weights = [len(xk) for xk, _ in clients]
+  w = np.zeros(n_clients, np.float32)
+  w[:len(clients)] = weights
+  return fo.ClientBatches(
+      data={"x": jnp.asarray(x), "y": jnp.asarray(y)},
+      mask=jnp.asarray(mask),
+      weight=jnp.asarray(w),
+      client_id=jnp.arange(n_clients, dtype=jnp.int32),
+  )
+
+
+def lsq_loss(params, batch):
+  """Per-example least squares ½(xᵀw + b − y)²."""
+  pred = batch["x"] @ params["w"] + params["b"]
+  return 0.5 * jnp.square(pred - batch["y"])
+
+
+def lsq_grad_np(w, b, x, y):
+  """float64 gradient of the mean least-squares loss."""
+  r = x @ w + b - y
+  return x.T @ r / len(y), np.mean(r)
+
+
+def softmax_loss(params, batch):
+  """Per-example multinomial logistic regression loss."""
+  logits = batch["x"] @ params["w"] + params["b"]
+  logz = jnp.log(jnp.sum(jnp.exp(logits - jnp.max(logits, -1, keepdims=True)), -1)) + jnp.max(logits, -1)
+  return logz - jnp.take_along_axis(logits, batch["y"][:, None], -1)[:, 0]
+
+
+def softmax_grad_np(w, b, x, y):
+  """float64 gradient of the mean softmax cross-entropy, written out by hand."""
+  logits = x @ w + b
+  p = np.exp(logits - logits.max(1, keepdims=True))
+  p /= p.sum(1, keepdims=True)
+  p[np.arange(len(y)), y] -= 1.0
+  return x.T @ p / len(y), p.mean(0)
+
+
+def make_clients(rng, sizes, d, kind="lsq", num_classes=3):
+  """Heterogeneous clients: each has its own input shift and its own target model."""
+  clients = []
+  for k, n in enumerate(sizes):
+    x = rng.normal(loc=0.3 * k, size=(n, d))
+    if kind == "lsq":
+      y = x @ rng.normal(size=d) + 0.1 * rng.normal(size=n)
+    else:
+      y = np.argmax(x @ rng.normal(size=(d, num_classes)), axis=1).astype(np.int32)
+    clients.append((x, y))
+  return clients
+
+
+@pytest.fixture
+def rng():
+  return np.random.default_rng(0)
