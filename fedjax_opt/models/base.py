@@ -19,6 +19,7 @@ weighting and per-example clipping stay exact.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import flax.linen as nn
@@ -151,7 +152,7 @@ def from_flax(module: nn.Module, input_shape: tuple[int, ...], *, name: Optional
     ValueError: the module's output is not `[B, K]`, or it has variables
       outside the `"params"` collection.
   """
-  input_shape = tuple(int(d) for d in input_shape)
+  input_shape = _check_input_shape(input_shape)
   dummy = jnp.zeros((1, *input_shape), input_dtype)
 
   def shapes() -> tuple[PyTree, jax.Array]:
@@ -176,16 +177,30 @@ def from_flax(module: nn.Module, input_shape: tuple[int, ...], *, name: Optional
   def apply(params: PyTree, x: jax.Array) -> jax.Array:
     return module.apply({"params": params}, x)
 
+  # Jitted so that eager use (notebooks, evaluation) compiles once instead of
+  # op by op; inside a caller's jit/vmap/grad the inner jit is inlined.
   return Model(
-      init=init,
-      apply=apply,
-      loss_fn=classification_loss(apply),
-      accuracy_fn=classification_accuracy(apply),
+      init=jax.jit(init),
+      apply=jax.jit(apply),
+      loss_fn=jax.jit(classification_loss(apply)),
+      accuracy_fn=jax.jit(classification_accuracy(apply)),
       name=name or type(module).__name__,
       input_shape=input_shape,
       num_classes=int(out.shape[1]),
       module=module,
   )
+
+
+def _check_input_shape(input_shape: Any) -> tuple[int, ...]:
+  """`input_shape` as a tuple of positive Python ints, or a TypeError naming it."""
+  try:
+    dims = tuple(operator.index(d) for d in input_shape)
+  except TypeError:
+    dims = None
+  if dims is None or not all(d > 0 for d in dims):
+    raise TypeError(f"input_shape must be a tuple of positive ints (one example, no batch axis), "
+                    f"e.g. (784,); got {input_shape!r}.")
+  return dims
 
 
 def count_params(params: PyTree) -> int:
