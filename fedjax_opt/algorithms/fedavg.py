@@ -26,97 +26,16 @@ Clients whose update is non-finite are dropped and counted (see
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import flax.struct
-import jax
-import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
-from fedjax_opt.core.local import LocalResult, as_single_step, local_train
-from fedjax_opt.core.server import aggregate_updates, apply_server_update, initial_round_metrics, round_metrics
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
-from fedjax_opt.core.validation import check_client_batches
+from fedjax_opt.core.averaging import FedAvgState, averaging_algorithm
+from fedjax_opt.core.local import as_single_step, local_train
+from fedjax_opt.core.types import FederatedAlgorithm, LossFn
+from fedjax_opt.core.validation import check_optimizer
 
-
-@flax.struct.dataclass
-class FedAvgState:
-  """Server state of FedSGD / FedAvg / FedOpt.
-
-  Attributes:
-    params: the global model x_t.
-    server_opt_state: the server optimizer's state (momentum, v_t, ...).
-    aggregator_state: the aggregator's state (e.g. error-feedback residuals).
-    round: t, the number of rounds applied, int32.
-    key: PRNG key, split once per round (aggregator randomness).
-    metrics: diagnostics of the last round, `core.server.ROUND_METRICS`.
-  """
-
-  params: PyTree
-  server_opt_state: Any
-  aggregator_state: Any
-  round: jax.Array
-  key: jax.Array
-  metrics: dict[str, jax.Array]
-
-
-def _check_optimizer(opt: Any, name: str) -> None:
-  if not (hasattr(opt, "init") and hasattr(opt, "update")):
-    raise TypeError(f"{name} must be an optax.GradientTransformation (with init and update); got {type(opt).__name__}.")
-
-
-def _check_key(key: Any) -> None:
-  if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-    return
-  if tuple(jnp.shape(key)) != (2,) or jnp.result_type(key) != jnp.uint32:
-    raise TypeError(f"key must be a PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)); got shape "
-                    f"{tuple(jnp.shape(key))} dtype {jnp.result_type(key)}.")
-
-
-def _averaging_algorithm(
-    client_update: Callable[[PyTree, PyTree, jax.Array], LocalResult],
-    server_optimizer: optax.GradientTransformation,
-    aggregator: aggregators_lib.Aggregator | None,
-    client_map: client_map_lib.ClientMap | str | None,
-) -> FederatedAlgorithm:
-  """Builds init/step around `client_update(params, data [S,B,...], mask [S,B]) -> LocalResult`."""
-  _check_optimizer(server_optimizer, "server_optimizer")
-  aggregator = aggregators_lib.weighted_mean() if aggregator is None else aggregator
-  if not isinstance(aggregator, aggregators_lib.Aggregator):
-    raise TypeError(f"aggregator must be a fedjax_opt.aggregators.Aggregator; got {type(aggregator).__name__}.")
-  mode = client_map_lib.resolve(client_map)
-
-  def init(params: PyTree, key: jax.Array) -> FedAvgState:
-    _check_key(key)
-    return FedAvgState(
-        params=params,
-        server_opt_state=server_optimizer.init(params),
-        aggregator_state=aggregator.init(params),
-        round=jnp.zeros((), jnp.int32),
-        key=key,
-        metrics=initial_round_metrics(),
-    )
-
-  def step(state: FedAvgState, batches: ClientBatches) -> FedAvgState:
-    check_client_batches(batches)
-    key, agg_key = jax.random.split(state.key)
-    results = client_map_lib.map_clients(
-        mode, lambda params, client: client_update(params, *client), state.params, (batches.data, batches.mask))
-    agg = aggregate_updates(aggregator, results.delta, batches.weight, state.aggregator_state, agg_key)
-    params, server_opt_state = apply_server_update(
-        server_optimizer, state.params, state.server_opt_state, agg.update, agg.accepted)
-    return FedAvgState(
-        params=params,
-        server_opt_state=server_opt_state,
-        aggregator_state=agg.state,
-        round=state.round + 1,
-        key=key,
-        metrics=round_metrics(results.loss, results.num_examples, batches.weight, agg),
-    )
-
-  return FederatedAlgorithm(init, step)
+__all__ = ["FedAvgState", "fedavg", "fedsgd"]
 
 
 def fedavg(
@@ -149,13 +68,13 @@ def fedavg(
   """
   if not callable(loss_fn):
     raise TypeError(f"loss_fn must be callable loss_fn(params, batch) -> [B]; got {type(loss_fn).__name__}.")
-  _check_optimizer(client_optimizer, "client_optimizer")
+  check_optimizer(client_optimizer, "client_optimizer")
   server_optimizer = optax.sgd(1.0) if server_optimizer is None else server_optimizer
 
   def client_update(params, data, mask):
     return local_train(loss_fn, client_optimizer, params, data, mask, unroll=unroll)
 
-  return _averaging_algorithm(client_update, server_optimizer, aggregator, client_map)
+  return averaging_algorithm(client_update, server_optimizer, aggregator, client_map)
 
 
 def fedsgd(
@@ -188,4 +107,4 @@ def fedsgd(
   def client_update(params, data, mask):
     return local_train(loss_fn, one_gradient, params, *as_single_step(data, mask))
 
-  return _averaging_algorithm(client_update, server_optimizer, aggregator, client_map)
+  return averaging_algorithm(client_update, server_optimizer, aggregator, client_map)

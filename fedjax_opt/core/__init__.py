@@ -7,3 +7,4 @@ from fedjax_opt.core.server import (Aggregated, aggregate_updates, apply_server_
                                     round_metrics)
 from fedjax_opt.core.tree import global_norm, select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, ServerState
+from fedjax_opt.core.averaging import FedAvgState, averaging_algorithm

@@ -106,3 +106,16 @@ def check_in_range(value: Any, name: str, low: float, high: float, *, closed_hig
   if not ok:
     right = "]" if closed_high else ")"
     raise ValueError(f"{name} must lie in [{low}, {high}{right}; got {value}.")
+
+
+def check_optimizer(opt: Any, name: str) -> None:
+  if not (hasattr(opt, "init") and hasattr(opt, "update")):
+    raise TypeError(f"{name} must be an optax.GradientTransformation (with init and update); got {type(opt).__name__}.")
+
+
+def check_key(key: Any) -> None:
+  if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+    return
+  if tuple(jnp.shape(key)) != (2,) or jnp.result_type(key) != jnp.uint32:
+    raise TypeError(f"key must be a PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)); got shape "
+                    f"{tuple(jnp.shape(key))} dtype {jnp.result_type(key)}.")
