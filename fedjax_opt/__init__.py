@@ -6,8 +6,9 @@
     state = jax.jit(algo.step)(state, batches)
 """
 
-from fedjax_opt import aggregators, algorithms, core, models, server_optimizers
+from fedjax_opt import aggregators, algorithms, core, data, evaluate, models, server_optimizers
 from fedjax_opt.core import ClientBatches, FederatedAlgorithm
 from fedjax_opt.core import client_map
+from fedjax_opt.train import History, train
 
 __version__ = "0.1.0"

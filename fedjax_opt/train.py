@@ -1,0 +1,365 @@
+"""The training driver: rounds as compiled chunks, evaluation, progress, history, checkpoints.
+
+`train(algorithm, state, dataset, rounds, ...)` runs any `FederatedAlgorithm`:
+
+* Rounds run in chunks of `eval_every`: one jitted `lax.scan` per chunk, whose
+  body draws the round's clients and batches with `fedjax_opt.data.sample_round`
+  and applies `algorithm.step`. Nothing returns to Python inside a chunk.
+  Chunks end on multiples of `eval_every` (counted from round 0), so a resumed
+  run executes exactly the same chunks as an uninterrupted one.
+* The data of round r are drawn with the key `fold_in(key(seed), r)`, and the
+  algorithm's own randomness lives in `state.key`, so a run is a deterministic
+  function of (state, dataset, seed) whatever the chunking: resuming from a
+  checkpoint gives the bit-for-bit final state of an uninterrupted run.
+* Between chunks: evaluation of the model (`eval_params(state)`, default
+  `state.params`) on every client's test split, on a centralized test set when
+  the dataset has one, and on held-out clients when given; a progress line or
+  bar; the `History`; and, every `checkpoint_every` chunks and at the end, an
+  orbax checkpoint of the state and the history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_opt import evaluate as evaluate_lib
+from fedjax_opt.core.types import FederatedAlgorithm
+from fedjax_opt.data.dataset import FederatedDataset
+from fedjax_opt.data.sampling import sample_round
+
+PyTree = Any
+
+
+@dataclasses.dataclass
+class History:
+  """What happened during a run, as host arrays (JSON-serializable through `to_dict`).
+
+  Attributes:
+    round_metrics: `{name: [R]}`, `state.metrics` after each round 1 … R.
+    evals: one dict per evaluation: `{"round": r, "seconds": training time so far, metric: value, ...}`.
+    train_seconds: seconds spent running rounds (compilation excluded).
+    compile_seconds: seconds spent compiling chunks and evaluation.
+  """
+
+  round_metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  evals: list[dict[str, float]] = dataclasses.field(default_factory=list)
+  train_seconds: float = 0.0
+  compile_seconds: float = 0.0
+
+  @property
+  def num_rounds(self) -> int:
+    return len(next(iter(self.round_metrics.values()))) if self.round_metrics else 0
+
+  @property
+  def rounds_per_second(self) -> float:
+    return self.num_rounds / self.train_seconds if self.train_seconds > 0 else float("nan")
+
+  def eval_series(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(rounds, values) of an evaluated metric, e.g. `eval_series("test_accuracy")`."""
+    points = [(e["round"], e[name]) for e in self.evals if name in e]
+    if not points:
+      raise KeyError(f"no evaluation recorded {name!r}; recorded: {sorted(self.last_eval)}.")
+    r, v = zip(*points)
+    return np.asarray(r), np.asarray(v)
+
+  @property
+  def last_eval(self) -> dict[str, float]:
+    return self.evals[-1] if self.evals else {}
+
+  def append_rounds(self, metrics: Mapping[str, np.ndarray]) -> None:
+    for name, values in metrics.items():
+      values = np.asarray(values)
+      old = self.round_metrics.get(name)
+      self.round_metrics[name] = values if old is None else np.concatenate([old, values])
+
+  def to_dict(self) -> dict:
+    return {
+        "round_metrics": {k: v.tolist() for k, v in self.round_metrics.items()},
+        "evals": self.evals,
+        "train_seconds": self.train_seconds,
+        "compile_seconds": self.compile_seconds,
+    }
+
+  @classmethod
+  def from_dict(cls, d: Mapping) -> "History":
+    return cls(
+        round_metrics={k: np.asarray(v) for k, v in d["round_metrics"].items()},
+        evals=[dict(e) for e in d["evals"]],
+        train_seconds=float(d["train_seconds"]),
+        compile_seconds=float(d["compile_seconds"]),
+    )
+
+  def save_json(self, path: str) -> None:
+    with open(path, "w") as f:
+      json.dump(self.to_dict(), f)
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------------------
+
+
+def _is_typed_key(x: Any) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _to_raw(state: PyTree) -> PyTree:
+  """Typed PRNG keys -> their uint32 data (what a checkpoint can store)."""
+  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_typed_key(x) else x, state)
+
+
+def _from_raw(raw: PyTree, template: PyTree) -> PyTree:
+  return jax.tree.map(
+      lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_typed_key(t) else r, raw, template)
+
+
+class Checkpointer:
+  """Saves and restores (state, history) with orbax, keeping the last `max_to_keep` checkpoints.
+
+  Steps are round numbers. Used by `train`; usable on its own.
+  """
+
+  def __init__(self, directory: str, max_to_keep: int = 2):
+    import orbax.checkpoint as ocp  # a dependency of the driver only, not of `import fedjax_opt`
+
+    self._ocp = ocp
+    self.directory = os.path.abspath(directory)
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+
+  def latest_round(self) -> int | None:
+    return self._manager.latest_step()
+
+  def save(self, state: PyTree, history: History) -> None:
+    ocp = self._ocp
+    step = int(state.round)
+    if step in self._manager.all_steps():
+      return
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_to_raw(state)), history=ocp.args.JsonSave(history.to_dict())))
+    self._manager.wait_until_finished()
+
+  def restore(self, template: PyTree) -> tuple[PyTree, History] | None:
+    """The latest (state, history), with `template`'s structure (e.g. `algorithm.init(...)`); None if none."""
+    ocp = self._ocp
+    step = self._manager.latest_step()
+    if step is None:
+      return None
+    raw_template = _to_raw(template)
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(raw_template), history=ocp.args.JsonRestore()))
+    return _from_raw(restored["state"], template), History.from_dict(restored["history"])
+
+
+# ---- progress --------------------------------------------------------------------------------------------------
+
+
+class _Progress:
+  """A rich progress bar on a terminal, one line per chunk elsewhere (logs, CI, notebooks)."""
+
+  def __init__(self, enabled: bool, total: int, start: int, label: str):
+    self.enabled, self.total, self.label = enabled, total, label
+    self._bar = None
+    if enabled and sys.stdout.isatty():
+      try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+      except ImportError:
+        pass
+      else:
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                             TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+        self._bar.start()
+        self._task = self._bar.add_task(label, total=total, completed=start, info="")
+
+  def update(self, round_: int, info: str) -> None:
+    if not self.enabled:
+      return
+    if self._bar is not None:
+      self._bar.update(self._task, completed=round_, info=info)
+    else:
+      print(f"[{self.label}] round {round_}/{self.total} | {info}", flush=True)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.stop()
+
+
+def _format(metrics: Mapping[str, float], rate: float) -> str:
+  parts = [f"{rate:,.1f} rounds/s"]
+  for key in ("train_loss", "test_loss", "test_accuracy", "central_accuracy"):
+    if key in metrics:
+      parts.append(f"{key} {metrics[key]:.4f}")
+  return " | ".join(parts)
+
+
+# ---- the driver ------------------------------------------------------------------------------------------------
+
+_COMPILED: dict[Any, Any] = {}
+_COMPILED_MAX = 32
+
+
+def _signature(tree: PyTree) -> tuple:
+  """Hashable abstract signature: tree structure (static fields included), shapes and dtypes."""
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def _compiled(key: Any, fn: Callable, args: tuple, history: "History", static_argnums=()) -> Any:
+  """AOT-compiles `fn` for `args` once per process and key; compile time goes to the history."""
+  if key not in _COMPILED:
+    t0 = time.perf_counter()
+    if len(_COMPILED) >= _COMPILED_MAX:
+      _COMPILED.pop(next(iter(_COMPILED)))
+    _COMPILED[key] = jax.jit(fn, static_argnums=static_argnums).lower(*args).compile()
+    history.compile_seconds += time.perf_counter() - t0
+  return _COMPILED[key]
+
+
+def _default_eval_params(state: PyTree) -> PyTree:
+  return state.params
+
+
+
+def _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, checkpoint_every):
+  if not isinstance(algorithm, FederatedAlgorithm):
+    raise TypeError(f"algorithm must be a fedjax_opt.FederatedAlgorithm; got {type(algorithm).__name__}.")
+  if not isinstance(dataset, FederatedDataset):
+    raise TypeError(f"dataset must be a fedjax_opt.data.FederatedDataset; got {type(dataset).__name__}.")
+  for name, v in (("rounds", rounds), ("clients_per_round", clients_per_round), ("eval_every", eval_every),
+                  ("checkpoint_every", checkpoint_every)):
+    if not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{name} must be a positive int; got {v!r}.")
+  if clients_per_round > dataset.num_clients:
+    raise ValueError(f"clients_per_round={clients_per_round} exceeds the dataset's {dataset.num_clients} clients.")
+
+
+def train(
+    algorithm: FederatedAlgorithm,
+    state: PyTree,
+    dataset: FederatedDataset,
+    rounds: int,
+    *,
+    clients_per_round: int,
+    batch_size: int,
+    local_steps: int | None = None,
+    local_epochs: int | None = None,
+    client_sampling: str = "uniform",
+    eval_every: int = 10,
+    metric_fns: Mapping[str, evaluate_lib.MetricFn] | None = None,
+    eval_params: Callable[[PyTree], PyTree] | None = None,
+    holdout: FederatedDataset | None = None,
+    eval_batch_size: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+    label: str = "train",
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 1,
+    resume: bool | str = False,
+) -> tuple[PyTree, History]:
+  """Runs `algorithm` from `state` until `state.round == rounds`.
+
+  Args:
+    algorithm: any `FederatedAlgorithm`.
+    state: its state, e.g. `algorithm.init(params, key)`; with `resume`, the
+      template the checkpoint is restored into.
+    dataset: a packed `FederatedDataset` (train split sampled, test split evaluated).
+    rounds: the round to stop at (a total, so resuming does not add rounds).
+    clients_per_round, batch_size, local_steps, local_epochs, client_sampling:
+      passed to `fedjax_opt.data.sample_round` each round.
+    eval_every: rounds per compiled chunk; evaluation and progress between chunks.
+    metric_fns: `{name: fn(params, batch) -> [B]}` evaluated between chunks,
+      e.g. `{"loss": model.loss_fn, "accuracy": model.accuracy_fn}`; recorded as
+      `test_<name>` (clients' test splits, example-weighted),
+      `test_<name>_client_mean`, `central_<name>` (the dataset's centralized
+      test set, if any) and `holdout_<name>` (all examples of `holdout`).
+    eval_params: `state -> params` to evaluate (default `state.params`); for
+      algorithms whose served model is not `state.params`.
+    holdout: clients that never train, evaluated on all their examples.
+    eval_batch_size: example slots per evaluation step.
+    seed: seeds the data sampling; round r uses `fold_in(key(seed), r)`.
+    progress: print progress (a bar on a terminal, lines otherwise).
+    label: the run's name in progress output.
+    checkpoint_dir: where orbax checkpoints go (None: no checkpoints).
+    checkpoint_every: chunks between checkpoints (and one at the end).
+    resume: True to continue from the latest checkpoint in `checkpoint_dir`, or
+      a directory to resume from (and keep checkpointing to). Starts from
+      `state` when no checkpoint exists.
+
+  Returns:
+    (final state, `History`).
+  """
+  _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, checkpoint_every)
+  if isinstance(resume, str):
+    checkpoint_dir = checkpoint_dir or resume
+  checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
+  history = History()
+  if resume:
+    if checkpointer is None:
+      raise ValueError("resume=True needs checkpoint_dir (or pass resume=<directory>).")
+    restored = checkpointer.restore(state)
+    if restored is not None:
+      state, history = restored
+  eval_params = eval_params or _default_eval_params
+  sample_kwargs = dict(clients_per_round=clients_per_round, local_steps=local_steps, batch_size=batch_size,
+                       local_epochs=local_epochs, client_sampling=client_sampling)
+  data_key = jax.random.key(seed)
+
+  def run_chunk(state, dataset, length):
+    def body(s, _):
+      batches = sample_round(jax.random.fold_in(data_key, s.round), dataset, **sample_kwargs)
+      s = algorithm.step(s, batches)
+      return s, s.metrics
+
+    return jax.lax.scan(body, state, None, length=length)
+
+  def run_eval(params, dataset, holdout):
+    out = {}
+    if metric_fns:
+      out.update({f"test_{k}": v for k, v in evaluate_lib.global_model(
+          params, dataset, metric_fns, split="test", batch_size=eval_batch_size).items()})
+      if dataset.central_test is not None:
+        out.update({f"central_{k}": v for k, v in evaluate_lib.centralized(
+            params, dataset.central_test, metric_fns).items()})
+      if holdout is not None:
+        out.update({f"holdout_{k}": v for k, v in evaluate_lib.global_model(
+            params, holdout, metric_fns, split="train", batch_size=eval_batch_size).items()})
+    return out
+
+  run_key = (algorithm, tuple(sorted(sample_kwargs.items())), seed)
+  eval_key = (tuple(sorted((metric_fns or {}).items())), eval_params, eval_batch_size)
+  start_round = int(state.round)
+  bar = _Progress(progress, rounds, start_round, label)
+  chunks_done = 0
+  try:
+    while int(state.round) < rounds:
+      current = int(state.round)
+      length = min(rounds, (current // eval_every + 1) * eval_every) - current
+      chunk = _compiled(("chunk", run_key, length, _signature((state, dataset))), run_chunk,
+                        (state, dataset, length), history, static_argnums=2)
+      t0 = time.perf_counter()
+      state, metrics = chunk(state, dataset)
+      metrics = jax.device_get(metrics)
+      elapsed = time.perf_counter() - t0
+      history.train_seconds += elapsed
+      history.append_rounds(metrics)
+      point = {"round": int(state.round), "seconds": history.train_seconds,
+               "train_loss": float(np.mean(metrics["client_loss"])) if "client_loss" in metrics else float("nan")}
+      if metric_fns:
+        args = (eval_params(state), dataset, holdout)
+        evaluator = _compiled(("eval", eval_key, _signature(args)), run_eval, args, history)
+        point.update({k: float(v) for k, v in evaluator(*args).items()})
+      history.evals.append(point)
+      bar.update(int(state.round), _format(point, length / max(elapsed, 1e-9)))
+      chunks_done += 1
+      if checkpointer is not None and (chunks_done % checkpoint_every == 0 or int(state.round) >= rounds):
+        checkpointer.save(state, history)
+  finally:
+    bar.close()
+  return state, history

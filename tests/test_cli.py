@@ -1,0 +1,85 @@
+"""`fedjax-opt` as a user runs it: a subprocess, exit codes, one-line errors, files written."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "fedjax_opt.cli"]
+
+
+def run_cli(*args, cwd=None):
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["run", "--algorithms", "fedfoo"], "unknown algorithm 'fedfoo'; choose from fedsgd, fedavg"),
+    (["run", "--dataset", "cifar10"], "unknown dataset 'cifar10'; choose from digits, mnist5k"),
+    (["run", "--clients-per-round", "200"], "clients_per_round=200 exceeds num_clients=100"),
+    (["run", "--client-lr", "0"], "--client-lr must be a positive number; got '0'"),
+    (["run", "--server-lr", "-1"], "--server-lr must be a positive number; got '-1'"),
+    (["run", "--alpha", "0"], "--alpha must be a positive number; got '0'"),
+    (["run", "--partition", "zipf"], "unknown partition 'zipf'; choose from iid, dirichlet"),
+    (["run", "--rounds", "ten"], "--rounds must be a positive integer; got 'ten'"),
+    (["run", "--config", "/nonexistent/exp.toml"], "cannot read config '/nonexistent/exp.toml'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle):
+  result = run_cli(*args)
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert needle in lines[0]
+  assert "Traceback" not in result.stderr
+
+
+def test_bad_config_values_exit_2(tmp_path):
+  bad_toml = tmp_path / "bad.toml"
+  bad_toml.write_text("rounds = [\n")
+  assert "is not valid TOML" in run_cli("run", "--config", str(bad_toml)).stderr
+  unknown = tmp_path / "unknown.toml"
+  unknown.write_text("learning_rate = 0.1\n")
+  result = run_cli("run", "--config", str(unknown))
+  assert result.returncode == 2 and "unknown key(s) ['learning_rate']" in result.stderr
+  negative = tmp_path / "neg.toml"
+  negative.write_text("alpha = -0.5\n")
+  result = run_cli("run", "--config", str(negative))
+  assert result.returncode == 2 and "alpha must be a positive number; got -0.5" in result.stderr
+
+
+def test_list_names_every_choice():
+  result = run_cli("list")
+  assert result.returncode == 0
+  for name in ("fedavg", "fedadam", "fedyogi", "mnist5k", "digits", "synthetic_1_1", "dirichlet", "shards", "cnn"):
+    assert name in result.stdout
+
+
+def test_small_run_from_a_config_file_writes_results(tmp_path):
+  """A short run on digits from TOML: progress, a results table, history, config and two PNG plots."""
+  config = tmp_path / "exp.toml"
+  config.write_text('algorithms = ["fedavg", "fedyogi"]\ndataset = "digits"\nnum_clients = 20\nrounds = 30\n'
+                    'eval_every = 10\nclients_per_round = 5\nlocal_steps = 5\nbatch_size = 16\nclient_lr = 0.1\n')
+  out = tmp_path / "out"
+  result = run_cli("run", "--config", str(config), "--out", str(out), "--rounds", "20")  # the flag wins over the file
+  assert result.returncode == 0, result.stderr
+  assert "[fedyogi] round 20/20" in result.stdout
+  assert "algorithm" in result.stdout and "rounds/s" in result.stdout
+  for name in ("config.json", "history.json", "results.json", "accuracy.png", "loss.png"):
+    assert (out / name).stat().st_size > 0
+  results = json.loads((out / "results.json").read_text())
+  assert [r["algorithm"] for r in results] == ["fedavg", "fedyogi"]
+  assert all(r["rounds"] == 20 for r in results)
+  # Digits with 20 rounds of FedAvg is well above chance (10%).
+  assert results[0]["test_accuracy"] > 0.5
+  history = json.loads((out / "history.json").read_text())
+  assert len(history["fedavg"]["round_metrics"]["client_loss"]) == 20
+  assert json.loads((out / "config.json").read_text())["rounds"] == 20
+
+  # --resume with a larger budget continues from the checkpoints instead of starting over.
+  again = run_cli("run", "--config", str(config), "--out", str(out), "--rounds", "30", "--resume", "--quiet")
+  assert again.returncode == 0, again.stderr
+  history = json.loads((out / "history.json").read_text())
+  assert len(history["fedavg"]["round_metrics"]["client_loss"]) == 30

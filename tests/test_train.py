@@ -1,0 +1,124 @@
+"""The driver: chunked scans equal round-by-round steps, bit-for-bit resume, evaluation against NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt.train import Checkpointer, History, _to_raw, train
+
+
+@pytest.fixture(scope="module")
+def setup():
+  dataset = fo.data.load("synthetic_1_1", seed=0)
+  model = fo.models.logistic_regression(60, 10)
+  algo = fo.algorithms.fedavg(model.loss_fn, optax.sgd(0.05), fo.server_optimizers.fedadam(0.01))
+  params = jax.tree.map(lambda p: p + 0.01, model.init(jax.random.key(0)))
+  return dataset, model, algo, params
+
+
+KW = dict(clients_per_round=5, local_steps=4, batch_size=10)
+
+
+def _assert_same_state(a, b):
+  for x, y in zip(jax.tree.leaves(_to_raw(a)), jax.tree.leaves(_to_raw(b))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_chunked_scan_equals_round_by_round_steps(setup):
+  dataset, _, algo, params = setup
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 12, eval_every=5, progress=False,
+                         seed=3, **KW)
+  step = jax.jit(algo.step)
+  sample = jax.jit(fo.data.sample_round, static_argnames=("clients_per_round", "local_steps", "batch_size"))
+  ref = algo.init(params, jax.random.key(1))
+  losses = []
+  for r in range(12):
+    ref = step(ref, sample(jax.random.fold_in(jax.random.key(3), r), dataset, **KW))
+    losses.append(float(ref.metrics["client_loss"]))
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  assert int(state.round) == 12
+  np.testing.assert_allclose(history.round_metrics["client_loss"], losses, rtol=1e-5)
+  assert [e["round"] for e in history.evals] == [5, 10, 12]
+
+
+def test_resume_is_bit_for_bit(setup, tmp_path):
+  """2k rounds in one go == k rounds, stop, resume from the checkpoint, k more."""
+  dataset, model, algo, params = setup
+  fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
+  init = algo.init(params, jax.random.key(1))
+  full, full_history = train(algo, init, dataset, 14, eval_every=3, metric_fns=fns, progress=False, **KW)
+  train(algo, init, dataset, 7, eval_every=3, metric_fns=fns, progress=False, checkpoint_dir=str(tmp_path), **KW)
+  assert Checkpointer(str(tmp_path)).latest_round() == 7
+  resumed, history = train(algo, algo.init(params, jax.random.key(99)), dataset, 14, eval_every=3, metric_fns=fns,
+                           progress=False, resume=str(tmp_path), **KW)
+  _assert_same_state(full, resumed)
+  np.testing.assert_array_equal(history.round_metrics["client_loss"], full_history.round_metrics["client_loss"])
+  # The resumed history also holds the evaluation made where the first run stopped (round 7).
+  assert [e["round"] for e in history.evals] == [3, 6, 7, 9, 12, 14]
+  by_round = {e["round"]: e for e in history.evals}
+  for e in full_history.evals:
+    assert by_round[e["round"]]["test_accuracy"] == e["test_accuracy"]
+
+
+def test_resume_without_checkpoint_starts_fresh(setup, tmp_path):
+  dataset, _, algo, params = setup
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 3, progress=False,
+                         checkpoint_dir=str(tmp_path), resume=True, **KW)
+  assert int(state.round) == 3 and history.num_rounds == 3
+
+
+def test_evaluation_matches_numpy(setup):
+  """test_accuracy / test_loss equal a NumPy evaluation of the final model on every client's test examples."""
+  dataset, model, algo, params = setup
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 10, eval_every=10, progress=False,
+                         metric_fns={"loss": model.loss_fn, "accuracy": model.accuracy_fn}, **KW)
+  leaves = jax.tree.leaves(state.params)
+  kernel = np.asarray([l for l in leaves if l.ndim == 2][0], np.float64)
+  bias = np.asarray([l for l in leaves if l.ndim == 1][0], np.float64)
+  per_client = fo.data.unpack(dataset, "test")
+  accs, losses, client_accs = [], [], []
+  for c in per_client:
+    if len(c["y"]) == 0:
+      continue
+    logits = c["x"].reshape(len(c["y"]), -1) @ kernel + bias
+    logz = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    loss = logz - logits[np.arange(len(c["y"])), c["y"]]
+    acc = (logits.argmax(1) == c["y"]).astype(float)
+    accs.append(acc)
+    losses.append(loss)
+    client_accs.append(acc.mean())
+  last = history.last_eval
+  np.testing.assert_allclose(last["test_accuracy"], np.concatenate(accs).mean(), rtol=1e-6)
+  np.testing.assert_allclose(last["test_loss"], np.concatenate(losses).mean(), rtol=1e-4)
+  np.testing.assert_allclose(last["test_accuracy_client_mean"], np.mean(client_accs), rtol=1e-5)
+
+
+def test_history_round_trips_json(setup, tmp_path):
+  dataset, model, algo, params = setup
+  _, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 4, eval_every=2, progress=False,
+                     metric_fns={"accuracy": model.accuracy_fn}, **KW)
+  path = tmp_path / "h.json"
+  history.save_json(str(path))
+  import json
+  again = History.from_dict(json.loads(path.read_text()))
+  np.testing.assert_array_equal(again.round_metrics["client_loss"], history.round_metrics["client_loss"])
+  assert again.evals == history.evals
+  rounds, values = again.eval_series("test_accuracy")
+  assert list(rounds) == [2, 4] and values.shape == (2,)
+
+
+def test_bad_arguments(setup):
+  dataset, _, algo, params = setup
+  state = algo.init(params, jax.random.key(1))
+  with pytest.raises(ValueError, match="clients_per_round=31 exceeds the dataset's 30 clients"):
+    train(algo, state, dataset, 3, clients_per_round=31, local_steps=2, batch_size=5, progress=False)
+  with pytest.raises(ValueError, match="rounds must be a positive int"):
+    train(algo, state, dataset, 0, progress=False, **KW)
+  with pytest.raises(TypeError, match="algorithm must be a fedjax_opt.FederatedAlgorithm"):
+    train(algo.step, state, dataset, 3, progress=False, **KW)
+  with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
+    train(algo, state, dataset, 3, progress=False, resume=True, **KW)
