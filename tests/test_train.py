@@ -122,3 +122,33 @@ def test_bad_arguments(setup):
     train(algo.step, state, dataset, 3, progress=False, **KW)
   with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
     train(algo, state, dataset, 3, progress=False, resume=True, **KW)
+
+
+def _numpy_accuracy(params, x, y):
+  leaves = jax.tree.leaves(params)
+  kernel = np.asarray([l for l in leaves if l.ndim == 2][0], np.float64)
+  bias = np.asarray([l for l in leaves if l.ndim == 1][0], np.float64)
+  return float(np.mean((x.reshape(len(y), -1) @ kernel + bias).argmax(1) == y))
+
+
+def test_central_test_set_and_holdout_clients_are_evaluated(tmp_path):
+  """central_<m> covers the dataset's centralized test set; holdout_<m> every example of the held-out clients."""
+  rng = np.random.default_rng(0)
+  make = lambda n: {"x": rng.normal(size=(n, 6)).astype(np.float32), "y": rng.integers(0, 3, n).astype(np.int32)}
+  clients = [make(n) for n in (12, 7, 20, 9)]
+  central = make(50)
+  held_out = [make(n) for n in (5, 11)]
+  dataset = fo.data.pack(clients, test_fraction=0.25, central_test=central, num_classes=3)
+  holdout = fo.data.pack(held_out, num_classes=3)
+  model = fo.models.logistic_regression(6, 3)
+  algo = fo.algorithms.fedavg(model.loss_fn, optax.sgd(0.1))
+  state, history = train(algo, algo.init(model.init(jax.random.key(0)), jax.random.key(1)), dataset, 6,
+                         clients_per_round=2, local_steps=2, batch_size=4, eval_every=3, progress=False,
+                         metric_fns={"accuracy": model.accuracy_fn}, holdout=holdout)
+  last = history.last_eval
+  np.testing.assert_allclose(last["central_accuracy"], _numpy_accuracy(state.params, central["x"], central["y"]),
+                             rtol=1e-6)
+  hx = np.concatenate([c["x"] for c in held_out])
+  hy = np.concatenate([c["y"] for c in held_out])
+  np.testing.assert_allclose(last["holdout_accuracy"], _numpy_accuracy(state.params, hx, hy), rtol=1e-6)
+  assert "test_accuracy" in last and "test_accuracy_client_mean" in last
