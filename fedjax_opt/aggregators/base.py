@@ -78,3 +78,11 @@ def mean() -> Aggregator:
     return normalized_sum(updates, taking_part), state
 
   return Aggregator(_stateless_init, aggregate)
+
+
+def resolve(aggregator: Aggregator | None, default: Callable[[], Aggregator]) -> Aggregator:
+  """`aggregator`, or `default()` when None; TypeError for anything that is not an `Aggregator`."""
+  aggregator = default() if aggregator is None else aggregator
+  if not isinstance(aggregator, Aggregator):
+    raise TypeError(f"aggregator must be a fedjax_opt.aggregators.Aggregator; got {type(aggregator).__name__}.")
+  return aggregator

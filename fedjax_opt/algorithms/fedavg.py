@@ -33,7 +33,7 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.averaging import FedAvgState, averaging_algorithm
 from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.types import FederatedAlgorithm, LossFn
-from fedjax_opt.core.validation import check_optimizer
+from fedjax_opt.core.validation import check_loss_fn, check_optimizer
 
 __all__ = ["FedAvgState", "fedavg", "fedsgd"]
 
@@ -66,8 +66,7 @@ def fedavg(
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
   """
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn must be callable loss_fn(params, batch) -> [B]; got {type(loss_fn).__name__}.")
+  check_loss_fn(loss_fn)
   check_optimizer(client_optimizer, "client_optimizer")
   server_optimizer = optax.sgd(1.0) if server_optimizer is None else server_optimizer
 
@@ -100,8 +99,7 @@ def fedsgd(
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
   """
-  if not callable(loss_fn):
-    raise TypeError(f"loss_fn must be callable loss_fn(params, batch) -> [B]; got {type(loss_fn).__name__}.")
+  check_loss_fn(loss_fn)
   one_gradient = optax.sgd(1.0)
 
   def client_update(params, data, mask):

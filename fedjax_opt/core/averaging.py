@@ -67,9 +67,7 @@ def averaging_algorithm(
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
   """
   check_optimizer(server_optimizer, "server_optimizer")
-  aggregator = aggregators_lib.weighted_mean() if aggregator is None else aggregator
-  if not isinstance(aggregator, aggregators_lib.Aggregator):
-    raise TypeError(f"aggregator must be a fedjax_opt.aggregators.Aggregator; got {type(aggregator).__name__}.")
+  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
   mode = client_map_lib.resolve(client_map)
 
   def init(params: PyTree, key: jax.Array) -> FedAvgState:

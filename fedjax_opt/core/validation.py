@@ -119,3 +119,9 @@ def check_key(key: Any) -> None:
   if tuple(jnp.shape(key)) != (2,) or jnp.result_type(key) != jnp.uint32:
     raise TypeError(f"key must be a PRNG key (jax.random.key(0) or jax.random.PRNGKey(0)); got shape "
                     f"{tuple(jnp.shape(key))} dtype {jnp.result_type(key)}.")
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+  """Raises TypeError unless `loss_fn` is callable (the per-example loss `loss_fn(params, batch) -> [B]`)."""
+  if not callable(loss_fn):
+    raise TypeError(f"loss_fn must be callable loss_fn(params, batch) -> [B]; got {type(loss_fn).__name__}.")

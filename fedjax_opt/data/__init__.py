@@ -52,6 +52,7 @@ from fedjax_opt.data.readers import (
 )
 from fedjax_opt.data.sampling import client_batches, sample_round, steps_for_epochs
 from fedjax_opt.data.shakespeare import LEAF_VOCAB, load_shakespeare
+from fedjax_opt.data.stragglers import StragglerDraw, draw_stragglers, drop_stragglers, stragglers
 from fedjax_opt.data.synthetic import SyntheticData, SyntheticParams, generate_synthetic, load_synthetic
 
 __all__ = [
@@ -64,10 +65,13 @@ __all__ = [
     "Partition",
     "SyntheticData",
     "SyntheticParams",
+    "StragglerDraw",
     "available",
     "client_batches",
     "digits_arrays",
     "dirichlet_partition",
+    "draw_stragglers",
+    "drop_stragglers",
     "fashion_mnist_arrays",
     "federate",
     "generate_synthetic",
@@ -97,6 +101,7 @@ __all__ = [
     "sample_round",
     "shard_partition",
     "steps_for_epochs",
+    "stragglers",
     "unpack",
     "write_npz",
 ]

@@ -1,0 +1,189 @@
+"""SCAFFOLD: control variates that correct client drift.
+
+Karimireddy, Kale, Mohri, Reddi, Stich, Suresh. "SCAFFOLD: Stochastic
+Controlled Averaging for Federated Learning." ICML 2020. arXiv:1910.06378.
+
+The server keeps a control variate c and one c_i per client (N clients, all
+zero at the start). One round t with sampled clients S (Algorithm 1):
+
+    client i:  y_i ← x;  K masked local steps  y_i ← y_i − η_l (g_i(y_i) − c_i + c)
+               option I:   c_i⁺ = ∇f_i(x)                       (full batch over the round's data, at x)
+               option II:  c_i⁺ = c_i − c + (x − y_i) / (K η_l)
+               Δy_i = y_i − x,  Δc_i = c_i⁺ − c_i,  c_i ← c_i⁺
+    server:    x ← x + η_g (1/|S|) Σ_{i∈S} Δy_i
+               c ← c + (|S|/N) (1/|S|) Σ_{i∈S} Δc_i  =  c + (1/N) Σ_{i∈S} Δc_i
+
+K is each client's *actual* number of non-empty local steps (a straggler or a
+small client that did fewer steps divides by its own K). Clients not sampled
+keep their c_i exactly, so c stays the mean of the c_i's. The c_i's live in a
+per-client table (`fedjax_opt.core.per_client`): num_clients × model size
+entries, optionally stored in bfloat16 (`storage_dtype`); c is updated by the
+change actually stored, so c = (1/N) Σ_i c_i holds for the stored values.
+
+A client takes part only if its weight is > 0, it made at least one local
+step and its Δy_i is finite (a non-finite one is dropped and counted by the
+guard); its c_i is written only if, in addition, c_i⁺ is finite and the round
+is accepted. Otherwise c_i is left as it was (zero-weight padding clients
+never write). The average of Δy_i goes through
+the aggregator seam (default: the uniform mean of the paper; the non-finite
+guard of `core.server.aggregate_updates` around it), and the server step is
+`apply_server_update` with `optax.sgd(η_g)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_opt import aggregators as aggregators_lib
+from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import per_client
+from fedjax_opt.core.local import as_single_step, local_train
+from fedjax_opt.core.server import (aggregate_updates, apply_server_update, client_is_finite, initial_round_metrics,
+                                    round_metrics)
+from fedjax_opt.core.tree import global_norm
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.validation import check_client_batches, check_key, check_loss_fn, check_positive
+
+__all__ = ["ScaffoldState", "scaffold"]
+
+CONTROL_UPDATES = ("I", "II")
+
+
+@flax.struct.dataclass
+class ScaffoldState:
+  """Server state of SCAFFOLD.
+
+  Attributes:
+    params: the global model x.
+    control_variate: c, the server control variate (a pytree like params).
+    client_control_variates: the c_i's, a per-client table (leaves `[N, ...]`,
+      in `storage_dtype`).
+    server_opt_state: state of the server step `optax.sgd(η_g)`.
+    aggregator_state: the aggregator's state.
+    round: t, rounds applied, int32.
+    key: PRNG key, split once per round (aggregator randomness).
+    metrics: `core.server.ROUND_METRICS` plus `control_variate_norm` = ‖c‖₂.
+  """
+
+  params: PyTree
+  control_variate: PyTree
+  client_control_variates: PyTree
+  server_opt_state: Any
+  aggregator_state: Any
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+def _option_i(loss_fn: LossFn, x: PyTree, data: PyTree, mask: jax.Array) -> PyTree:
+  """c_i⁺ = ∇f_i(x): one full-batch gradient over the client's real examples of the round."""
+  gradient_step = local_train(loss_fn, optax.sgd(1.0), x, *as_single_step(data, mask))
+  return jax.tree.map(jnp.negative, gradient_step.delta)
+
+
+def _option_ii(c_i: PyTree, c: PyTree, delta: PyTree, num_steps: jax.Array, client_lr: Any) -> PyTree:
+  """c_i⁺ = c_i − c + (x − y_i) / (K η_l), with K the client's non-empty local steps (≥ 1 guarded)."""
+  k = jnp.maximum(num_steps, 1)
+  return jax.tree.map(lambda ci, cc, d: (ci - cc - d / (k.astype(d.dtype) * client_lr)).astype(ci.dtype),
+                      c_i, c, delta)
+
+
+def scaffold(
+    loss_fn: LossFn,
+    client_lr: Any,
+    server_lr: Any,
+    num_clients: int,
+    control_update: str = "II",
+    aggregator: aggregators_lib.Aggregator | None = None,
+    *,
+    storage_dtype: Any = None,
+    client_map: client_map_lib.ClientMap | str | None = None,
+    unroll: int | bool = 1,
+) -> FederatedAlgorithm:
+  """SCAFFOLD (Karimireddy et al. 2020): local SGD corrected by c − c_i, control variates updated per round.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
+    client_lr: η_l > 0, the local SGD step size (may be traced).
+    server_lr: η_g > 0, the global step size (η_g = 1: x becomes the mean of the y_i).
+    num_clients: N, the total number of clients (rows of the c_i table; every
+      `batches.client_id` must be < N).
+    control_update: "I" (c_i⁺ = ∇f_i(x), an extra pass over the data) or "II"
+      (c_i⁺ = c_i − c + (x − y_i)/(K η_l), no extra computation; the default).
+    aggregator: how the Δy_i are averaged; default `aggregators.mean()`, the
+      paper's uniform (1/|S|) Σ. `aggregators.weighted_mean()` weights by n_k.
+    storage_dtype: dtype of the stored c_i (e.g. `jnp.bfloat16` to halve the
+      table's memory); None keeps the model's dtype.
+    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
+    unroll: `lax.scan` unroll of the local steps.
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `ScaffoldState`.
+  """
+  check_loss_fn(loss_fn)
+  check_positive(client_lr, "client_lr")
+  check_positive(server_lr, "server_lr")
+  num_clients = per_client.check_num_clients(num_clients)
+  if control_update not in CONTROL_UPDATES:
+    raise ValueError(f"control_update must be 'I' or 'II' (the paper's two options for c_i⁺); got {control_update!r}.")
+  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
+  mode = client_map_lib.resolve(client_map)
+  client_optimizer = optax.sgd(client_lr)
+  server_optimizer = optax.sgd(server_lr)
+
+  def client_update(shared, client):
+    x, c = shared
+    data, mask, c_i = client
+    drift = jax.tree.map(jnp.subtract, c, c_i)  # the correction c − c_i, constant over the local steps
+    result = local_train(loss_fn, client_optimizer, x, data, mask, gradient_correction=lambda _: drift,
+                         unroll=unroll)
+    if control_update == "I":
+      new_c_i = _option_i(loss_fn, x, data, mask)
+    else:
+      new_c_i = _option_ii(c_i, c, result.delta, result.num_steps, client_lr)
+    return result, new_c_i
+
+  def init(params: PyTree, key: jax.Array) -> ScaffoldState:
+    check_key(key)
+    return ScaffoldState(
+        params=params,
+        control_variate=jax.tree.map(jnp.zeros_like, params),
+        client_control_variates=per_client.init(params, num_clients, storage_dtype=storage_dtype),
+        server_opt_state=server_optimizer.init(params),
+        aggregator_state=aggregator.init(params),
+        round=jnp.zeros((), jnp.int32),
+        key=key,
+        metrics={**initial_round_metrics(), "control_variate_norm": jnp.zeros((), jnp.float32)},
+    )
+
+  def step(state: ScaffoldState, batches: ClientBatches) -> ScaffoldState:
+    check_client_batches(batches)
+    key, agg_key = jax.random.split(state.key)
+    c_i = per_client.gather(state.client_control_variates, batches.client_id, like=state.params)
+    results, new_c_i = client_map_lib.map_clients(
+        mode, client_update, (state.params, state.control_variate), (batches.data, batches.mask, c_i))
+    weights = jnp.where(results.num_steps > 0, batches.weight, jnp.zeros_like(batches.weight))
+    agg = aggregate_updates(aggregator, results.delta, weights, state.aggregator_state, agg_key)
+    params, server_opt_state = apply_server_update(
+        server_optimizer, state.params, state.server_opt_state, agg.update, agg.accepted)
+    write = (weights > 0) & agg.finite & agg.accepted & client_is_finite(new_c_i)
+    stored = per_client.scatter(state.client_control_variates, batches.client_id, new_c_i, write)
+    control_variate = jax.tree.map(lambda cc, dc: cc + dc / num_clients, state.control_variate, stored.change)
+    metrics = round_metrics(results.loss, results.num_examples, weights, agg)
+    return ScaffoldState(
+        params=params,
+        control_variate=control_variate,
+        client_control_variates=stored.table,
+        server_opt_state=server_opt_state,
+        aggregator_state=agg.state,
+        round=state.round + 1,
+        key=key,
+        metrics={**metrics, "control_variate_norm": global_norm(control_variate).astype(jnp.float32)},
+    )
+
+  return FederatedAlgorithm(init, step)

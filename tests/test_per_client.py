@@ -1,0 +1,160 @@
+"""Per-client state: gather/scatter against NumPy indexing, padding never writes, every client_map mode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fedjax_opt.core import client_map as cm
+from fedjax_opt.core import per_client
+
+N = 7
+_scatter = jax.jit(per_client.scatter)  # one compilation for every drawn example (fixed C = 8)
+
+
+def _table(rng, dtype=np.float32):
+  return {"w": jnp.asarray(rng.normal(size=(N, 3, 2)), dtype), "b": jnp.asarray(rng.normal(size=(N,)), dtype)}
+
+
+def test_init_shapes_dtypes_and_memory_cost():
+  params = {"w": jnp.zeros((3, 2), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+  table = per_client.init(params, N)
+  assert table["w"].shape == (N, 3, 2) and table["b"].shape == (N,)
+  assert table["w"].dtype == jnp.float32 and not np.any(np.asarray(table["w"]))
+  low = per_client.init(params, N, storage_dtype=jnp.bfloat16, fill=1.5)
+  assert low["w"].dtype == jnp.bfloat16 and np.all(np.asarray(low["b"], np.float32) == 1.5)
+  assert per_client.nbytes(params, N) == N * 7 * 4 == sum(x.nbytes for x in jax.tree.leaves(table))
+  assert per_client.nbytes(params, N, jnp.bfloat16) == N * 7 * 2
+  # Works on shape structs, before anything is allocated.
+  assert per_client.nbytes(jax.eval_shape(lambda: params), 3400) == 3400 * 7 * 4
+
+
+def test_gather_equals_numpy_indexing(rng):
+  table = _table(rng)
+  ids = np.array([3, 0, 6, 3, 1], np.int32)
+  rows = jax.jit(per_client.gather)(table, jnp.asarray(ids))
+  for k in table:
+    np.testing.assert_array_equal(rows[k], np.asarray(table[k])[ids])
+
+
+def test_gather_casts_to_the_model_dtype(rng):
+  table = _table(rng, jnp.bfloat16)
+  like = {"w": jnp.zeros((3, 2), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+  rows = per_client.gather(table, jnp.array([2, 5], jnp.int32), like=like)
+  assert rows["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(rows["w"], np.asarray(table["w"], np.float32)[[2, 5]])
+
+
+@settings(max_examples=25, deadline=None)
+@given(ids=st.lists(st.integers(0, N - 1), min_size=8, max_size=8), data=st.data())
+def test_scatter_equals_numpy_assignment_last_writer_wins(ids, data):
+  """For each written id the value of its last writing copy lands; other rows stay bit for bit."""
+  write = data.draw(st.lists(st.booleans(), min_size=len(ids), max_size=len(ids)))
+  rng = np.random.default_rng(sum(ids))
+  table = _table(rng)
+  values = {"w": rng.normal(size=(len(ids), 3, 2)).astype(np.float32),
+            "b": rng.normal(size=(len(ids),)).astype(np.float32)}
+  out = _scatter(table, jnp.asarray(ids, jnp.int32), values, jnp.asarray(write))
+  expected = {k: np.array(v) for k, v in table.items()}
+  landed = np.zeros(len(ids), bool)
+  change = {k: np.zeros(v.shape[1:], np.float32) for k, v in expected.items()}
+  last = {}
+  for c, (i, wr) in enumerate(zip(ids, write)):
+    if wr:
+      last[i] = c
+  for i, c in last.items():
+    landed[c] = True
+    for k in expected:
+      change[k] += values[k][c] - expected[k][i]
+      expected[k][i] = values[k][c]
+  np.testing.assert_array_equal(out.written, landed)
+  for k in expected:
+    np.testing.assert_array_equal(out.table[k], expected[k])
+    np.testing.assert_allclose(out.change[k], change[k], rtol=1e-6, atol=1e-6)
+
+
+def test_zero_weight_padding_never_writes_even_when_it_shares_a_row(rng):
+  """Padding clients carry arbitrary ids (here those of real clients) and garbage values: nothing of theirs lands."""
+  table = _table(rng)
+  ids = jnp.array([4, 4, 2, 2], jnp.int32)
+  values = {"w": jnp.full((4, 3, 2), 9.0), "b": jnp.array([1.0, 2.0, 3.0, jnp.nan])}
+  weight = jnp.array([5.0, 0.0, 3.0, 0.0])  # padding after the real client with the same id
+  out = per_client.scatter(table, ids, values, weight > 0)
+  np.testing.assert_array_equal(out.written, [True, False, True, False])
+  assert float(out.table["b"][4]) == 1.0 and float(out.table["b"][2]) == 3.0
+  untouched = [0, 1, 3, 5, 6]
+  np.testing.assert_array_equal(np.asarray(out.table["b"])[untouched], np.asarray(table["b"])[untouched])
+
+
+def test_low_precision_storage_change_is_what_was_stored(rng):
+  """bfloat16 rows are rounded; `change` is the change of the stored sum, so a mean kept beside it stays exact."""
+  params = {"w": jnp.zeros((3, 2), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+  table = per_client.init(params, N, storage_dtype=jnp.bfloat16)
+  mean = jax.tree.map(jnp.zeros_like, params)
+  for r in range(4):
+    ids = jnp.asarray(rng.choice(N, 3, replace=False), jnp.int32)
+    values = {"w": jnp.asarray(rng.normal(size=(3, 3, 2)), jnp.float32) / 3,
+              "b": jnp.asarray(rng.normal(size=(3,)), jnp.float32) / 3}
+    out = per_client.scatter(table, ids, values, jnp.array([True, True, r % 2 == 0]))
+    table = out.table
+    mean = jax.tree.map(lambda m, d: m + d / N, mean, out.change)
+  assert table["w"].dtype == jnp.bfloat16
+  for k in params:
+    np.testing.assert_allclose(mean[k], np.asarray(table[k], np.float64).mean(0), rtol=1e-5, atol=1e-6)
+
+
+def test_client_id_beyond_num_clients_is_a_clear_error(rng):
+  table = _table(rng)
+  with pytest.raises(ValueError, match=r"client_id holds id 9 but the per-client state has num_clients=7"):
+    per_client.gather(table, jnp.array([1, 9], jnp.int32))
+  with pytest.raises(ValueError, match=r"num_clients=7"):
+    per_client.scatter(table, jnp.array([7], jnp.int32), jax.tree.map(lambda t: t[:1], table), jnp.array([True]))
+
+
+def test_out_of_range_id_under_jit_reads_nan_and_never_writes(rng):
+  """Inside jit no Python error can be raised: the row reads NaN (so the non-finite guard drops the client)."""
+  table = _table(rng)
+  ids = jnp.array([1, 12, -1], jnp.int32)  # -1 must not wrap around to row N − 1
+  rows = jax.jit(per_client.gather)(table, ids)
+  assert np.all(np.isnan(rows["w"][1:])) and np.all(np.isfinite(rows["w"][0]))
+  values = jax.tree.map(jnp.zeros_like, rows)
+  out = jax.jit(per_client.scatter)(table, ids, values, jnp.array([True, True, True]))
+  np.testing.assert_array_equal(out.written, [True, False, False])
+  np.testing.assert_array_equal(np.delete(np.asarray(out.table["b"]), 1), np.delete(np.asarray(table["b"]), 1))
+
+
+def test_bad_num_clients():
+  with pytest.raises(TypeError, match="num_clients must be a positive Python int"):
+    per_client.init({"w": jnp.zeros(2)}, 3.0)
+  with pytest.raises(ValueError, match="num_clients must be >= 1"):
+    per_client.init({"w": jnp.zeros(2)}, 0)
+
+
+@pytest.mark.parametrize("mode", ["vmap", "sequential", "chunked:2"])
+def test_a_round_of_per_client_state_is_the_same_under_every_client_map_mode(rng, mode):
+  """gather -> per-client function through map_clients -> scatter: equal to a NumPy loop, in every mode."""
+  table = _table(rng)
+  shared = jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)
+  ids = np.array([5, 2, 0, 2, 6], np.int32)
+  weight = np.array([1.0, 2.0, 0.0, 3.0, 1.0], np.float32)
+
+  def fn(s, row):
+    return {"w": 0.5 * row["w"] + s, "b": row["b"] + jnp.sum(s)}
+
+  @jax.jit
+  def round_(table):
+    rows = per_client.gather(table, jnp.asarray(ids))
+    new = cm.map_clients(mode, fn, shared, rows)
+    return per_client.scatter(table, jnp.asarray(ids), new, jnp.asarray(weight) > 0).table
+
+  out = round_(table)
+  expected = {k: np.array(v) for k, v in table.items()}
+  old = {k: np.array(v) for k, v in table.items()}
+  s = np.asarray(shared)
+  for i, w in zip(ids, weight):
+    if w > 0:
+      expected["w"][i] = 0.5 * old["w"][i] + s
+      expected["b"][i] = old["b"][i] + s.sum()
+  for k in expected:
+    np.testing.assert_allclose(out[k], expected[k], rtol=1e-6)
