@@ -28,26 +28,41 @@ MODELS = ("auto", "logreg", "mlp", "cnn")
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
-  """A named algorithm of the command line: a factory and its default server learning rate."""
+  """A named algorithm of the command line.
+
+  Attributes:
+    description: one line for `fedjax-opt list`.
+    kind: the factory: "fedsgd", "fedopt" (fedavg with a named server
+      optimizer), "fedprox", "scaffold", "fednova" or "feddyn".
+    server_lr: the default server learning rate (η_g).
+    server_optimizer: a `fedjax_opt.server_optimizers` name, for "fedopt"/"fedprox".
+  """
 
   description: str
-  server_optimizer: str | None  # a fedjax_opt.server_optimizers name; None for FedSGD
+  kind: str
   server_lr: float
+  server_optimizer: str = "fedavg"
 
 
 ALGORITHMS = {
-    "fedsgd": AlgorithmSpec("one full-batch gradient per client, server SGD (McMahan et al. 2017)", None, 0.5),
-    "fedavg": AlgorithmSpec("local SGD, weighted average of deltas (McMahan et al. 2017)", "fedavg", 1.0),
-    "fedavgm": AlgorithmSpec("FedAvg with server momentum 0.9 (Hsu et al. 2019)", "fedavgm", 0.3),
-    "fedadagrad": AlgorithmSpec("FedOpt with server Adagrad (Reddi et al. 2021)", "fedadagrad", 0.03),
-    "fedadam": AlgorithmSpec("FedOpt with server Adam (Reddi et al. 2021)", "fedadam", 0.003),
-    "fedyogi": AlgorithmSpec("FedOpt with server Yogi (Reddi et al. 2021)", "fedyogi", 0.003),
+    "fedsgd": AlgorithmSpec("one full-batch gradient per client, server SGD (McMahan et al. 2017)", "fedsgd", 0.5),
+    "fedavg": AlgorithmSpec("local SGD, weighted average of deltas (McMahan et al. 2017)", "fedopt", 1.0),
+    "fedavgm": AlgorithmSpec("FedAvg with server momentum 0.9 (Hsu et al. 2019)", "fedopt", 0.3, "fedavgm"),
+    "fedadagrad": AlgorithmSpec("FedOpt with server Adagrad (Reddi et al. 2021)", "fedopt", 0.03, "fedadagrad"),
+    "fedadam": AlgorithmSpec("FedOpt with server Adam (Reddi et al. 2021)", "fedopt", 0.003, "fedadam"),
+    "fedyogi": AlgorithmSpec("FedOpt with server Yogi (Reddi et al. 2021)", "fedopt", 0.003, "fedyogi"),
+    "fedprox": AlgorithmSpec("local steps on f_k + (μ/2)‖x − x_t‖², μ = --prox-mu (Li et al. 2020)", "fedprox", 1.0),
+    "scaffold": AlgorithmSpec("control variates correct client drift, option II (Karimireddy et al. 2020)",
+                              "scaffold", 1.0),
+    "fednova": AlgorithmSpec("normalized averaging of heterogeneous local work (Wang et al. 2020)", "fednova", 1.0),
+    "feddyn": AlgorithmSpec("dynamic regularization, α = --feddyn-alpha (Acar et al. 2021)", "feddyn", 1.0),
 }
 
 DEFAULTS = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition="dirichlet", alpha=0.5, num_clients=100,
     clients_per_round=10, local_steps=10, batch_size=20, client_lr=0.05, server_lr=None, rounds=300,
     eval_every=25, seed=0, model="auto", out=None, resume=False, checkpoint_every=4, quiet=False,
+    prox_mu=0.01, feddyn_alpha=0.01,
 )
 
 
@@ -100,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument("--client-lr", type=_positive_float("client-lr"), help="client SGD learning rate (default 0.05)")
   run.add_argument("--server-lr", type=_positive_float("server-lr"),
                    help="server learning rate for every algorithm (default: each algorithm's own)")
+  run.add_argument("--prox-mu", type=_positive_float("prox-mu"), help="FedProx's μ (default 0.01)")
+  run.add_argument("--feddyn-alpha", type=_positive_float("feddyn-alpha"), help="FedDyn's α (default 0.01)")
   run.add_argument("--rounds", type=_positive_int("rounds"), help="default 300")
   run.add_argument("--eval-every", type=_positive_int("eval-every"), help="rounds per compiled chunk (default 25)")
   run.add_argument("--seed", type=int, help="default 0")
@@ -156,7 +173,7 @@ def _validate(config: dict[str, Any]) -> None:
     raise UsageError(f"unknown partition {config['partition']!r}; choose from {', '.join(PARTITIONS)}")
   if config["model"] not in MODELS:
     raise UsageError(f"unknown model {config['model']!r}; choose from {', '.join(MODELS)}")
-  for key in ("alpha", "client_lr", "server_lr"):
+  for key in ("alpha", "client_lr", "server_lr", "prox_mu", "feddyn_alpha"):
     value = config[key]
     if value is None and key == "server_lr":
       continue
@@ -212,17 +229,27 @@ def build_model(config: dict[str, Any], dataset):
   return models.emnist_cnn(num_classes=k, image_shape=shape[:2])
 
 
-def build_algorithm(name: str, model, config: dict[str, Any]):
+def build_algorithm(name: str, model, config: dict[str, Any], num_clients: int):
+  """The named algorithm with the config's hyper-parameters."""
   import optax
 
   from fedjax_opt import algorithms, server_optimizers
 
   spec = ALGORITHMS[name]
   lr = config["server_lr"] or spec.server_lr
-  if spec.server_optimizer is None:
+  client_lr = config["client_lr"]
+  if spec.kind == "fedsgd":
     return algorithms.fedsgd(model.loss_fn, server_optimizer=optax.sgd(lr))
+  if spec.kind == "scaffold":
+    return algorithms.scaffold(model.loss_fn, client_lr, lr, num_clients)
+  if spec.kind == "fednova":
+    return algorithms.fednova(model.loss_fn, client_lr, server_optimizer=optax.sgd(lr))
+  if spec.kind == "feddyn":
+    return algorithms.feddyn(model.loss_fn, config["feddyn_alpha"], optax.sgd(client_lr), num_clients)
   server = server_optimizers.get(spec.server_optimizer, learning_rate=lr)
-  return algorithms.fedavg(model.loss_fn, optax.sgd(config["client_lr"]), server)
+  if spec.kind == "fedprox":
+    return algorithms.fedprox(model.loss_fn, config["prox_mu"], optax.sgd(client_lr), server)
+  return algorithms.fedavg(model.loss_fn, optax.sgd(client_lr), server)
 
 
 def _plot(histories: dict, out: str) -> list[str]:
@@ -286,7 +313,7 @@ def command_run(config: dict[str, Any]) -> int:
   params = model.init(jax.random.key(config["seed"]))
   rows, histories = [], {}
   for name in config["algorithms"].split(","):
-    algo = build_algorithm(name, model, config)
+    algo = build_algorithm(name, model, config, dataset.num_clients)
     t0 = time.perf_counter()
     state, history = train(
         algo, algo.init(params, jax.random.key(config["seed"] + 1)), dataset, config["rounds"],

@@ -22,6 +22,7 @@ def run_cli(*args, cwd=None):
     (["run", "--client-lr", "0"], "--client-lr must be a positive number; got '0'"),
     (["run", "--server-lr", "-1"], "--server-lr must be a positive number; got '-1'"),
     (["run", "--alpha", "0"], "--alpha must be a positive number; got '0'"),
+    (["run", "--prox-mu", "-0.1"], "--prox-mu must be a positive number; got '-0.1'"),
     (["run", "--partition", "zipf"], "unknown partition 'zipf'; choose from iid, dirichlet"),
     (["run", "--rounds", "ten"], "--rounds must be a positive integer; got 'ten'"),
     (["run", "--config", "/nonexistent/exp.toml"], "cannot read config '/nonexistent/exp.toml'"),
@@ -53,7 +54,8 @@ def test_bad_config_values_exit_2(tmp_path):
 def test_list_names_every_choice():
   result = run_cli("list")
   assert result.returncode == 0
-  for name in ("fedavg", "fedadam", "fedyogi", "mnist5k", "digits", "synthetic_1_1", "dirichlet", "shards", "cnn"):
+  for name in ("fedavg", "fedadam", "fedyogi", "fedprox", "scaffold", "fednova", "feddyn", "mnist5k", "digits",
+               "synthetic_1_1", "dirichlet", "shards", "cnn"):
     assert name in result.stdout
 
 
