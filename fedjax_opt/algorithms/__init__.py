@@ -5,3 +5,7 @@ from fedjax_opt.algorithms.feddyn import FedDynState, feddyn
 from fedjax_opt.algorithms.fednova import fednova
 from fedjax_opt.algorithms.fedprox import fedprox
 from fedjax_opt.algorithms.scaffold import ScaffoldState, scaffold
+from fedjax_opt.algorithms.admm import (ADMMConsensusState, ADMMSharingState, admm_consensus, admm_sharing,
+                                        prox_least_squares, prox_quadratic)
+from fedjax_opt.algorithms.mixture import (L2GDState, L2SGDPlusState, l2gd, l2gd_max_step_size, l2sgd, l2sgd_plus,
+                                           l2sgd_plus_step_size, optimal_p, personalized_params)

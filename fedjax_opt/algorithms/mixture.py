@@ -1,0 +1,498 @@
+"""L2GD, L2SGD and L2SGD+: loopless local methods for a mixture of global and local models.
+
+Hanzely, Richtárik. "Federated Learning of a Mixture of Global and Local
+Models." arXiv:2002.05516, 2020.
+
+n clients each keep a personalized model x_i; the algorithms minimise
+
+    F(x) = f(x) + λ ψ(x),   f(x) = (1/n) Σ_i f_i(x_i),
+    ψ(x) = (1/(2n)) Σ_i ‖x_i − x̄‖²,   x̄ = (1/n) Σ_i x_i.
+
+λ = 0 gives purely local models, λ → ∞ the global model argmin Σ_i f_i. The
+optimum satisfies x_i* = x̄* − (1/λ) ∇f_i(x_i*).
+
+Every iteration k flips one coin ξ_k ~ Bernoulli(p) (the same for all clients):
+
+L2GD (Algorithm 1, full local gradients):
+
+    ξ_k = 0:  x_i ← x_i − α/(n(1−p)) ∇f_i(x_i)              (local step, every client)
+    ξ_k = 1:  x_i ← x_i − αλ/(np) (x_i − x̄)                 (step towards the average)
+
+L2SGD (the paper's local SGD variant, Appendix): the same with ∇f_i replaced
+by ∇f_ij(x_i), one example j drawn uniformly from client i's m_i examples.
+
+L2SGD+ (Algorithm 2, SAGA-style control variates; f_i = (1/m_i) Σ_j f_ij).
+Client i keeps a table J_i = (J_i1, …, J_im) of the last gradient seen for
+each of its examples and Ψ_i, the last value of λ(x_i − x̄); J̄_i = (1/m_i) Σ_j J_ij:
+
+    ξ_k = 0:  g_i = (1/n) [ (∇f_ij(x_i) − J_ij)/(1−p) + J̄_i + Ψ_i ],   J_ij ← ∇f_ij(x_i)
+    ξ_k = 1:  g_i = (1/n) [ (λ(x_i − x̄) − Ψ_i)/p + J̄_i + Ψ_i ],       Ψ_i ← λ(x_i − x̄)
+              x_i ← x_i − α g_i
+
+(both J and Ψ start at 0; g_i is an unbiased estimate of ∂F/∂x_i whose
+variance vanishes at the optimum, so L2SGD+ converges linearly to x(λ) while
+L2GD and L2SGD converge linearly only to a neighbourhood of it.) This is the
+plain Algorithm 2 with the full per-example table J_i, `[n, m, ...]` entries.
+
+Communication: the devices send their models to the master only when the coin
+turns from local (ξ_{k−1} = 0) to aggregate (ξ_k = 1); during a run of
+aggregation steps the master can update x̄ itself (for L2GD x̄ does not move).
+Over k iterations this happens p(1−p)·k times in expectation (Lemma 4.2;
+exactly (k−1)p(1−p) here, because the run starts synchronized: ξ_{−1} = 1).
+For L2SGD+ as written, x̄ drifts during aggregation steps by −(α/n)(mean J̄_i −
+(1/p − 1) mean Ψ_i), so those rounds also carry J̄_i and Ψ_i (three vectors per
+device, not one); the paper's appendix gives a reformulation that avoids it,
+not implemented here. The counters count communication *rounds*.
+
+Data layout (all three): one `step` is one iteration with all n clients.
+`ClientBatches` carries every client's full data set, `C = n` (full
+participation), `client_id` a permutation of `arange(n)` (normally
+`arange(n)`); client i's examples are its S·B slots `[S, B]` with `mask`
+marking the real ones. `weight` is ignored: the objective weights clients
+uniformly. `state.params` is the average model x̄ (what a global evaluation
+sees); the personalized models are `state.local_params` (leaves `[n, ...]`),
+read with `personalized_params(state, client_id)`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import per_client
+from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.validation import check_client_batches, check_key, check_loss_fn, check_positive, is_concrete
+from fedjax_opt.objectives import average, consensus_penalty
+
+__all__ = [
+    "L2GDState", "L2SGDPlusState", "l2gd", "l2sgd", "l2sgd_plus", "l2gd_max_step_size", "l2sgd_plus_step_size",
+    "optimal_p", "personalized_params"
+]
+
+
+@flax.struct.dataclass
+class L2GDState:
+  """State of L2GD and L2SGD.
+
+  Attributes:
+    params: x̄, the average of the personalized models (a pytree like the model).
+    local_params: the personalized models x_i, a per-client table (leaves `[n, ...]`).
+    previous_coin: ξ_{k−1}, bool (True at the start: every x_i = x̄, in sync).
+    round: k, iterations applied, int32.
+    key: PRNG key, split once per iteration (coin, example sampling).
+    metrics: `aggregated` (ξ_k, bool), `communicated` (ξ_{k−1} = 0 and ξ_k = 1),
+      `num_communications` (int32, since init); L2GD adds `objective`, F(x^k)
+      at the iterate the step started from.
+  """
+
+  params: PyTree
+  local_params: PyTree
+  previous_coin: jax.Array
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class L2SGDPlusState:
+  """State of L2SGD+.
+
+  Attributes:
+    params: x̄, the average of the personalized models.
+    local_params: the x_i, leaves `[n, ...]`.
+    gradient_table: J, leaves `[n, m, ...]` (m = S·B example slots per client):
+      J_ij is the last ∇f_ij computed for example j of client i (0 until then).
+    aggregation_control: Ψ, leaves `[n, ...]`: the last λ(x_i − x̄).
+    previous_coin, round, key, metrics: as in `L2GDState` (no `objective`).
+  """
+
+  params: PyTree
+  local_params: PyTree
+  gradient_table: PyTree
+  aggregation_control: PyTree
+  previous_coin: jax.Array
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+def personalized_params(state: L2GDState | L2SGDPlusState, client_id: Any = None) -> PyTree:
+  """The personalized models to evaluate client(s) with.
+
+  Args:
+    state: an L2GD / L2SGD / L2SGD+ state.
+    client_id: None for the whole table, an int for one client's x_i, or a
+      `[C]` int array for a stack of rows `[C, ...]`.
+
+  Returns:
+    x_i (or rows / the table); `state.params` is the average x̄.
+  """
+  if client_id is None:
+    return state.local_params
+  ids = jnp.asarray(client_id, jnp.int32)
+  rows = per_client.gather(state.local_params, jnp.atleast_1d(ids))
+  return jax.tree.map(lambda r: r[0], rows) if ids.ndim == 0 else rows
+
+
+# ----------------------------------------------------------------------------- theory
+
+
+def optimal_p(lam: Any, smoothness: Any) -> Any:
+  """p* = λ / (λ + L), the coin probability minimising L2GD's iteration bound (Section 4 of the paper).
+
+  With p*, the expected number of local steps between two aggregations is
+  1/p* = 1 + L/λ. λ = 0 gives p* = 0, which no method accepts (no
+  communication is needed: solve the local problems).
+  """
+  return lam / (lam + smoothness)
+
+
+def l2gd_max_step_size(lam: Any, smoothness: Any, p: Any, num_clients: int) -> Any:
+  """Largest α allowed by the L2GD convergence theorem (Theorem 4.4 of arXiv:2002.05516).
+
+  f_i L-smooth and μ-strongly convex; G the coin-driven estimate of ∇F has
+  expected smoothness ℒ = (1/n) max{L/(1−p), λ/p}, and the theorem takes
+  α ≤ 1/(2ℒ), i.e.
+
+      α_max = (n/2) · min{(1 − p)/L, p/λ}       (p/λ read as +∞ when λ = 0).
+
+  Then E‖x^k − x(λ)‖² ≤ (1 − αμ/n)^k ‖x^0 − x(λ)‖² + 2nασ²/μ: linear
+  convergence to a neighbourhood only (μ enters the rate, not the bound).
+  With p = p* this is α_max = n / (2(L + λ)); it implies αλ/(np) ≤ 1/2.
+  """
+  if _all_python(lam, smoothness, p):
+    aggregate = p / lam if lam > 0 else float("inf")
+    return 0.5 * num_clients * min((1.0 - p) / smoothness, aggregate)
+  lam = jnp.asarray(lam)
+  aggregate = jnp.where(lam > 0, p / jnp.where(lam > 0, lam, 1.0), jnp.inf)
+  return 0.5 * num_clients * jnp.minimum((1.0 - p) / smoothness, aggregate)
+
+
+def l2sgd_plus_step_size(lam: Any, smoothness: Any, mu: Any, p: Any, num_clients: int, num_examples: int) -> Any:
+  """The step size of the L2SGD+ convergence theorem (Theorem 5.2 of arXiv:2002.05516, as we read it).
+
+  f_ij convex and L-smooth (per example), f_i μ-strongly convex, m examples per client:
+
+      α = min{ n(1 − p) / (4L + μm),  np / (4λ + μ) },
+
+  the SAGA bound for F with the f-terms sampled with probability (1 − p)/m
+  and the ψ-term with probability p; then E[Φ^k] ≤ (1 − αμ/n)^k Φ^0 for a
+  Lyapunov function Φ including ‖x^k − x(λ)‖².
+  """
+  a = num_clients * (1.0 - p) / (4.0 * smoothness + mu * num_examples)
+  b = num_clients * p / (4.0 * lam + mu)
+  return min(a, b) if _all_python(a, b) else jnp.minimum(a, b)
+
+
+def _all_python(*values: Any) -> bool:
+  return all(isinstance(v, (int, float, np.floating, np.integer)) for v in values)
+
+
+def _concrete_float(value: Any) -> float | None:
+  if value is None or not is_concrete(value) or np.ndim(value) != 0:
+    return None
+  return float(value)
+
+
+def _check_hyperparameters(lam: Any, step_size: Any, p: Any) -> None:
+  check_positive(lam, "lam", allow_zero=True)
+  check_positive(step_size, "step_size")
+  if p is not None and is_concrete(p):
+    v = np.asarray(p)
+    if not (np.all(np.isfinite(v)) and np.all(v > 0) and np.all(v < 1)):
+      raise ValueError(f"p must lie in the open interval (0, 1) (the probability of an aggregation step); got {p}.")
+
+
+def _warn_above(step_size: Any, bound: Any, name: str) -> None:
+  alpha, limit = _concrete_float(step_size), _concrete_float(bound)
+  if alpha is not None and limit is not None and alpha > limit:
+    warnings.warn(f"step_size={alpha:g} exceeds the theoretical bound {name} = {limit:g}; "
+                  "convergence is not guaranteed.", stacklevel=3)
+
+
+# ----------------------------------------------------------------------------- shared mechanics
+
+
+def _check_full_participation(batches: ClientBatches, num_clients: int) -> None:
+  check_client_batches(batches)
+  if batches.num_clients != num_clients:
+    raise ValueError(f"batches must hold all num_clients = {num_clients} clients (full participation, "
+                     f"C = n); got C = {batches.num_clients}.")
+  if is_concrete(batches.client_id):
+    ids = np.sort(np.asarray(batches.client_id))
+    if not np.array_equal(ids, np.arange(num_clients)):
+      raise ValueError(f"batches.client_id must be a permutation of arange({num_clients}) (every client once); "
+                       f"got {np.asarray(batches.client_id)}.")
+
+
+def _flip_coin(state: Any, p: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(next key, ξ_k, key for this iteration's sampling)."""
+  key, coin_key, sample_key = jax.random.split(state.key, 3)
+  return key, jax.random.bernoulli(coin_key, p), sample_key
+
+
+def _communication_metrics(state: Any, coin: jax.Array) -> dict[str, jax.Array]:
+  communicated = coin & ~state.previous_coin
+  total = state.metrics["num_communications"] + communicated.astype(jnp.int32)
+  return {"aggregated": coin, "communicated": communicated, "num_communications": total}
+
+
+def _initial_communication_metrics() -> dict[str, jax.Array]:
+  return {"aggregated": jnp.ones((), bool), "communicated": jnp.zeros((), bool),
+          "num_communications": jnp.zeros((), jnp.int32)}
+
+
+def _full_gradient(loss_fn: LossFn):
+  """Client function: (∇f_i(x_i), f_i(x_i)) over all the client's real examples."""
+
+  def fn(_, client):
+    x, data, mask = client
+    result = local_train(loss_fn, optax.sgd(1.0), x, *as_single_step(data, mask))
+    return jax.tree.map(jnp.negative, result.delta), result.loss
+
+  return fn
+
+
+def _flatten_examples(data: PyTree, mask: jax.Array) -> tuple[PyTree, jax.Array]:
+  """A client's `[S, B, ...]` slots as `[m, ...]` examples, m = S·B."""
+  folded, folded_mask = as_single_step(data, mask)
+  return jax.tree.map(lambda a: a[0], folded), folded_mask[0]
+
+
+def _sample_example(key: jax.Array, mask: jax.Array) -> jax.Array:
+  """j uniform over the real examples (`mask` `[m]`); 0 when there is none."""
+  logits = jnp.where(mask | ~jnp.any(mask), 0.0, -jnp.inf)
+  return jax.random.categorical(key, logits)
+
+
+def _example_gradient(loss_fn: LossFn, x: PyTree, examples: PyTree, j: jax.Array, has_data: jax.Array) -> PyTree:
+  """∇f_ij(x), zero for a client with no real example."""
+  one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=True), examples)
+  grad = jax.grad(lambda w: masked_mean_loss(loss_fn, w, one, jnp.ones((1,), bool))[0])(x)
+  return jax.tree.map(lambda g: jnp.where(has_data, g, jnp.zeros_like(g)), grad)
+
+
+def _sampled_gradient(loss_fn: LossFn):
+  """Client function: ∇f_ij(x_i) for one example j drawn uniformly from the client's real examples."""
+
+  def fn(_, client):
+    x, data, mask, key = client
+    examples, m = _flatten_examples(data, mask)
+    return _example_gradient(loss_fn, x, examples, _sample_example(key, m), jnp.any(m))
+
+  return fn
+
+
+def _move(x: PyTree, direction: PyTree, scale: Any) -> PyTree:
+  """x − scale · direction, in x's dtype (so the state keeps its dtypes under scan)."""
+  return jax.tree.map(lambda a, d: (a - scale * d).astype(a.dtype), x, direction)
+
+
+# ----------------------------------------------------------------------------- L2GD and L2SGD
+
+
+def _loopless_local(loss_fn, lam, step_size, p, num_clients, stochastic, smoothness, client_map):
+  check_loss_fn(loss_fn)
+  num_clients = per_client.check_num_clients(num_clients)
+  _check_hyperparameters(lam, step_size, p)
+  if smoothness is not None:
+    check_positive(smoothness, "smoothness")
+    _warn_above(step_size, l2gd_max_step_size(lam, smoothness, p, num_clients),
+                "(n/2)·min{(1−p)/L, p/λ} (Theorem 4.4)")
+  mode = client_map_lib.resolve(client_map)
+  n = num_clients
+
+  def init(params: PyTree, key: jax.Array) -> L2GDState:
+    check_key(key)
+    metrics = _initial_communication_metrics()
+    if not stochastic:
+      metrics["objective"] = jnp.zeros((), jnp.result_type(*jax.tree.leaves(params)))
+    return L2GDState(
+        params=params,
+        local_params=jax.tree.map(lambda t: jnp.broadcast_to(t, (n,) + jnp.shape(t)).astype(jnp.result_type(t)),
+                                  params),
+        previous_coin=jnp.ones((), bool),
+        round=jnp.zeros((), jnp.int32),
+        key=key,
+        metrics=metrics,
+    )
+
+  def step(state: L2GDState, batches: ClientBatches) -> L2GDState:
+    _check_full_participation(batches, n)
+    key, coin, sample_key = _flip_coin(state, p)
+    x = per_client.gather(state.local_params, batches.client_id)
+    if stochastic:
+      keys = jax.random.split(sample_key, n)
+      grads = client_map_lib.map_clients(mode, _sampled_gradient(loss_fn), None,
+                                         (x, batches.data, batches.mask, keys))
+    else:
+      grads, losses = client_map_lib.map_clients(mode, _full_gradient(loss_fn), None,
+                                                 (x, batches.data, batches.mask))
+    x_bar = average(state.local_params)
+    local = _move(x, grads, step_size / (n * (1.0 - p)))
+    toward = _move(x, jax.tree.map(jnp.subtract, x, x_bar), step_size * lam / (n * p))
+    new_x = jax.tree.map(lambda a, b: jnp.where(coin, a, b), toward, local)
+    table = per_client.scatter(state.local_params, batches.client_id, new_x, jnp.ones((n,), bool)).table
+    metrics = _communication_metrics(state, coin)
+    if not stochastic:
+      objective = jnp.mean(losses) + lam * consensus_penalty(state.local_params)
+      metrics["objective"] = objective.astype(state.metrics["objective"].dtype)
+    return L2GDState(params=average(table), local_params=table, previous_coin=coin, round=state.round + 1,
+                     key=key, metrics=metrics)
+
+  return FederatedAlgorithm(init, step)
+
+
+def l2gd(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: int, *, smoothness: Any = None,
+         client_map: client_map_lib.ClientMap | str | None = None) -> FederatedAlgorithm:
+  """L2GD, loopless local gradient descent (Algorithm 1 of Hanzely & Richtárik 2020).
+
+  One `step` = one iteration: a coin ξ ~ Bernoulli(p) from `state.key`; ξ = 0:
+  x_i ← x_i − α/(n(1−p)) ∇f_i(x_i) (full-batch gradient over client i's real
+  examples); ξ = 1: x_i ← x_i − αλ/(np)(x_i − x̄). Converges linearly to a
+  neighbourhood of x(λ) (Theorem 4.4); the coin's randomness alone keeps it
+  from reaching x(λ) exactly.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
+    lam: λ ≥ 0, the personalization penalty (may be traced).
+    step_size: α > 0 (may be traced).
+    p: probability of an aggregation step, in (0, 1) (may be traced);
+      `optimal_p(lam, L)` is the paper's choice.
+    num_clients: n, all clients (every step sees all of them, `C = n`).
+    smoothness: optional L (each f_i L-smooth); when given and everything is
+      concrete, a step size above `l2gd_max_step_size` warns.
+    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `L2GDState`; `state.params` =
+    x̄, `state.local_params` = the x_i `[n, ...]`, `state.metrics["objective"]`
+    = F(x^k) before the step.
+  """
+  return _loopless_local(loss_fn, lam, step_size, p, num_clients, False, smoothness, client_map)
+
+
+def l2sgd(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: int, *, smoothness: Any = None,
+          client_map: client_map_lib.ClientMap | str | None = None) -> FederatedAlgorithm:
+  """L2SGD: L2GD with one uniformly sampled example per local step, no variance reduction.
+
+  ξ = 0: x_i ← x_i − α/(n(1−p)) ∇f_ij(x_i), j uniform over client i's real
+  examples; ξ = 1 as L2GD. The baseline "L2SGD" of the paper's Figure 3
+  (Appendix, local SGD); converges to a neighbourhood of x(λ). Arguments and
+  state as `l2gd` (no `objective` metric: use `fedjax_opt.objectives.mixture`).
+  """
+  return _loopless_local(loss_fn, lam, step_size, p, num_clients, True, smoothness, client_map)
+
+
+# ----------------------------------------------------------------------------- L2SGD+
+
+
+def _sampled_with_table(loss_fn: LossFn):
+  """Client function for L2SGD+: (∇f_ij(x_i), J_ij, J̄_i, J_i with row j replaced)."""
+
+  def fn(_, client):
+    x, data, mask, key, table = client
+    examples, m = _flatten_examples(data, mask)
+    j = _sample_example(key, m)
+    grad = _example_gradient(loss_fn, x, examples, j, jnp.any(m))
+    old = jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, j, keepdims=False), table)
+    count = jnp.maximum(jnp.sum(m), 1)
+    mean = jax.tree.map(lambda t: jnp.tensordot(m.astype(t.dtype), t, axes=1) / count.astype(t.dtype), table)
+    new_table = jax.tree.map(lambda t, g: jax.lax.dynamic_update_index_in_dim(t, g.astype(t.dtype), j, 0),
+                             table, grad)
+    return grad, old, mean, new_table
+
+  return fn
+
+
+def l2sgd_plus(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: int, num_examples: int, *,
+               smoothness: Any = None, mu: Any = None,
+               client_map: client_map_lib.ClientMap | str | None = None) -> FederatedAlgorithm:
+  """L2SGD+, loopless local SGD with SAGA control variates (Algorithm 2 of Hanzely & Richtárik 2020).
+
+  ξ = 0: g_i = (1/n)[(∇f_ij(x_i) − J_ij)/(1−p) + J̄_i + Ψ_i], J_ij ← ∇f_ij(x_i);
+  ξ = 1: g_i = (1/n)[(λ(x_i − x̄) − Ψ_i)/p + J̄_i + Ψ_i], Ψ_i ← λ(x_i − x̄);
+  then x_i ← x_i − α g_i. Converges linearly to the exact optimum x(λ).
+  Keeps the full per-example table J (`[n, m, ...]`, the paper's Algorithm 2,
+  not the memory-efficient appendix variant).
+
+  Args:
+    loss_fn, lam, step_size, p, num_clients, client_map: as `l2gd`.
+    num_examples: m, example slots per client = S·B of the batches (static;
+      the size of each client's J_i). Clients with fewer real examples leave
+      the padded rows of J_i at 0 and out of J̄_i.
+    smoothness, mu: optional L (every f_ij L-smooth) and μ (every f_i
+      μ-strongly convex); when both are given and everything is concrete, a
+      step size above `l2sgd_plus_step_size` warns.
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `L2SGDPlusState`.
+  """
+  check_loss_fn(loss_fn)
+  num_clients = per_client.check_num_clients(num_clients)
+  m = per_client.check_num_clients(num_examples, "num_examples")
+  _check_hyperparameters(lam, step_size, p)
+  if smoothness is not None and mu is not None:
+    check_positive(smoothness, "smoothness")
+    check_positive(mu, "mu")
+    _warn_above(step_size, l2sgd_plus_step_size(lam, smoothness, mu, p, num_clients, m),
+                "min{n(1−p)/(4L+μm), np/(4λ+μ)} (Theorem 5.2)")
+  mode = client_map_lib.resolve(client_map)
+  n = num_clients
+
+  def init(params: PyTree, key: jax.Array) -> L2SGDPlusState:
+    check_key(key)
+    example_row = jax.tree.map(lambda t: jnp.zeros((m,) + jnp.shape(t), jnp.result_type(t)), params)
+    return L2SGDPlusState(
+        params=params,
+        local_params=jax.tree.map(lambda t: jnp.broadcast_to(t, (n,) + jnp.shape(t)).astype(jnp.result_type(t)),
+                                  params),
+        gradient_table=per_client.init(example_row, n),
+        aggregation_control=per_client.init(params, n),
+        previous_coin=jnp.ones((), bool),
+        round=jnp.zeros((), jnp.int32),
+        key=key,
+        metrics=_initial_communication_metrics(),
+    )
+
+  def step(state: L2SGDPlusState, batches: ClientBatches) -> L2SGDPlusState:
+    _check_full_participation(batches, n)
+    if batches.local_steps * batches.batch_size != m:
+      raise ValueError(f"batches must have S·B = num_examples = {m} example slots per client; got "
+                       f"S·B = {batches.local_steps}·{batches.batch_size}.")
+    key, coin, sample_key = _flip_coin(state, p)
+    ids = batches.client_id
+    x = per_client.gather(state.local_params, ids)
+    psi = per_client.gather(state.aggregation_control, ids)
+    table = per_client.gather(state.gradient_table, ids)
+    keys = jax.random.split(sample_key, n)
+    grad, old, mean, new_rows = client_map_lib.map_clients(
+        mode, _sampled_with_table(loss_fn), None, (x, batches.data, batches.mask, keys, table))
+    x_bar = average(state.local_params)
+    pull = jax.tree.map(lambda a, b: lam * (a - b), x, x_bar)  # λ(x_i − x̄)
+    local = jax.tree.map(lambda g, o, jm, ps: (g - o) / (1.0 - p) + jm + ps, grad, old, mean, psi)
+    toward = jax.tree.map(lambda pl, jm, ps: (pl - ps) / p + jm + ps, pull, mean, psi)
+    direction = jax.tree.map(lambda a, b: jnp.where(coin, a, b), toward, local)
+    new_x = _move(x, direction, step_size / n)
+    every = jnp.ones((n,), bool)
+    local_params = per_client.scatter(state.local_params, ids, new_x, every).table
+    return L2SGDPlusState(
+        params=average(local_params),
+        local_params=local_params,
+        gradient_table=per_client.scatter(state.gradient_table, ids, new_rows, every & ~coin).table,
+        aggregation_control=per_client.scatter(state.aggregation_control, ids, pull, every & coin).table,
+        previous_coin=coin,
+        round=state.round + 1,
+        key=key,
+        metrics=_communication_metrics(state, coin),
+    )
+
+  return FederatedAlgorithm(init, step)

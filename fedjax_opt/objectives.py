@@ -1,0 +1,78 @@
+"""Objectives that personalized algorithms minimise, for monitoring and for tests.
+
+The mixture of global and local models (Hanzely & Richtárik, "Federated
+Learning of a Mixture of Global and Local Models", arXiv:2002.05516, 2020):
+
+    F(x) = (1/n) Σ_i f_i(x_i) + λ ψ(x),     ψ(x) = (1/(2n)) Σ_i ‖x_i − x̄‖²,     x̄ = (1/n) Σ_i x_i,
+
+over the n personalized models x = (x_1, …, x_n), stacked as a per-client
+table (every leaf `[n, ...]`). f_i is client i's mean loss over its real
+(unmasked) examples.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import per_client
+from fedjax_opt.core.local import as_single_step, masked_mean_loss
+from fedjax_opt.core.types import ClientBatches, LossFn, PyTree
+from fedjax_opt.core.validation import check_client_batches, check_loss_fn, check_positive
+
+__all__ = ["average", "consensus_penalty", "mixture"]
+
+
+def average(local_params: PyTree) -> PyTree:
+  """x̄ = (1/n) Σ_i x_i: the mean over the leading `[n]` axis of every leaf."""
+  return jax.tree.map(lambda t: jnp.mean(t, axis=0), local_params)
+
+
+def consensus_penalty(local_params: PyTree) -> jax.Array:
+  """ψ(x) = (1/(2n)) Σ_i ‖x_i − x̄‖² for a table with leaves `[n, ...]` (a scalar)."""
+  x_bar = average(local_params)
+  n = per_client.num_rows(local_params)
+  squares = [jnp.sum(jnp.square(t - m)) for t, m in zip(jax.tree.leaves(local_params), jax.tree.leaves(x_bar))]
+  return sum(squares) / (2 * n)
+
+
+def mixture(loss_fn: LossFn, lam: Any, *,
+            client_map: client_map_lib.ClientMap | str | None = None) -> Callable[[PyTree, ClientBatches], jax.Array]:
+  """The mixture objective F(x) = (1/n) Σ_i f_i(x_i) + λ/(2n) Σ_i ‖x_i − x̄‖².
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
+    lam: λ ≥ 0, the strength of the pull towards the average (may be traced).
+    client_map: how the clients' losses are mapped (see `core.client_map`).
+
+  Returns:
+    `objective(local_params, batches) -> scalar`, where `local_params` is the
+    table of personalized models (leaves `[n, ...]`, row i = x_i) and
+    `batches` holds every client's full data (`C = n`; row c of the batch is
+    client `batches.client_id[c]`). f_i is the masked mean loss over all the
+    S·B example slots of client i; the clients are weighted uniformly (1/n),
+    as in the paper, whatever `batches.weight` says.
+  """
+  check_loss_fn(loss_fn)
+  check_positive(lam, "lam", allow_zero=True)
+  mode = client_map_lib.resolve(client_map)
+
+  def client_loss(_, client):
+    x, data, mask = client
+    folded, folded_mask = as_single_step(data, mask)
+    loss, _ = masked_mean_loss(loss_fn, x, jax.tree.map(lambda a: a[0], folded), folded_mask[0])
+    return loss
+
+  def objective(local_params: PyTree, batches: ClientBatches) -> jax.Array:
+    check_client_batches(batches)
+    n = per_client.num_rows(local_params)
+    if batches.num_clients != n:
+      raise ValueError(f"batches must hold every client's data: C = num_clients = {n}; got C = {batches.num_clients}.")
+    x = per_client.gather(local_params, batches.client_id)
+    losses = client_map_lib.map_clients(mode, client_loss, None, (x, batches.data, batches.mask))
+    return jnp.mean(losses) + lam * consensus_penalty(local_params)
+
+  return objective

@@ -1,0 +1,274 @@
+"""Consensus and sharing ADMM reach the centralized optimum (closed forms, scipy L-BFGS, scikit-learn)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.optimize
+from sklearn.linear_model import Lasso, Ridge
+
+import fedjax_opt as fo
+from fedjax_opt.algorithms.admm import admm_consensus, admm_sharing, prox_least_squares, prox_quadratic
+from conftest import lsq_loss, make_clients, pack
+
+D, N = 3, 4
+L2 = 0.1
+
+
+def _vec(params):
+  return np.append(np.asarray(params["w"], np.float64), np.asarray(params["b"], np.float64))
+
+
+def _tree(v):
+  return {"w": jnp.asarray(v[:-1]), "b": jnp.asarray(v[-1])}
+
+
+def _ridge_loss(params, batch):
+  return lsq_loss(params, batch) + 0.5 * L2 * jnp.sum(jnp.square(params["w"]))
+
+
+def _centralized_ridge(clients, l2):
+  """argmin Σ_i [(1/n_i) Σ ½(xᵀw + b − y)² + (l2/2)‖w‖²] from the normal equations, float64."""
+  a = [np.hstack([x, np.ones((len(x), 1))]) for x, _ in clients]
+  penalty = np.diag([l2] * D + [0.0])
+  lhs = sum(ai.T @ ai / len(ai) + penalty for ai in a)
+  rhs = sum(ai.T @ y / len(y) for ai, (_, y) in zip(a, clients))
+  return np.linalg.solve(lhs, rhs)
+
+
+def _run(algo, params, batches, iterations):
+  """The whole solve as one jitted `lax.scan` over ADMM iterations; also returns the metrics history."""
+
+  def body(state, _):
+    state = algo.step(state, batches)
+    return state, state.metrics
+
+  return jax.jit(lambda s: jax.lax.scan(body, s, None, length=iterations))(algo.init(params, jax.random.key(0)))
+
+
+def _rel_err(got, want):
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.fixture
+def lsq_clients(rng):
+  """Heterogeneous least squares: unequal sizes, shifted inputs, a different target model per client."""
+  clients = make_clients(rng, [8, 10, 6, 12], D)
+  return clients, pack(clients, 2, 6, extra_slots=1, dtype=np.float64)
+
+
+@pytest.mark.parametrize("l2, prox_name", [(0.0, "least_squares"), (L2, "least_squares"), (L2, "quadratic")])
+def test_exact_consensus_reaches_centralized_least_squares_and_ridge(lsq_clients, l2, prox_name):
+  clients, batches = lsq_clients
+  with jax.enable_x64(True):
+    loss = _ridge_loss if l2 else lsq_loss
+    prox = prox_least_squares(l2) if prox_name == "least_squares" else prox_quadratic(loss)
+    algo = admm_consensus(loss, 1.0, num_clients=N, prox=prox)
+    state, history = _run(algo, _tree(np.zeros(D + 1)), batches, 80)
+    z_star = _centralized_ridge(clients, l2)
+    assert _rel_err(_vec(state.params), z_star) < 1e-6
+    for i in range(N):  # every x_i agrees with z
+      assert _rel_err(_vec(jax.tree.map(lambda t: t[i], state.local_params)), z_star) < 1e-6
+    np.testing.assert_allclose(np.asarray(state.duals["w"]).sum(0), 0, atol=1e-10)  # Σ λ_i = 0
+    assert history["primal_residual"][-1] < 1e-7 and history["dual_residual"][-1] < 1e-7
+    assert bool(history["converged"][-1]) and not bool(history["converged"][0])
+    assert int(state.metrics["num_clients"]) == N and int(state.round) == 80
+    objective = np.mean([np.mean(0.5 * (x @ z_star[:-1] + z_star[-1] - y) ** 2) + 0.5 * l2 * z_star[:-1] @ z_star[:-1]
+                         for x, y in clients])
+    np.testing.assert_allclose(float(history["objective"][-1]), objective, rtol=1e-5)
+
+
+def _numpy_admm_iteration(z, xs, lams, clients, ids, rho, alpha, l2):
+  """One ADMM iteration (Boyd §7.1, over-relaxed) in float64 NumPy; clients not in `ids` keep x_i, λ_i."""
+  xs, lams = xs.copy(), lams.copy()
+  terms = xs + lams / rho
+  penalty = np.diag([l2] * D + [0.0])
+  x_hat = {}
+  for i in ids:
+    x, y = clients[i]
+    a = np.hstack([x, np.ones((len(x), 1))])
+    xs[i] = np.linalg.solve(a.T @ a / len(a) + penalty + rho * np.eye(D + 1), a.T @ y / len(y) + rho * z - lams[i])
+    x_hat[i] = alpha * xs[i] + (1 - alpha) * z
+    terms[i] = x_hat[i] + lams[i] / rho
+  new_z = terms.mean(0)
+  for i in ids:
+    lams[i] = lams[i] + rho * (x_hat[i] - new_z)
+  return new_z, xs, lams
+
+
+def test_one_iteration_with_partial_participation_matches_numpy(rng):
+  """Clients 2 and 0 of 4 take part, plus a zero-weight padding client: absent clients keep x_i and λ_i exactly."""
+  rho, alpha = 0.7, 1.5
+  all_clients = make_clients(rng, [5, 6, 4, 7], D)
+  with jax.enable_x64(True):
+    batches = pack([all_clients[2], all_clients[0]], 2, 4, extra_clients=1, dtype=np.float64)
+    batches = batches.replace(client_id=jnp.array([2, 0, 1], jnp.int32))
+    z, xs, lams = rng.normal(size=D + 1), rng.normal(size=(N, D + 1)), rng.normal(size=(N, D + 1))
+    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=alpha)
+    state = algo.init(_tree(z), jax.random.key(0)).replace(
+        local_params={"w": jnp.asarray(xs[:, :-1]), "b": jnp.asarray(xs[:, -1])},
+        duals={"w": jnp.asarray(lams[:, :-1]), "b": jnp.asarray(lams[:, -1])})
+    out = jax.jit(algo.step)(state, batches)
+    ref_z, ref_xs, ref_lams = _numpy_admm_iteration(z, xs, lams, all_clients, [2, 0], rho, alpha, L2)
+    np.testing.assert_allclose(_vec(out.params), ref_z, rtol=1e-10)
+    got_xs = np.column_stack([out.local_params["w"], out.local_params["b"]])
+    got_lams = np.column_stack([out.duals["w"], out.duals["b"]])
+    np.testing.assert_allclose(got_xs, ref_xs, rtol=1e-10)
+    np.testing.assert_allclose(got_lams, ref_lams, rtol=1e-10)
+    for i in (1, 3):
+      np.testing.assert_array_equal(got_xs[i], xs[i])
+      np.testing.assert_array_equal(got_lams[i], lams[i])
+    np.testing.assert_allclose(float(out.metrics["primal_residual"]), np.linalg.norm(ref_xs - ref_z), rtol=1e-6)
+    np.testing.assert_allclose(float(out.metrics["dual_residual"]), rho * np.sqrt(N) * np.linalg.norm(ref_z - z),
+                               rtol=1e-6)
+    assert int(out.metrics["num_clients"]) == 2
+
+
+@pytest.mark.parametrize("relaxation, balancing, rho", [(1.5, False, 1.0), (1.0, True, 50.0)])
+def test_over_relaxation_and_residual_balancing_converge(lsq_clients, relaxation, balancing, rho):
+  """α = 1.5, and residual balancing from a badly chosen ρ = 50: ρ moves, residuals go to 0, z = z*."""
+  clients, batches = lsq_clients
+  with jax.enable_x64(True):
+    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=relaxation,
+                          residual_balancing=balancing)
+    state, history = _run(algo, _tree(np.zeros(D + 1)), batches, 80)
+    assert _rel_err(_vec(state.params), _centralized_ridge(clients, L2)) < 1e-6
+    assert history["primal_residual"][-1] < 1e-7 and history["dual_residual"][-1] < 1e-7
+    assert bool(history["converged"][-1])
+    if balancing:
+      assert float(state.rho) < rho and len(np.unique(np.asarray(history["rho"]))) > 1
+    else:
+      np.testing.assert_array_equal(history["rho"], rho)
+
+
+def test_vmap_over_rho_runs_a_sweep_in_one_program(lsq_clients):
+  clients, batches = lsq_clients
+  rhos = jnp.array([0.7, 1.0, 2.0])
+  with jax.enable_x64(True):
+
+    def solve(rho):
+      algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2))
+      state, history = _run(algo, _tree(np.zeros(D + 1)), batches, 150)
+      return state.params, history["primal_residual"]
+
+    params, residuals = jax.jit(jax.vmap(solve))(rhos)
+    z_star = _centralized_ridge(clients, L2)
+    for i in range(len(rhos)):
+      assert _rel_err(_vec(jax.tree.map(lambda a: a[i], params)), z_star) < 1e-6
+    assert residuals.shape == (3, 150)
+    assert not np.allclose(residuals[0, :5], residuals[2, :5])  # the three ρ really differ
+
+
+def _logistic_loss(params, batch):
+  """Binary logistic loss with a small ridge term, per example."""
+  s = batch["x"] @ params["w"] + params["b"]
+  return jax.nn.softplus(s) - batch["y"] * s + 0.5 * L2 * jnp.sum(jnp.square(params["w"]))
+
+
+def test_inexact_consensus_reaches_the_lbfgs_optimum_of_logistic_regression(rng):
+  """K = 10 full-batch SGD steps per x-update (no closed form): z reaches scipy's L-BFGS optimum to 1e-4."""
+  sizes = [20, 30, 25, 15]
+  clients = []
+  for k, n in enumerate(sizes):
+    x = rng.normal(loc=0.5 * k, size=(n, D))
+    y = (x @ rng.normal(size=D) + 0.5 * rng.normal(size=n) > 0.5 * k).astype(np.float64)
+    clients.append((x, y))
+
+  def pooled(v):
+    w, b = v[:-1], v[-1]
+    total, grad = 0.0, np.zeros_like(v)
+    for x, y in clients:
+      s = x @ w + b
+      p = 1 / (1 + np.exp(-s))
+      total += np.mean(np.logaddexp(0, s) - y * s) + 0.5 * L2 * w @ w
+      grad += np.append(x.T @ (p - y) / len(y) + L2 * w, np.mean(p - y))
+    return total, grad
+
+  ref = scipy.optimize.minimize(pooled, np.zeros(D + 1), jac=True, method="L-BFGS-B",
+                                options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 10000}).x
+  with jax.enable_x64(True):
+    batches = pack(clients, 1, max(sizes), dtype=np.float64)
+    algo = admm_consensus(_logistic_loss, 1.0, num_clients=N, local_optimizer=optax.sgd(0.3), local_steps=10)
+    state, history = _run(algo, _tree(np.zeros(D + 1)), batches, 150)
+    assert _rel_err(_vec(state.params), ref) < 1e-4, _rel_err(_vec(state.params), ref)
+    assert history["primal_residual"][-1] < 1e-5 * history["primal_residual"][0]
+    np.testing.assert_allclose(float(history["objective"][-1]), pooled(ref)[0] / N, rtol=1e-6)
+
+
+def test_client_map_modes_agree(lsq_clients):
+  _, batches = lsq_clients
+  batches = jax.tree.map(lambda a: a.astype(np.float32) if a.dtype == np.float64 else a, batches)
+  outs = []
+  for mode in ["vmap", "sequential"]:
+    algo = admm_consensus(lsq_loss, 1.0, num_clients=N, local_optimizer=optax.sgd(0.1), local_steps=3,
+                          client_map=mode)
+    state = algo.init(_tree(np.zeros(D + 1, np.float32)), jax.random.key(0))
+    outs.append(_vec(jax.jit(algo.step)(state, batches).params))
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments():
+  prox = prox_least_squares()
+  for rho in (0.0, -1.0, None):
+    with pytest.raises(ValueError, match=r"rho \(ρ, the ADMM penalty\) must be"):
+      admm_consensus(lsq_loss, rho, num_clients=N, prox=prox)
+  for alpha in (0.0, 2.0, -0.5, 2.5):
+    with pytest.raises(ValueError, match=r"relaxation \(α, over-relaxation\) must lie in the open interval \(0, 2\)"):
+      admm_consensus(lsq_loss, 1.0, num_clients=N, prox=prox, relaxation=alpha)
+  with pytest.raises(ValueError, match=r"needs prox .* or local_optimizer"):
+    admm_consensus(lsq_loss, 1.0, num_clients=N)
+  with pytest.raises(ValueError, match=r"local_steps must be a positive int"):
+    admm_consensus(lsq_loss, 1.0, num_clients=N, local_optimizer=optax.sgd(0.1), local_steps=0)
+  with pytest.raises(ValueError, match=r"balancing_tau \(τ\) must be > 1"):
+    admm_consensus(lsq_loss, 1.0, num_clients=N, prox=prox, residual_balancing=True, balancing_tau=1.0)
+  with pytest.raises(TypeError, match=r"num_clients must be a positive Python int"):
+    admm_consensus(lsq_loss, 1.0, num_clients=None, prox=prox)
+  with pytest.raises(ValueError, match=r"l2 must be finite and >= 0"):
+    prox_least_squares(-1.0)
+  with pytest.raises(ValueError, match=r"rho \(ρ, the ADMM penalty\) must be"):
+    admm_sharing(0.0, num_samples=10)
+  with pytest.raises(ValueError, match=r"l1 must be finite and >= 0"):
+    admm_sharing(1.0, num_samples=10, l1=-0.1)
+
+
+def _vertical_batches(x, y, blocks):
+  """Column blocks of X as one client each, `[N, 1, m, d_max]`; the last client has one padding sample row."""
+  m = len(y)
+  n, d_max = len(blocks), max(blocks)
+  starts = np.cumsum([0] + blocks)
+  a = np.zeros((n, 1, m + 1, d_max))
+  for i, d in enumerate(blocks):
+    a[i, 0, :m, :d] = x[:, starts[i]:starts[i + 1]]
+  a[:, 0, m] = 7.0  # a padding sample with arbitrary values
+  labels = np.broadcast_to(np.append(y, 3.0), (n, 1, m + 1)).copy()
+  mask = np.ones((n, 1, m + 1), bool)
+  mask[:, 0, m] = False
+  return fo.ClientBatches(data={"x": jnp.asarray(a), "y": jnp.asarray(labels)}, mask=jnp.asarray(mask),
+                          weight=jnp.ones(n), client_id=jnp.arange(n, dtype=jnp.int32))
+
+
+@pytest.mark.parametrize("regularizer", ["lasso", "ridge"])
+def test_sharing_admm_reaches_the_scikit_learn_solution_with_features_split_by_column(rng, regularizer):
+  m, blocks = 40, [3, 2, 4]
+  x = rng.normal(size=(m, sum(blocks)))
+  true_coef = rng.normal(size=x.shape[1]) * (rng.random(x.shape[1]) < 0.6)
+  y = x @ true_coef + 0.1 * rng.normal(size=m)
+  if regularizer == "lasso":  # (1/(2m))‖Xw − y‖² + α‖w‖₁
+    coef = Lasso(alpha=0.1, fit_intercept=False, tol=1e-14, max_iter=100000).fit(x, y).coef_
+    options = dict(l1=0.1)
+    assert np.sum(coef == 0) >= 1  # the solution is sparse, so the ℓ1 prox matters
+  else:  # ‖Xw − y‖² + α‖w‖² = 2m [(1/(2m))‖Xw − y‖² + (α/m)/2 ‖w‖²]
+    coef = Ridge(alpha=0.5, fit_intercept=False).fit(x, y).coef_
+    options = dict(l2=0.5 / m)
+  with jax.enable_x64(True):
+    batches = _vertical_batches(x, y, blocks)
+    algo = admm_sharing(0.05, num_samples=m + 1, **options)
+    state, history = _run(algo, jnp.zeros((len(blocks), max(blocks))), batches, 300)
+    got = np.concatenate([np.asarray(state.params[i, :d]) for i, d in enumerate(blocks)])
+    assert _rel_err(got, coef) < 1e-5, _rel_err(got, coef)
+    np.testing.assert_array_equal(np.asarray(state.params[1, 2:]), 0)  # padding columns stay 0
+    assert history["primal_residual"][-1] < 1e-8 and history["dual_residual"][-1] < 1e-8
+    objective = np.sum((x @ coef - y) ** 2) / (2 * m) + options.get("l1", 0) * np.abs(coef).sum() + \
+        0.5 * options.get("l2", 0) * coef @ coef
+    np.testing.assert_allclose(float(history["objective"][-1]), objective, rtol=1e-6)

@@ -1,0 +1,266 @@
+"""L2GD / L2SGD / L2SGD+ (Hanzely & Richtárik 2020) against float64 NumPy closed forms on quadratic clients.
+
+f_i(x) = ½‖A_i x − b_i‖² / m_i. The mixture optimum x(λ) solves the linear
+stationarity system H_i x_i − g_i + λ(x_i − x̄) = 0 for all i, with
+H_i = A_iᵀA_i/m_i and g_i = A_iᵀb_i/m_i: one NumPy solve.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt import objectives
+from fedjax_opt.algorithms import mixture as mx
+
+N, D, M = 4, 3, 6
+MAP = "vmap"  # tiny models: one vmapped program is the fastest on CPU
+
+
+def quad_loss(w, batch):
+  """Per-example ½(aᵀw − b)²."""
+  return 0.5 * jnp.square(batch["a"] @ w - batch["b"])
+
+
+def _problem(seed=0, n=N, m=M):
+  rng = np.random.default_rng(seed)
+  a = np.stack([rng.normal(loc=0.3 * i, size=(m, D)) for i in range(n)])
+  b = np.stack([ai @ rng.normal(size=D) + 0.1 * rng.normal(size=m) for ai in a])
+  return a, b
+
+
+def _batches(a, b, steps=2):
+  """Every client's m examples as S = `steps` steps of m/S slots, full participation."""
+  n, m = b.shape
+  return fo.ClientBatches(
+      data={"a": jnp.asarray(a.reshape(n, steps, m // steps, D)), "b": jnp.asarray(b.reshape(n, steps, m // steps))},
+      mask=jnp.ones((n, steps, m // steps), bool),
+      weight=jnp.full((n,), float(m)),
+      client_id=jnp.arange(n, dtype=jnp.int32))
+
+
+def _hessians(a, b):
+  m = b.shape[1]
+  return np.einsum("imd,ime->ide", a, a) / m, np.einsum("imd,im->id", a, b) / m
+
+
+def _optimum(a, b, lam):
+  """x(λ) `[n, d]` from the stationarity system (n·d unknowns)."""
+  h, g = _hessians(a, b)
+  n = len(h)
+  system = np.kron(np.eye(n) - np.ones((n, n)) / n, lam * np.eye(D))
+  for i in range(n):
+    system[i * D:(i + 1) * D, i * D:(i + 1) * D] += h[i]
+  return np.linalg.solve(system, g.reshape(-1)).reshape(n, D)
+
+
+def _grads(a, b, x):
+  h, g = _hessians(a, b)
+  return np.einsum("ide,ie->id", h, x) - g
+
+
+def _objective(a, b, x, lam):
+  losses = [0.5 * np.mean((ai @ xi - bi)**2) for ai, bi, xi in zip(a, b, x)]
+  return np.mean(losses) + lam / (2 * len(x)) * np.sum((x - x.mean(0))**2)
+
+
+def _constants(a, b):
+  """(L of f_i, L of f_ij, μ of f_i)."""
+  h, _ = _hessians(a, b)
+  eig = np.linalg.eigvalsh(h)
+  return eig.max(), np.max(np.sum(a**2, -1)), eig.min()
+
+
+def _run(algo, batches, steps, key=0, reference=None):
+  """One jitted lax.scan over `steps` iterations; also returns ‖x^k − reference‖² per iteration."""
+  ref = jnp.zeros((N, D)) if reference is None else jnp.asarray(reference)
+
+  def body(state, _):
+    state = algo.step(state, batches)
+    return state, jnp.sum(jnp.square(state.local_params - ref))
+
+  init = algo.init(jnp.zeros(D), jax.random.key(key))
+  state, gaps = jax.jit(lambda s: jax.lax.scan(body, s, None, length=steps))(init)
+  return state, np.asarray(gaps)
+
+
+def test_l2gd_iterations_match_numpy_in_both_branches():
+  """Algorithm 1 line by line from a random start; the coin read back from metrics['aggregated']."""
+  lam, alpha, p = 0.7, 0.3, 0.5
+  with jax.enable_x64(True):
+    a, b = _problem()
+    batches = _batches(a, b)
+    algo = mx.l2gd(quad_loss, lam, alpha, p, N)
+    x = np.random.default_rng(1).normal(size=(N, D))
+    state = algo.init(jnp.zeros(D), jax.random.key(3)).replace(local_params=jnp.asarray(x))
+    step = jax.jit(algo.step)
+    seen = set()
+    for _ in range(8):
+      state = step(state, batches)
+      coin = bool(state.metrics["aggregated"])
+      seen.add(coin)
+      np.testing.assert_allclose(float(state.metrics["objective"]), _objective(a, b, x, lam), rtol=1e-12)
+      if coin:
+        x = x - alpha * lam / (N * p) * (x - x.mean(0))
+      else:
+        x = x - alpha / (N * (1 - p)) * _grads(a, b, x)
+      np.testing.assert_allclose(np.asarray(state.local_params), x, rtol=1e-12, atol=1e-14)
+      np.testing.assert_allclose(np.asarray(state.params), x.mean(0), rtol=1e-12, atol=1e-14)
+    assert seen == {True, False}
+    np.testing.assert_allclose(mx.personalized_params(state, 2), x[2], rtol=1e-12)
+
+
+def test_l2sgd_plus_reaches_the_optimum_where_l2sgd_stalls():
+  """Figure 3 of the paper: same α and p, L2SGD+ converges linearly to x(λ), L2SGD only to a neighbourhood."""
+  lam = 1.0
+  with jax.enable_x64(True):
+    a, b = _problem()
+    batches = _batches(a, b)
+    x_star = _optimum(a, b, lam)
+    _, l_example, mu = _constants(a, b)
+    p = mx.optimal_p(lam, l_example)
+    alpha = mx.l2sgd_plus_step_size(lam, l_example, mu, p, N, M)
+    plus_algo = mx.l2sgd_plus(quad_loss, lam, alpha, p, N, M, smoothness=l_example, mu=mu, client_map=MAP)
+    plus, gaps = _run(plus_algo, batches, 3000, reference=x_star)
+    plain, plain_gaps = _run(mx.l2sgd(quad_loss, lam, alpha, p, N, client_map=MAP), batches, 3000, reference=x_star)
+    assert gaps[-1] < 1e-8 * np.sum(x_star**2), gaps[-1]
+    assert gaps[1999] < 1e-3 * gaps[499] and gaps[-1] < 1e-3 * gaps[1499]  # linear: a fixed factor per block
+    assert plain_gaps[-1000:].min() > 1e-4, plain_gaps[-1000:].min()
+    # The SAGA table holds per-example gradients and Ψ_i = λ(x_i − x̄) at the optimum.
+    table = np.asarray(plus.gradient_table).reshape(N, M, D)
+    np.testing.assert_allclose(table.mean(1), _grads(a, b, x_star), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(plus.aggregation_control), lam * (x_star - x_star.mean(0)), atol=1e-5)
+
+
+def test_l2gd_stalls_in_a_neighbourhood_that_shrinks_with_the_step_size():
+  """Theorem 4.4: exact gradients, yet the coin's noise leaves E‖x^k − x(λ)‖² = O(α) away from 0."""
+  lam = 1.0
+  with jax.enable_x64(True):
+    a, b = _problem()
+    batches = _batches(a, b)
+    x_star = _optimum(a, b, lam)
+    l_f, _, _ = _constants(a, b)
+    p = mx.optimal_p(lam, l_f)
+    alpha = mx.l2gd_max_step_size(lam, l_f, p, N)
+    floors = []
+    for scale in (1.0, 0.05):
+      _, gaps = _run(mx.l2gd(quad_loss, lam, scale * alpha, p, N, client_map=MAP), batches, 4000, reference=x_star)
+      floors.append(gaps[-2000:].mean())
+      assert gaps[-2000:].min() > 1e-9, gaps[-2000:].min()
+    assert floors[1] < 0.2 * floors[0], floors
+
+
+def test_optimum_identity_and_the_objective():
+  """x_i* = x̄* − ∇f_i(x_i*)/λ on L2SGD+'s limit; ∇F(x(λ)) = 0 (autodiff of objectives.mixture); F = NumPy."""
+  lam = 2.0
+  with jax.enable_x64(True):
+    a, b = _problem(seed=1)
+    batches = _batches(a, b)
+    _, l_example, mu = _constants(a, b)
+    p = mx.optimal_p(lam, l_example)
+    state, _ = _run(mx.l2sgd_plus(quad_loss, lam, mx.l2sgd_plus_step_size(lam, l_example, mu, p, N, M), p, N, M,
+                                    client_map=MAP), batches, 3000)
+    x = np.asarray(state.local_params)
+    np.testing.assert_allclose(x, x.mean(0) - _grads(a, b, x) / lam, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(state.params), x.mean(0), rtol=1e-12)
+    objective = objectives.mixture(quad_loss, lam)
+    grad = jax.grad(objective)(jnp.asarray(_optimum(a, b, lam)), batches)
+    np.testing.assert_allclose(np.asarray(grad), 0.0, atol=1e-12)
+    y = np.random.default_rng(2).normal(size=(N, D))
+    np.testing.assert_allclose(float(jax.jit(objective)(jnp.asarray(y), batches)), _objective(a, b, y, lam),
+                               rtol=1e-12)
+
+
+def test_lambda_zero_gives_purely_local_models():
+  """λ = 0: aggregation steps do nothing and each x_i converges to argmin f_i (least squares on client i)."""
+  with jax.enable_x64(True):
+    a, b = _problem()
+    l_f, _, _ = _constants(a, b)
+    p = 0.1  # mostly local steps; each is then x_i ← x_i − (0.95/L) ∇f_i(x_i)
+    state, _ = _run(mx.l2gd(quad_loss, 0.0, 0.95 * N * (1 - p) / l_f, p, N, client_map=MAP), _batches(a, b), 4000)
+    local = np.stack([np.linalg.lstsq(ai, bi, rcond=None)[0] for ai, bi in zip(a, b)])
+    np.testing.assert_allclose(np.asarray(state.local_params), local, atol=1e-8)
+
+
+def test_large_lambda_drives_every_model_to_the_global_optimum():
+  """‖x_i(λ) − argmin Σ f_i‖ = O(1/λ); L2SGD+ at λ = 10 reaches x(λ)."""
+  with jax.enable_x64(True):
+    a, b = _problem()
+    h, g = _hessians(a, b)
+    x_global = np.linalg.solve(h.sum(0), g.sum(0))
+    dist = [np.abs(_optimum(a, b, lam) - x_global).max() for lam in (1e1, 1e3, 1e5)]
+    assert dist[0] > 50 * dist[1] > 2500 * dist[2], dist
+    lam = 10.0
+    _, l_example, mu = _constants(a, b)
+    p = mx.optimal_p(lam, l_example)
+    _, gaps = _run(mx.l2sgd_plus(quad_loss, lam, mx.l2sgd_plus_step_size(lam, l_example, mu, p, N, M), p, N, M,
+                                   client_map=MAP), _batches(a, b), 4000, reference=_optimum(a, b, lam))
+    assert gaps[-1] < 1e-10, gaps[-1]
+
+
+def test_expected_number_of_communications():
+  """Lemma 4.2: communications (coin 0 → 1) over k steps average p(1−p) per step; 4000 seeds, vmap over keys."""
+  p, k, seeds = 0.3, 100, 4000
+  a, b = _problem(n=2, m=2)
+  batches = _batches(a.astype(np.float32), b.astype(np.float32), steps=1)
+  algo = mx.l2gd(quad_loss, 1.0, 0.1, p, 2, client_map="vmap")
+
+  def count(key):
+    state = algo.init(jnp.zeros(D), key)
+    state, _ = jax.lax.scan(lambda s, _: (algo.step(s, batches), None), state, None, length=k)
+    return state.metrics["num_communications"]
+
+  counts = np.asarray(jax.jit(jax.vmap(count))(jax.random.split(jax.random.key(0), seeds)), np.float64)
+  expected = (k - 1) * p * (1 - p)  # the run starts in sync (ξ_{−1} = 1): k − 1 possible 0 → 1 transitions
+  assert abs(counts.mean() - expected) < 4 * counts.std() / np.sqrt(seeds), (counts.mean(), expected)
+
+
+def test_bad_input():
+  with pytest.raises(ValueError, match=r"lam must be finite and >= 0"):
+    mx.l2gd(quad_loss, -1.0, 0.1, 0.5, N)
+  for p in (0.0, 1.0, 1.5, -0.1):
+    with pytest.raises(ValueError, match=r"p must lie in the open interval \(0, 1\)"):
+      mx.l2sgd_plus(quad_loss, 1.0, 0.1, p, N, M)
+  with pytest.raises(ValueError, match=r"step_size must be finite and > 0"):
+    mx.l2sgd(quad_loss, 1.0, 0.0, 0.5, N)
+  bound = mx.l2gd_max_step_size(1.0, 2.0, 0.5, N)
+  assert bound == pytest.approx(0.5 * N * min(0.5 / 2.0, 0.5 / 1.0))
+  with pytest.warns(UserWarning, match=r"exceeds the theoretical bound .*Theorem 4.4\) = 0.5"):
+    mx.l2gd(quad_loss, 1.0, 0.6, 0.5, N, smoothness=2.0)
+  with pytest.warns(UserWarning, match=r"Theorem 5.2"):
+    mx.l2sgd_plus(quad_loss, 1.0, 10.0, 0.5, N, M, smoothness=2.0, mu=0.1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    mx.l2gd(quad_loss, 1.0, 0.5, 0.5, N, smoothness=2.0)  # at the bound: no warning
+  a, b = _problem()
+  algo = mx.l2sgd_plus(quad_loss, 1.0, 0.1, 0.5, N, M + 1)
+  with pytest.raises(ValueError, match=r"S·B = num_examples = 7"):
+    algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), _batches(a, b))
+  algo = mx.l2gd(quad_loss, 1.0, 0.1, 0.5, N + 1)
+  with pytest.raises(ValueError, match=r"all num_clients = 5 clients"):
+    algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), _batches(a, b))
+
+
+def test_vmap_over_lambda_of_the_scanned_solver():
+  """jax.vmap over traced (λ, α, p) of a jitted lax.scan: each lane reaches its own x(λ) and equals the lone run."""
+  with jax.enable_x64(True):
+    a, b = _problem()
+    batches = _batches(a, b)
+    _, l_example, mu = _constants(a, b)
+    lams = jnp.array([0.5, 2.0, 4.0])
+    ps = mx.optimal_p(lams, l_example)
+    alphas = mx.l2sgd_plus_step_size(lams, l_example, mu, ps, N, M)
+
+    def solve(lam, alpha, p):
+      algo = mx.l2sgd_plus(quad_loss, lam, alpha, p, N, M, client_map=MAP)
+      state = algo.init(jnp.zeros(D), jax.random.key(0))
+      return jax.lax.scan(lambda s, _: (algo.step(s, batches), None), state, None, length=3000)[0].local_params
+
+    swept = np.asarray(jax.jit(jax.vmap(solve))(lams, alphas, ps))
+    for i, lam in enumerate(np.asarray(lams)):
+      np.testing.assert_allclose(swept[i], _optimum(a, b, lam), atol=1e-7)
+    lone = jax.jit(solve)(lams[1], alphas[1], ps[1])
+    np.testing.assert_allclose(swept[1], np.asarray(lone), rtol=1e-10, atol=1e-12)
