@@ -9,3 +9,6 @@ from fedjax_opt.algorithms.admm import (ADMMConsensusState, ADMMSharingState, ad
                                         prox_least_squares, prox_quadratic)
 from fedjax_opt.algorithms.mixture import (L2GDState, L2SGDPlusState, l2gd, l2gd_max_step_size, l2sgd, l2sgd_plus,
                                            l2sgd_plus_step_size, optimal_p, personalized_params)
+from fedjax_opt.algorithms.ditto import DittoState, ditto
+from fedjax_opt.algorithms.per_fedavg import per_fedavg, personalize
+from fedjax_opt.algorithms.pfedme import PFedMeState, pfedme

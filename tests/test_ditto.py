@@ -1,0 +1,119 @@
+"""Ditto against a float64 NumPy transcription, its λ limits, and its closed-form personal fixed point."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt.algorithms.ditto import ditto, personalized_params
+
+D, N = 3, 5
+
+
+def quad_loss(w, batch):
+  """Per-example ½(xᵀw − y)²: the masked mean is ½wᵀAw − bᵀw + c, A = XᵀX/n, b = Xᵀy/n."""
+  return 0.5 * jnp.square(batch["x"] @ w - batch["y"])
+
+
+def _grad_np(w, x, y, m):
+  return x[m].T @ (x[m] @ w - y[m]) / max(m.sum(), 1)
+
+
+def _batches(rng, steps=2, c=4, b=4):
+  """Clients with ids 3, 0, 4 (client 0's last step is padding) and a zero-weight client with id 0."""
+  x, y = rng.normal(size=(c, steps, b, D)), rng.normal(size=(c, steps, b))
+  mask = np.ones((c, steps, b), bool)
+  mask[0, -1] = False
+  mask[2, 0, :2] = False
+  weight = np.array([4.0, 3.0, 5.0, 0.0])
+  ids = np.array([3, 0, 4, 0])
+  batches = fo.ClientBatches(data={"x": jnp.asarray(x), "y": jnp.asarray(y)}, mask=jnp.asarray(mask),
+                             weight=jnp.asarray(weight, jnp.float32), client_id=jnp.asarray(ids, jnp.int32))
+  return batches, (x, y, mask, weight, ids)
+
+
+def _numpy_round(w, table, x, y, mask, weight, ids, lam, lr, personal_lr, personal_steps):
+  """Algorithm 1 of Li et al.: FedAvg (weighted by n_k) for w; proximal SGD for v_i, batches cycled."""
+  table = table.copy()
+  deltas, weights = [], []
+  for c in range(x.shape[0]):
+    if weight[c] == 0:
+      continue
+    wc = w.copy()
+    for s in range(x.shape[1]):
+      if mask[c, s].any():
+        wc = wc - lr * _grad_np(wc, x[c, s], y[c, s], mask[c, s])
+    deltas.append(wc - w)
+    weights.append(weight[c])
+    v = table[ids[c]].copy()
+    for p in range(personal_steps):
+      s = p % x.shape[1]
+      if mask[c, s].any():
+        v = v - personal_lr * (_grad_np(v, x[c, s], y[c, s], mask[c, s]) + lam * (v - w))
+    table[ids[c]] = v
+  return w + np.average(deltas, axis=0, weights=weights), table
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.7])
+def test_one_round_matches_numpy_and_only_participants_write(rng, lam):
+  """λ = 0 is purely local SGD on v_i (checked also by its independence of w); 3 of 5 clients write."""
+  lr, personal_lr, personal_steps = 0.1, 0.2, 5
+  with jax.enable_x64(True):
+    batches, (x, y, mask, weight, ids) = _batches(rng)
+    w, table = rng.normal(size=D), rng.normal(size=(N, D))
+    algo = ditto(quad_loss, lam, optax.sgd(lr), personal_lr, personal_steps, num_clients=N)
+    state = algo.init(jnp.asarray(w), jax.random.key(0)).replace(personal_params=jnp.asarray(table))
+    out = jax.jit(algo.step)(state, batches)
+    ref_w, ref_table = _numpy_round(w, table, x, y, mask, weight, ids, lam, lr, personal_lr, personal_steps)
+    np.testing.assert_allclose(np.asarray(out.params), ref_w, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(out.personal_params), ref_table, rtol=1e-12)
+    for i in (1, 2):
+      np.testing.assert_array_equal(np.asarray(out.personal_params[i]), table[i])
+    np.testing.assert_allclose(np.asarray(personalized_params(out, 4)), ref_table[4], rtol=1e-12)
+    if lam == 0.0:
+      other = jax.jit(algo.step)(state.replace(params=jnp.asarray(w + 5.0)), batches)
+      np.testing.assert_allclose(np.asarray(other.personal_params), ref_table, rtol=1e-12)
+
+
+@pytest.mark.parametrize("lam", [0.5, 1e4])
+def test_personal_model_reaches_the_closed_form_and_the_global_model_as_lam_grows(rng, lam):
+  """For fixed w_t, P full-batch personal steps converge to (A_i + λI)⁻¹(b_i + λw_t); λ = 1e4 gives v_i ≈ w_t."""
+  n_clients, n = 3, 6
+  with jax.enable_x64(True):
+    xs = rng.normal(size=(n_clients, 1, n, D))
+    ys = rng.normal(size=(n_clients, 1, n))
+    batches = fo.ClientBatches(data={"x": jnp.asarray(xs), "y": jnp.asarray(ys)},
+                               mask=jnp.ones((n_clients, 1, n), bool), weight=jnp.full((n_clients,), float(n)),
+                               client_id=jnp.arange(n_clients, dtype=jnp.int32))
+    a = [x[0].T @ x[0] / n for x in xs]
+    b = [x[0].T @ y[0] / n for x, y in zip(xs, ys)]
+    personal_lr = 1.0 / (max(np.linalg.eigvalsh(ai).max() for ai in a) + lam)
+    w = rng.normal(size=D)
+    algo = ditto(quad_loss, lam, optax.sgd(0.1), personal_lr, 400, num_clients=n_clients)
+    out = jax.jit(algo.step)(algo.init(jnp.asarray(w), jax.random.key(0)), batches)
+    expected = np.stack([np.linalg.solve(ai + lam * np.eye(D), bi + lam * w) for ai, bi in zip(a, b)])
+    np.testing.assert_allclose(np.asarray(out.personal_params), expected, rtol=1e-9, atol=1e-12)
+    gap = np.abs(np.asarray(out.personal_params) - w).max()
+    if lam > 1e3:
+      assert gap < 1e-3  # ‖v_i − w_t‖ = O(‖∇f_i(w_t)‖ / λ)
+    else:
+      assert gap > 1e-2
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="lam"):
+    ditto(quad_loss, -1.0, optax.sgd(0.1), 0.1, 1, num_clients=N)
+  with pytest.raises(ValueError, match="personal_lr"):
+    ditto(quad_loss, 1.0, optax.sgd(0.1), 0.0, 1, num_clients=N)
+  with pytest.raises(ValueError, match="personal_steps"):
+    ditto(quad_loss, 1.0, optax.sgd(0.1), 0.1, 0, num_clients=N)
+  with pytest.raises(TypeError, match="client_optimizer"):
+    ditto(quad_loss, 1.0, "sgd", 0.1, 1, num_clients=N)
+  with pytest.raises(ValueError, match="num_clients"):
+    ditto(quad_loss, 1.0, optax.sgd(0.1), 0.1, 1, num_clients=0)
+  batches, _ = _batches(np.random.default_rng(1))
+  algo = ditto(quad_loss, 1.0, optax.sgd(0.1), 0.1, 1, num_clients=3)
+  with pytest.raises(ValueError, match="num_clients"):
+    algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), batches)

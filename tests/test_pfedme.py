@@ -1,0 +1,118 @@
+"""pFedMe against its closed-form fixed point on quadratics and a float64 NumPy transcription of Algorithm 1."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt.algorithms.pfedme import pfedme, personalized_params
+
+D, N = 3, 5
+
+
+def quad_loss(w, batch):
+  """Per-example ½(xᵀw − y)²: the masked mean is ½wᵀAw − bᵀw + c, A = XᵀX/n, b = Xᵀy/n."""
+  return 0.5 * jnp.square(batch["x"] @ w - batch["y"])
+
+
+def _grad_np(w, x, y, m):
+  n = max(m.sum(), 1)
+  return x[m].T @ (x[m] @ w - y[m]) / n
+
+
+def _numpy_round(w, thetas, x, y, mask, weight, ids, lam, k, nu, eta, beta):
+  """Algorithm 1 of Dinh et al.: θ from w_t, warm across local steps; uniform mean over clients taking part."""
+  thetas = thetas.copy()
+  finals = []
+  for c in range(x.shape[0]):
+    if weight[c] == 0:
+      continue
+    w_i, theta = w.copy(), w.copy()
+    for r in range(x.shape[1]):
+      if not mask[c, r].any():
+        continue
+      for _ in range(k):
+        theta = theta - nu * (_grad_np(theta, x[c, r], y[c, r], mask[c, r]) + lam * (theta - w_i))
+      w_i = w_i - eta * lam * (w_i - theta)
+    finals.append(w_i)
+    thetas[ids[c]] = theta
+  return (1 - beta) * w + beta * np.mean(finals, axis=0), thetas
+
+
+def _batches(rng, steps):
+  """Clients with ids 3, 0, 4 (client 0's last step is padding) and a zero-weight client with id 0."""
+  c, b = 4, 4
+  x, y = rng.normal(size=(c, steps, b, D)), rng.normal(size=(c, steps, b))
+  mask = np.ones((c, steps, b), bool)
+  mask[0, -1] = steps == 1
+  mask[2, 0, :2] = False
+  weight = np.array([4.0, 3.0, 5.0, 0.0])
+  ids = np.array([3, 0, 4, 0])
+  return fo.ClientBatches(data={"x": jnp.asarray(x), "y": jnp.asarray(y)}, mask=jnp.asarray(mask),
+                          weight=jnp.asarray(weight, jnp.float32), client_id=jnp.asarray(ids, jnp.int32)), (
+                              x, y, mask, weight, ids)
+
+
+@pytest.mark.parametrize("beta,local_steps", [(1.0, 1), (1.5, 2)])
+def test_one_round_matches_numpy_and_only_participants_write(rng, beta, local_steps):
+  lam, k, nu, eta = 2.0, 4, 0.1, 0.3
+  with jax.enable_x64(True):
+    batches, (x, y, mask, weight, ids) = _batches(rng, local_steps)
+    w = rng.normal(size=D)
+    thetas = rng.normal(size=(N, D))
+    algo = pfedme(quad_loss, lam, k, nu, local_steps, eta, beta, N)
+    state = algo.init(jnp.asarray(w), jax.random.key(0)).replace(personal_params=jnp.asarray(thetas))
+    out = jax.jit(algo.step)(state, batches)
+    ref_w, ref_thetas = _numpy_round(w, thetas, x, y, mask, weight, ids, lam, k, nu, eta, beta)
+    np.testing.assert_allclose(np.asarray(out.params), ref_w, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(out.personal_params), ref_thetas, rtol=1e-12)
+    for i in (1, 2):  # not sampled: bit for bit
+      np.testing.assert_array_equal(np.asarray(out.personal_params[i]), thetas[i])
+    np.testing.assert_allclose(np.asarray(personalized_params(out, 3)), ref_thetas[3], rtol=1e-12)
+
+
+def test_global_model_reaches_the_moreau_envelope_fixed_point(rng):
+  """Exact inner solves give θ_i(w) = (A_i + λI)⁻¹(b_i + λw); the stationary w solves Σ_i λ(w − θ_i(w)) = 0."""
+  lam, n_clients, n = 1.0, 4, 8
+  with jax.enable_x64(True):
+    xs = [rng.normal(loc=0.5 * i, size=(n, D)) for i in range(n_clients)]
+    ys = [x @ rng.normal(size=D) + 0.1 * rng.normal(size=n) for x in xs]
+    a = [x.T @ x / n for x in xs]
+    b = [x.T @ yy / n for x, yy in zip(xs, ys)]
+    m = [np.linalg.inv(ai + lam * np.eye(D)) for ai in a]
+    # Σ_i (w − M_i(b_i + λw)) = 0  ⇔  (N I − λ Σ M_i) w = Σ M_i b_i
+    w_star = np.linalg.solve(n_clients * np.eye(D) - lam * sum(m), sum(mi @ bi for mi, bi in zip(m, b)))
+    theta_star = np.stack([mi @ (bi + lam * w_star) for mi, bi in zip(m, b)])
+    nu = 1.0 / (max(np.linalg.eigvalsh(ai).max() for ai in a) + lam)
+    batches = fo.ClientBatches(
+        data={"x": jnp.asarray(np.stack(xs))[:, None], "y": jnp.asarray(np.stack(ys))[:, None]},
+        mask=jnp.ones((n_clients, 1, n), bool), weight=jnp.full((n_clients,), float(n)),
+        client_id=jnp.arange(n_clients, dtype=jnp.int32))
+    algo = pfedme(quad_loss, lam, 200, nu, 1, 0.8, 1.0, n_clients)
+    state = algo.init(jnp.zeros(D), jax.random.key(0))
+    final, _ = jax.jit(lambda s: jax.lax.scan(lambda s, _: (algo.step(s, batches), None), s, None, length=200))(state)
+    np.testing.assert_allclose(np.asarray(final.params), w_star, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(final.personal_params), theta_star, rtol=1e-8, atol=1e-10)
+    global_opt = np.linalg.solve(sum(a), sum(b))
+    assert np.linalg.norm(w_star - global_opt) > 1e-2  # the fixed point is not FedAvg's optimum
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="lam"):
+    pfedme(quad_loss, 0.0, 1, 0.1, 1, 0.1, 1.0, N)
+  with pytest.raises(ValueError, match="inner_steps"):
+    pfedme(quad_loss, 1.0, 0, 0.1, 1, 0.1, 1.0, N)
+  with pytest.raises(ValueError, match="inner_lr"):
+    pfedme(quad_loss, 1.0, 1, -0.1, 1, 0.1, 1.0, N)
+  with pytest.raises(ValueError, match="beta"):
+    pfedme(quad_loss, 1.0, 1, 0.1, 1, 0.1, 0.0, N)
+  with pytest.raises(ValueError, match="num_clients"):
+    pfedme(quad_loss, 1.0, 1, 0.1, 1, 0.1, 1.0, 0)
+  batches, _ = _batches(np.random.default_rng(1), 2)
+  algo = pfedme(quad_loss, 1.0, 1, 0.1, 1, 0.1, 1.0, N)
+  with pytest.raises(ValueError, match="local_steps"):
+    algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), batches)
+  algo = pfedme(quad_loss, 1.0, 1, 0.1, 2, 0.1, 1.0, 3)
+  with pytest.raises(ValueError, match="num_clients"):
+    algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), batches)
