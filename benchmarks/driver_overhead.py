@@ -6,7 +6,9 @@ regression on Synthetic(1,1) with `--workload lr`. Both sides draw each
 round's clients and batches with `fo.data.sample_round` inside the compiled
 program, so the difference is the driver's own cost: chunking, host
 transfers of the per-round metrics, history and progress (and evaluation
-when `--eval` is given). Compilation is excluded on both sides.
+in the rows that say so). Compilation is excluded on both sides, and the
+runs are timed in turn within each repeat, so that load on a shared
+machine drifts across all of them alike.
 
     python benchmarks/driver_overhead.py              # prints a table, writes JSON
     python benchmarks/driver_overhead.py --workload lr --rounds 2000
@@ -36,33 +38,37 @@ def workload(name):
   return dataset, model, dict(clients_per_round=10, local_steps=20, batch_size=10)
 
 
-def bare_scan_seconds(algo, state, dataset, rounds, kw, repeats):
+def bare_scan(algo, state, dataset, rounds, kw):
+  """A compiled function running `rounds` rounds in one `lax.scan`, sampling inside."""
   key = jax.random.key(0)
 
   def run(state, dataset):
     def body(s, _):
-      return algo.step(s, fo.data.sample_round(jax.random.fold_in(key, s.round), dataset, **kw)), None
-    return jax.lax.scan(body, state, None, length=rounds)[0]
+      return algo.step(s, fo.data.sample_round(jax.random.fold_in(key, s.round), dataset, **kw)), s.metrics
+    return jax.lax.scan(body, state, None, length=rounds)
 
   compiled = jax.jit(run).lower(state, dataset).compile()
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(state, dataset))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return lambda: jax.block_until_ready(compiled(state, dataset))
 
 
-def driver_seconds(algo, state, dataset, rounds, kw, eval_every, metric_fns, repeats):
-  times = []
-  train = lambda: fo.train(algo, state, dataset, rounds, eval_every=eval_every, metric_fns=metric_fns,
-                           progress=False, **kw)
-  train()  # compiles (cached for the timed runs)
+def driver(algo, state, dataset, rounds, kw, eval_every, metric_fns):
+  run = lambda: jax.block_until_ready(fo.train(algo, state, dataset, rounds, eval_every=eval_every,
+                                               metric_fns=metric_fns, progress=False, **kw)[0])
+  run()  # compiles once (the driver caches compiled chunks)
+  return run
+
+
+def interleaved_medians(runs, repeats):
+  """Median seconds of each run, timed in turn within every repeat so that load drift hits all alike."""
+  times = [[] for _ in runs]
+  for fn in runs:
+    fn()
   for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(train()[0])
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    for i, fn in enumerate(runs):
+      t0 = time.perf_counter()
+      fn()
+      times[i].append(time.perf_counter() - t0)
+  return [statistics.median(t) for t in times]
 
 
 def main():
@@ -77,12 +83,13 @@ def main():
   algo = fo.algorithms.fedavg(model.loss_fn, optax.sgd(0.05))
   state = algo.init(model.init(jax.random.key(0)), jax.random.key(1))
   fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
-  bare = bare_scan_seconds(algo, state, dataset, args.rounds, kw, args.repeats)
-  rows = [("bare jitted lax.scan(step)", bare)]
+  labels = ["bare jitted lax.scan(step)"]
+  runs = [bare_scan(algo, state, dataset, args.rounds, kw)]
   for eval_every, with_eval in ((args.rounds // 10, False), (args.rounds // 10, True), (args.rounds // 50, False)):
-    label = f"fo.train, chunks of {eval_every}" + (", eval each chunk" if with_eval else "")
-    rows.append((label, driver_seconds(algo, state, dataset, args.rounds, kw, eval_every, fns if with_eval else None,
-                                       args.repeats)))
+    labels.append(f"fo.train, chunks of {eval_every}" + (", eval each chunk" if with_eval else ""))
+    runs.append(driver(algo, state, dataset, args.rounds, kw, eval_every, fns if with_eval else None))
+  rows = list(zip(labels, interleaved_medians(runs, args.repeats)))
+  bare = rows[0][1]
   print(f"workload={args.workload} rounds={args.rounds} backend={jax.default_backend()} {kw}")
   print(f"{'run':45} {'seconds':>9} {'rounds/s':>10} {'vs bare':>8}")
   for label, seconds in rows:

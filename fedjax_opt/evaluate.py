@@ -79,13 +79,17 @@ def global_model(params: PyTree, dataset: Any, metric_fns: Mapping[str, MetricFn
     dataset: a `fedjax_opt.data.FederatedDataset`.
     metric_fns: `{name: fn(params, batch) -> [B]}`, e.g. the model's loss and accuracy.
     split: "test" (each client's held-back examples) or "train".
-    batch_size: example slots per evaluation step.
+    batch_size: example slots per evaluation step (capped at the largest
+      client's count in the split, so small clients are not padded to it).
     chunk_clients: clients evaluated at once.
 
   Returns:
     `{name: scalar, name + "_client_mean": scalar}` for each metric.
   """
   _check_metric_fns(metric_fns)
+  # No client needs more slots than the largest client's count in this split.
+  largest = dataset.max_test if split == "test" else dataset.max_train
+  batch_size = max(1, min(batch_size, largest))
   n = dataset.num_clients
   chunk = min(chunk_clients, n)
   num_chunks = math.ceil(n / chunk)
