@@ -1,0 +1,352 @@
+"""Sharded client maps on 8 simulated CPU devices agree with a Python loop over clients, vmap and chunked maps.
+
+XLA must be told to simulate 8 host devices before JAX starts
+(`XLA_FLAGS=--xla_force_host_platform_device_count=8`), and the rest of the
+suite must keep seeing one device. So the checks run once in a subprocess
+(this file run as a script), which prints its measurements as JSON; the
+tests below assert on them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+NUM_DEVICES = 8
+C, S, B, D, K = 13, 3, 4, 5, 3  # 13 clients: not a multiple of 8 devices
+ROUNDS = 2
+CLIENT_LR, SERVER_LR = 0.1, 0.01
+
+
+@pytest.fixture(scope="module", autouse=True)
+def worker():
+  """Starts the 8-device subprocess when the module starts: it compiles while the single-device tests run."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+  yield proc
+  if proc.poll() is None:
+    proc.kill()
+    proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def report(worker):
+  try:
+    out, err = worker.communicate(timeout=300)
+  except subprocess.TimeoutExpired:
+    worker.kill()
+    pytest.fail("the 8-device subprocess did not finish within 300 s")
+  assert worker.returncode == 0, err[-4000:]
+  return json.loads(out.strip().splitlines()[-1])
+
+
+# ---- on this process's single device: mode choice, unrolling, the memory rule -------------------------------
+
+
+def _conv_setup(c=4):
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  from fedjax_opt.core.local import local_train
+
+  def loss_fn(params, batch):
+    h = jax.lax.conv_general_dilated(batch["x"], params["k"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO",
+                                                                                                   "NHWC"))
+    logits = jnp.mean(jax.nn.relu(h), axis=(1, 2)) @ params["w"]
+    return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch["y"][:, None], -1)[:, 0]
+
+  rng = np.random.default_rng(1)
+  params = {"k": jnp.asarray(0.3 * rng.normal(size=(3, 3, 1, 4)), jnp.float32),
+            "w": jnp.asarray(0.3 * rng.normal(size=(4, 3)), jnp.float32)}
+  per_client = ({"x": jnp.asarray(rng.normal(size=(c, S, B, 6, 6, 1)), jnp.float32),
+                 "y": jnp.asarray(rng.integers(0, 3, (c, S, B)), jnp.int32)}, jnp.ones((c, S, B), bool))
+  fn = lambda p, client: local_train(loss_fn, optax.sgd(0.1), p, *client).delta
+  return fn, params, per_client
+
+
+def test_rewritten_client_functions_give_the_same_values_and_gradients():
+  """Unrolled scans and convolutions moved to the canonical layout change nothing but speed."""
+  import jax
+  import jax.numpy as jnp
+
+  from fedjax_opt.core import client_map as cm
+
+  fn, params, per_client = _conv_setup()
+  mapped = jax.jit(lambda p, mode: cm.map_clients(mode, fn, p, per_client), static_argnums=1)
+  ref = mapped(params, "vmap")
+  for mode in ("chunked:3:unroll", "sequential:canonical_convs"):
+    for a, b in zip(jax.tree.leaves(mapped(params, mode)), jax.tree.leaves(ref)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  grad = jax.jit(jax.grad(lambda p, mode: sum(jnp.sum(d ** 2) for d in jax.tree.leaves(mapped(p, mode)))),
+                 static_argnums=1)
+  for a, b in zip(jax.tree.leaves(grad(params, "vmap:unroll:canonical_convs")), jax.tree.leaves(grad(params, "vmap"))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  one_client = jax.tree.map(lambda a: a[0], per_client)
+  jaxpr = jax.make_jaxpr(cm.rewrite_client_fn(fn, unroll=True, canonical_convs=True))(params, one_client)
+  scans = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+  assert scans and all(e.params["unroll"] == 0 for e in scans)  # 0: no while loop left, even for one step
+  convs = [e for e in cm._equations(jaxpr.jaxpr) if e.primitive.name == "conv_general_dilated"]
+  assert len(convs) == 2 and all(cm._is_canonical(e.params) for e in convs)  # forward, weight gradient
+
+
+@pytest.mark.parametrize("dimension_numbers,lhs_shape,rhs_shape", [
+    (("NHWC", "HWIO", "NHWC"), (2, 7, 6, 3), (3, 2, 3, 4)),
+    (("NCHW", "OIHW", "NCHW"), (2, 3, 7, 6), (4, 3, 3, 2)),
+    (("NHWC", "OIHW", "NCHW"), (2, 7, 6, 3), (4, 3, 3, 2)),
+])
+def test_canonical_conv_is_bit_identical(dimension_numbers, lhs_shape, rhs_shape):
+  import jax
+
+  from fedjax_opt.core import client_map as cm
+
+  rng = np.random.default_rng(0)
+  lhs, rhs = rng.normal(size=lhs_shape).astype(np.float32), rng.normal(size=rhs_shape).astype(np.float32)
+  conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (2, 1), ((1, 0), (2, 1)), (1, 1), (1, 2), dimension_numbers)
+  eqn = jax.make_jaxpr(conv)(lhs, rhs).eqns[0]
+  np.testing.assert_array_equal(cm.canonical_conv(lhs, rhs, **eqn.params), conv(lhs, rhs))
+
+
+def test_auto_choice_on_cpu():
+  """Convolutions: a loop over clients in the canonical layout; a big dense model: a loop; a small one: vmap."""
+  import jax.numpy as jnp
+
+  from fedjax_opt.core import client_map as cm
+
+  fn, params, per_client = _conv_setup()
+  assert cm.auto().resolve(fn, params, per_client) == cm.sequential(canonical_convs=True)
+  dense = lambda p, x: jnp.tanh(x @ p)
+  x = jnp.ones((6, 4, 300))
+  assert cm.auto().resolve(dense, jnp.ones((300, 300)), x) == cm.sequential()
+  assert cm.auto().resolve(dense, jnp.ones((300, 10)), x) == cm.vmap()
+  footprint = cm.client_footprint(dense, jnp.ones((300, 10)), x)
+  assert cm.auto(memory_budget=2 * footprint).resolve(dense, jnp.ones((300, 10)), x) == cm.chunked(2)
+  assert cm.auto().resolve() == cm.sequential()  # no function to look at: the backend's default
+
+
+def test_memory_rule_picks_balanced_chunks():
+  from fedjax_opt.core import client_map as cm
+
+  fn, params, per_client = _conv_setup(c=10)
+  one = cm.client_footprint(fn, params, per_client)
+  data_bytes = S * B * 6 * 6 * 4
+  assert one > data_bytes  # at least its own data, plus model copies and activations
+  assert cm.default_chunk_size(fn, params, per_client, memory_budget=100 * one) == 10
+  assert cm.default_chunk_size(fn, params, per_client, memory_budget=4 * one) == 4  # chunks 4, 4, 2 -> ceil(10/3)
+  assert cm.default_chunk_size(fn, params, per_client, memory_budget=3 * one) == 3  # 4 chunks: 3, 3, 3, 1 -> 3
+  assert cm.default_chunk_size(fn, params, per_client, memory_budget=1) == 1
+  assert cm.default_memory_budget() > 0
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("vmap:unroll", "VMap(unroll=True, canonical_convs=False)"),
+    ("chunked", "Chunked(chunk_size=None, unroll=False, canonical_convs=False, memory_budget=None)"),
+    ("chunked:4:unroll", "Chunked(chunk_size=4, unroll=True, canonical_convs=False, memory_budget=None)"),
+    ("sequential:canonical_convs", "Chunked(chunk_size=1, unroll=False, canonical_convs=True, memory_budget=None)"),
+    ("sharded:chunked:8", "Sharded(mesh=None, inner=Chunked(chunk_size=8, unroll=False, canonical_convs=False, "
+                          "memory_budget=None), axis_name='clients')"),
+])
+def test_mode_names(name, expected):
+  from fedjax_opt.core import client_map as cm
+
+  assert repr(cm.resolve(name)) == expected
+
+
+def test_bad_modes_name_the_argument():
+  import jax
+  from jax.sharding import Mesh
+
+  from fedjax_opt.core import client_map as cm
+
+  for bad in ("pmap", "chunked:4:roll", "sharded:pmap", "vmap:2", "chunked:0", "vmap:unroll:unroll",
+              "sharded:sharded"):
+    with pytest.raises(ValueError, match="client_map must be one of"):
+      cm.resolve(bad)
+  with pytest.raises(ValueError, match="no axis named 'clients'"):
+    cm.sharded(Mesh(np.asarray(jax.devices()), ("data",)))
+  with pytest.raises(ValueError, match="single-device mode"):
+    cm.sharded(inner=cm.sharded())
+  with pytest.raises(ValueError, match="memory_budget must be a positive int"):
+    cm.auto(memory_budget=0)
+  with pytest.raises(TypeError, match="unroll must be a bool"):
+    cm.vmap(unroll=1)
+  with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+    cm.chunked(0)
+
+
+def test_sharded_on_one_device_is_the_inner_mode():
+  import jax
+  import jax.numpy as jnp
+
+  from fedjax_opt.core import client_map as cm
+
+  fn = lambda w, c: jnp.tanh(c @ w).sum(0)
+  w, clients = jnp.ones((D, 2)), jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, D)), jnp.float32)
+  out = jax.jit(lambda w, c: cm.map_clients("sharded:vmap", fn, w, c))(w, clients)
+  np.testing.assert_allclose(out, np.stack([fn(w, c) for c in clients]), rtol=1e-6)
+
+
+# ---- the 8-device subprocess's results -----------------------------------------------------------------
+
+
+def test_subprocess_sees_8_devices_and_this_process_one(report):
+  import jax
+
+  assert report["device_count"] == NUM_DEVICES
+  assert jax.device_count() == 1
+
+
+@pytest.mark.parametrize("server", ["fedavg", "fedadam"])
+def test_every_mode_matches_a_python_loop_over_clients(report, server):
+  """Reference loop, vmap, sequential, chunked and sharded (8 devices, C = 13) give the same new server state."""
+  diffs = report["modes"][server]
+  assert set(diffs) == {"vmap", "chunked:4", "sharded:vmap", "sharded:chunked:2", "sharded:auto"}
+  for mode, diff in diffs.items():
+    assert diff < 2e-6, (mode, diff)
+
+
+def test_sharded_map_returns_one_row_per_client(report):
+  """Padding clients (13 -> 16) are sliced off: the caller sees [C] rows equal to a loop's."""
+  assert report["map_shape"] == [C, D]
+  assert report["map_diff"] < 1e-6
+
+
+def test_global_batches_pad_with_zero_weight_clients(report):
+  """distributed.global_batches on one process: 13 clients padded to 16 zero-weight ones, same FedAdam state."""
+  assert report["global_batches"]["num_clients"] == 16
+  assert report["global_batches"]["padding_weights"] == [0.0, 0.0, 0.0]
+  assert report["global_batches"]["diff"] < 2e-6
+
+
+def test_per_client_state_split_across_devices(report):
+  """SCAFFOLD's per-client table split on the clients axis gives the same round as a replicated one."""
+  assert report["scaffold"]["table_sharding"] == "P('clients',)"
+  assert report["scaffold"]["diff"] < 1e-6
+
+
+def test_sweep_of_a_sharded_algorithm(report):
+  """jax.vmap over seeds composes with shard_map: a sweep of sharded FedAvg equals a sweep of vmapped FedAvg."""
+  assert report["sweep_diff"] < 2e-6
+
+
+# ---- the subprocess ------------------------------------------------------------------------------------------
+
+
+def _worker() -> dict:
+  import jax
+  import jax.numpy as jnp
+  import optax
+
+  import fedjax_opt as fo
+  from fedjax_opt import distributed, sweep
+  from fedjax_opt.core import client_map as cm
+  from fedjax_opt.core.local import local_train
+
+  rng = np.random.default_rng(0)
+  mesh = cm.client_mesh()
+
+  def loss_fn(params, batch):
+    logits = batch["x"] @ params["w"] + params["b"]
+    return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch["y"][:, None], -1)[:, 0]
+
+  def make_batches(c):
+    return fo.ClientBatches(
+        data={"x": jnp.asarray(rng.normal(size=(c, S, B, D)), jnp.float32),
+              "y": jnp.asarray(rng.integers(0, K, (c, S, B)), jnp.int32)},
+        mask=jnp.asarray(rng.random((c, S, B)) < 0.8), weight=jnp.asarray(rng.integers(1, 12, c), jnp.float32),
+        client_id=jnp.arange(c, dtype=jnp.int32))
+
+  rounds = [make_batches(C) for _ in range(ROUNDS)]
+  params = {"w": jnp.asarray(0.1 * rng.normal(size=(D, K)), jnp.float32), "b": jnp.zeros(K, jnp.float32)}
+  servers = {"fedavg": optax.sgd(1.0), "fedadam": fo.server_optimizers.fedadam(SERVER_LR)}
+
+  def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+  # The reference: a Python loop over clients, then the weighted mean and server step in float64 NumPy.
+  client = jax.jit(lambda p, data, mask: local_train(loss_fn, optax.sgd(CLIENT_LR), p, data, mask).delta)
+
+  def reference(server):
+    x = {k: np.asarray(v, np.float64) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in x.items()}
+    v = {k: np.full_like(val, 1e-3 ** 2) for k, val in x.items()}
+    for batches in rounds:
+      model = {k: jnp.asarray(val, jnp.float32) for k, val in x.items()}
+      deltas = [client(model, jax.tree.map(lambda a, c=c: a[c], batches.data), batches.mask[c]) for c in range(C)]
+      w = np.asarray(batches.weight, np.float64)
+      delta = {k: sum(w[c] * np.asarray(deltas[c][k], np.float64) for c in range(C)) / w.sum() for k in x}
+      for k in x:
+        if server == "fedavg":
+          x[k] = x[k] + delta[k]
+        else:  # Reddi et al. Algorithm 2 (FedAdam): m, v on Δ; x + η m / (√v + τ)
+          m[k] = 0.9 * m[k] + 0.1 * delta[k]
+          v[k] = 0.99 * v[k] + 0.01 * delta[k] ** 2
+          x[k] = x[k] + SERVER_LR * m[k] / (np.sqrt(v[k]) + 1e-3)
+    return x
+
+  def final_params(mode):
+    """FedAvg's and FedAdam's models after the rounds, both in one compiled program (one compile per mode)."""
+
+    def both(stacked_rounds):
+      out = {}
+      for server, optimizer in servers.items():
+        algo = fo.algorithms.fedavg(loss_fn, optax.sgd(CLIENT_LR), optimizer, client_map=mode)
+        state, _ = jax.lax.scan(lambda st, b: (algo.step(st, b), None), algo.init(params, jax.random.key(0)),
+                                stacked_rounds)
+        out[server] = state.params
+      return out
+
+    return jax.jit(both)(sweep.stack(rounds))
+
+  report = {"device_count": jax.device_count(), "modes": {}}
+  modes = {"vmap": "vmap", "chunked:4": "chunked:4", "sharded:vmap": cm.sharded(mesh, "vmap"),
+           "sharded:chunked:2": cm.sharded(mesh, "chunked:2"), "sharded:auto": "sharded"}
+  results = {name: final_params(mode) for name, mode in modes.items()}
+  for server in servers:
+    ref = reference(server)
+    report["modes"][server] = {name: max_diff(out[server], ref) for name, out in results.items()}
+
+  fn = lambda shared, c: jnp.tanh(c["a"].sum(0) @ shared)
+  per_client = {"a": jnp.asarray(rng.normal(size=(C, 4, D)), jnp.float32)}
+  shared = jnp.asarray(rng.normal(size=(D, D)), jnp.float32)
+  out = jax.jit(lambda s, pc: cm.map_clients(cm.sharded(mesh), fn, s, pc))(shared, per_client)
+  loop = np.stack([np.asarray(fn(shared, {"a": per_client["a"][c]})) for c in range(C)])
+  report["map_shape"], report["map_diff"] = list(out.shape), max_diff(out, loop)
+
+  padded = [distributed.global_batches(b, mesh) for b in rounds]
+  fedadam = fo.algorithms.fedavg(loss_fn, optax.sgd(CLIENT_LR), servers["fedadam"], client_map=cm.sharded(mesh, "vmap"))
+  state = distributed.replicate(fedadam.init(params, jax.random.key(0)), mesh)
+  for batches in padded:
+    state = jax.jit(fedadam.step)(state, batches)
+  report["global_batches"] = {"num_clients": int(padded[0].num_clients),
+                              "padding_weights": np.asarray(padded[0].weight)[C:].tolist(),
+                              "diff": max_diff(distributed.to_host(state.params), reference("fedadam"))}
+
+  scaffold = fo.algorithms.scaffold(loss_fn, CLIENT_LR, 1.0, 16, client_map=cm.sharded(mesh, "vmap"))
+  replicated = distributed.replicate(scaffold.init(params, jax.random.key(0)), mesh)
+  split = distributed.shard_per_client_state(scaffold.init(params, jax.random.key(0)), 16, mesh)
+  step = jax.jit(scaffold.step)
+  for batches in padded:
+    replicated, split = step(replicated, batches), step(split, batches)
+  report["scaffold"] = {"table_sharding": str(split.client_control_variates["w"].sharding.spec),
+                        "diff": max_diff(split.client_control_variates, replicated.client_control_variates)
+                        + max_diff(split.params, replicated.params)}
+
+  def sweep_params(mode):
+    algo = fo.algorithms.fedavg(loss_fn, optax.sgd(CLIENT_LR), client_map=mode)
+    swept = sweep.seeds(algo, 3)
+    state = swept.init(sweep.stack([jax.tree.map(lambda p, i=i: p + 0.1 * i, params) for i in range(3)]),
+                       jax.random.key(0), params_axis=0)
+    return jax.jit(swept.step)(state, rounds[0]).params
+
+  report["sweep_diff"] = max_diff(sweep_params(cm.sharded(mesh, "vmap")), sweep_params("vmap"))
+  return report
+
+
+if __name__ == "__main__":
+  print(json.dumps(_worker()))
