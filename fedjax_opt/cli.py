@@ -3,6 +3,7 @@
     fedjax-opt run                      # FedAvg vs FedAdam, MNIST 5k, 100 clients, Dirichlet(0.5)
     fedjax-opt run --algorithms fedavg,fedyogi --dataset digits --rounds 200
     fedjax-opt run --config exp.toml    # keys mirror the flags (client_lr = 0.05, ...)
+    fedjax-opt run --seeds 5            # 5 seeds per algorithm as one vmapped program; mean ± std
     fedjax-opt list                     # algorithms, server optimizers, datasets, partitions
 
 A run trains each algorithm on the same federated dataset from the same
@@ -10,6 +11,13 @@ initial model, prints progress and a results table, and writes into `--out`:
 `config.json`, `history.json` (per algorithm), `accuracy.png` and `loss.png`
 (all algorithms on one figure), and orbax checkpoints (`--resume` continues
 from them). Bad input exits with code 2 and one line naming the bad value.
+
+`--seeds N` runs each algorithm N times in one compiled program
+(`fedjax_opt.sweep`): member i uses seed `seed + i` for its initial model,
+its algorithm key and its client sampling (the federated split stays the one
+of `--seed`). The table and `results.json` report the mean ± std over seeds,
+`history.json` holds every member (a leading sweep axis), and the accuracy
+plot draws the mean with a ± std band.
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ ALGORITHMS = {
 DEFAULTS = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition="dirichlet", alpha=0.5, num_clients=100,
     clients_per_round=10, local_steps=10, batch_size=20, client_lr=0.05, server_lr=None, rounds=300,
-    eval_every=25, seed=0, model="auto", out=None, resume=False, checkpoint_every=4, quiet=False,
+    eval_every=25, seed=0, seeds=1, model="auto", out=None, resume=False, checkpoint_every=4, quiet=False,
     prox_mu=0.01, feddyn_alpha=0.01,
 )
 
@@ -120,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument("--rounds", type=_positive_int("rounds"), help="default 300")
   run.add_argument("--eval-every", type=_positive_int("eval-every"), help="rounds per compiled chunk (default 25)")
   run.add_argument("--seed", type=int, help="default 0")
+  run.add_argument("--seeds", type=_positive_int("seeds"),
+                   help="runs per algorithm, seeds seed … seed+N-1, vmapped into one program (default 1)")
   run.add_argument("--model", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
   run.add_argument("--out", help="output folder (default runs/<dataset>-<time>)")
   run.add_argument("--checkpoint-every", type=_positive_int("checkpoint-every"), help="chunks between checkpoints")
@@ -180,7 +190,7 @@ def _validate(config: dict[str, Any]) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
       raise UsageError(f"{key} must be a positive number; got {value!r}")
   for key in ("num_clients", "clients_per_round", "local_steps", "batch_size", "rounds", "eval_every",
-              "checkpoint_every"):
+              "checkpoint_every", "seeds"):
     value = config[key]
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise UsageError(f"{key} must be a positive integer; got {value!r}")
@@ -252,6 +262,19 @@ def build_algorithm(name: str, model, config: dict[str, Any], num_clients: int):
   return algorithms.fedavg(model.loss_fn, optax.sgd(client_lr), server)
 
 
+def _plot_series(ax, x, values, name: str, **style) -> None:
+  """One line; for a sweep (values [K, ...]) the mean over seeds with a ± std band."""
+  import numpy as np
+
+  values = np.asarray(values, np.float64)
+  if values.ndim == 1:
+    ax.plot(x, values, label=name, **style)
+    return
+  mean, std = values.mean(0), values.std(0)
+  line, = ax.plot(x, mean, label=f"{name} (mean ± std, {values.shape[0]} seeds)", **style)
+  ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.25, lw=0)
+
+
 def _plot(histories: dict, out: str) -> list[str]:
   import matplotlib
 
@@ -265,10 +288,10 @@ def _plot(histories: dict, out: str) -> list[str]:
     for name, history in histories.items():
       if metric == "client_loss":
         values = history.round_metrics["client_loss"]
-        ax.plot(range(1, len(values) + 1), values, label=name, lw=1)
+        _plot_series(ax, range(1, history.num_rounds + 1), values, name, lw=1)
       else:
         rounds, values = history.eval_series(metric)
-        ax.plot(rounds, values, marker="o", label=name)
+        _plot_series(ax, rounds, values, name, marker="o")
     ax.set_xlabel("round")
     ax.set_ylabel(ylabel)
     if metric == "client_loss":
@@ -283,10 +306,16 @@ def _plot(histories: dict, out: str) -> list[str]:
   return paths
 
 
+def _cell(row: dict[str, Any], key: str) -> str:
+  """`0.8123`, or `0.8123 ± 0.0040` when the row has a std over seeds."""
+  std = row.get(key + "_std")
+  return f"{row[key]:.4f}" if std is None else f"{row[key]:.4f} ± {std:.4f}"
+
+
 def _results_table(rows: list[dict[str, Any]]) -> str:
   header = ("algorithm", "rounds", "test acc", "test loss", "train loss", "wall s", "rounds/s")
-  lines = [header] + [(r["algorithm"], str(r["rounds"]), f"{r['test_accuracy']:.4f}", f"{r['test_loss']:.4f}",
-                       f"{r['train_loss']:.4f}", f"{r['wall_seconds']:.1f}", f"{r['rounds_per_second']:.1f}")
+  lines = [header] + [(r["algorithm"], str(r["rounds"]), _cell(r, "test_accuracy"), _cell(r, "test_loss"),
+                       _cell(r, "train_loss"), f"{r['wall_seconds']:.1f}", f"{r['rounds_per_second']:.1f}")
                       for r in rows]
   widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
   fmt = lambda line: "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
@@ -294,10 +323,36 @@ def _results_table(rows: list[dict[str, Any]]) -> str:
   return "\n".join([fmt(header), rule] + [fmt(line) for line in lines[1:]])
 
 
-def command_run(config: dict[str, Any]) -> int:
-  import jax
+def _summarize(last: dict[str, Any], key: str) -> dict[str, Any]:
+  """`{key: value}`, or for a sweep `{key: mean, key_std: std, key_per_seed: [...]}`."""
+  import numpy as np
 
-  from fedjax_opt.train import train
+  value = last.get(key, float("nan"))
+  if not isinstance(value, list):
+    return {key: value}
+  values = np.asarray(value, np.float64)
+  return {key: float(values.mean()), key + "_std": float(values.std()), key + "_per_seed": value}
+
+
+def _initial_state(algo, model, config: dict[str, Any]):
+  """(algorithm, initial state, data seed(s)): one run, or a sweep over `--seeds` seeds."""
+  import jax
+  import jax.numpy as jnp
+
+  from fedjax_opt import sweep
+
+  seed, n = config["seed"], config["seeds"]
+  if n == 1:
+    return algo, algo.init(model.init(jax.random.key(seed)), jax.random.key(seed + 1)), seed
+  seeds = [seed + i for i in range(n)]
+  swept = sweep.seeds(algo, n)
+  params = sweep.stack([model.init(jax.random.key(s)) for s in seeds])
+  keys = jnp.stack([jax.random.key(s + 1) for s in seeds])
+  return swept, swept.init(params, keys, params_axis=0), seeds
+
+
+def command_run(config: dict[str, Any]) -> int:
+  from fedjax_opt.train import current_round, train
 
   out = config["out"] or os.path.join("runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
   config["out"] = out
@@ -309,24 +364,26 @@ def command_run(config: dict[str, Any]) -> int:
   model = build_model(config, dataset)
   say(dataset.summary())
   say(f"model {model.name}; {len(config['algorithms'].split(','))} algorithm(s), {config['rounds']} rounds, "
-      f"{config['clients_per_round']} clients/round × {config['local_steps']} steps × batch {config['batch_size']}")
-  params = model.init(jax.random.key(config["seed"]))
+      f"{config['clients_per_round']} clients/round × {config['local_steps']} steps × batch {config['batch_size']}"
+      + (f"; {config['seeds']} seeds per algorithm (one vmapped program)" if config["seeds"] > 1 else ""))
   rows, histories = [], {}
   for name in config["algorithms"].split(","):
-    algo = build_algorithm(name, model, config, dataset.num_clients)
+    algo, init_state, data_seed = _initial_state(
+        build_algorithm(name, model, config, dataset.num_clients), model, config)
     t0 = time.perf_counter()
     state, history = train(
-        algo, algo.init(params, jax.random.key(config["seed"] + 1)), dataset, config["rounds"],
+        algo, init_state, dataset, config["rounds"],
         clients_per_round=config["clients_per_round"], local_steps=config["local_steps"],
         batch_size=config["batch_size"], eval_every=config["eval_every"],
-        metric_fns={"loss": model.loss_fn, "accuracy": model.accuracy_fn}, seed=config["seed"],
+        metric_fns={"loss": model.loss_fn, "accuracy": model.accuracy_fn}, seed=data_seed,
         progress=not config["quiet"], label=name, checkpoint_dir=os.path.join(out, "checkpoints", name),
         checkpoint_every=config["checkpoint_every"], resume=config["resume"])
     histories[name] = history
     last = history.last_eval
-    rows.append(dict(algorithm=name, rounds=int(state.round), test_accuracy=last.get("test_accuracy", float("nan")),
-                     test_loss=last.get("test_loss", float("nan")), train_loss=last.get("train_loss", float("nan")),
-                     wall_seconds=time.perf_counter() - t0, rounds_per_second=history.rounds_per_second))
+    row = dict(algorithm=name, rounds=current_round(state))
+    for key in ("test_accuracy", "test_loss", "train_loss"):
+      row.update(_summarize(last, key))
+    rows.append(dict(row, wall_seconds=time.perf_counter() - t0, rounds_per_second=history.rounds_per_second))
   with open(os.path.join(out, "history.json"), "w") as f:
     json.dump({name: h.to_dict() for name, h in histories.items()}, f)
   with open(os.path.join(out, "results.json"), "w") as f:

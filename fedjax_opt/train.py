@@ -16,6 +16,11 @@
   the dataset has one, and on held-out clients when given; a progress line or
   bar; the `History`; and, every `checkpoint_every` chunks and at the end, an
   orbax checkpoint of the state and the history.
+* Sweeps: a `fedjax_opt.sweep.SweptAlgorithm` (K runs vmapped into one
+  program) runs the same way. Its state, the round metrics and every
+  evaluated value carry a leading sweep axis `[K]`; `seed` may then be K
+  seeds, one data stream per member (K separate runs in one program), or one
+  seed shared by all members.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +40,7 @@ from fedjax_opt import evaluate as evaluate_lib
 from fedjax_opt.core.types import FederatedAlgorithm
 from fedjax_opt.data.dataset import FederatedDataset
 from fedjax_opt.data.sampling import sample_round
+from fedjax_opt.sweep import SweptAlgorithm
 
 PyTree = Any
 
@@ -44,32 +50,37 @@ class History:
   """What happened during a run, as host arrays (JSON-serializable through `to_dict`).
 
   Attributes:
-    round_metrics: `{name: [R]}`, `state.metrics` after each round 1 … R.
-    evals: one dict per evaluation: `{"round": r, "seconds": training time so far, metric: value, ...}`.
+    round_metrics: `{name: [R]}`, `state.metrics` after each round 1 … R
+      (`[K, R]` for a sweep of K members).
+    evals: one dict per evaluation: `{"round": r, "seconds": training time so far, metric: value, ...}`
+      (for a sweep, each metric's value is a list of K floats).
     train_seconds: seconds spent running rounds (compilation excluded).
     compile_seconds: seconds spent compiling chunks and evaluation.
+    sweep_size: K for a sweep (`fedjax_opt.sweep`), None for a single run.
   """
 
   round_metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-  evals: list[dict[str, float]] = dataclasses.field(default_factory=list)
+  evals: list[dict[str, Any]] = dataclasses.field(default_factory=list)
   train_seconds: float = 0.0
   compile_seconds: float = 0.0
+  sweep_size: int | None = None
 
   @property
   def num_rounds(self) -> int:
-    return len(next(iter(self.round_metrics.values()))) if self.round_metrics else 0
+    return np.shape(next(iter(self.round_metrics.values())))[-1] if self.round_metrics else 0
 
   @property
   def rounds_per_second(self) -> float:
     return self.num_rounds / self.train_seconds if self.train_seconds > 0 else float("nan")
 
   def eval_series(self, name: str) -> tuple[np.ndarray, np.ndarray]:
-    """(rounds, values) of an evaluated metric, e.g. `eval_series("test_accuracy")`."""
+    """(rounds [E], values [E] or [K, E] for a sweep) of an evaluated metric, e.g. `eval_series("test_accuracy")`."""
     points = [(e["round"], e[name]) for e in self.evals if name in e]
     if not points:
       raise KeyError(f"no evaluation recorded {name!r}; recorded: {sorted(self.last_eval)}.")
     r, v = zip(*points)
-    return np.asarray(r), np.asarray(v)
+    values = np.asarray(v)
+    return np.asarray(r), values.T if values.ndim == 2 else values
 
   @property
   def last_eval(self) -> dict[str, float]:
@@ -79,7 +90,7 @@ class History:
     for name, values in metrics.items():
       values = np.asarray(values)
       old = self.round_metrics.get(name)
-      self.round_metrics[name] = values if old is None else np.concatenate([old, values])
+      self.round_metrics[name] = values if old is None else np.concatenate([old, values], axis=-1)
 
   def to_dict(self) -> dict:
     return {
@@ -87,6 +98,7 @@ class History:
         "evals": self.evals,
         "train_seconds": self.train_seconds,
         "compile_seconds": self.compile_seconds,
+        "sweep_size": self.sweep_size,
     }
 
   @classmethod
@@ -96,6 +108,7 @@ class History:
         evals=[dict(e) for e in d["evals"]],
         train_seconds=float(d["train_seconds"]),
         compile_seconds=float(d["compile_seconds"]),
+        sweep_size=d.get("sweep_size"),
     )
 
   def save_json(self, path: str) -> None:
@@ -104,6 +117,11 @@ class History:
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------------------
+
+
+def current_round(state: PyTree) -> int:
+  """`state.round` as an int (a sweep's members all share it: member 0's)."""
+  return int(np.asarray(state.round).reshape(-1)[0])
 
 
 def _is_typed_key(x: Any) -> bool:
@@ -139,7 +157,7 @@ class Checkpointer:
 
   def save(self, state: PyTree, history: History) -> None:
     ocp = self._ocp
-    step = int(state.round)
+    step = current_round(state)
     if step in self._manager.all_steps():
       return
     self._manager.save(step, args=ocp.args.Composite(
@@ -191,12 +209,22 @@ class _Progress:
       self._bar.stop()
 
 
-def _format(metrics: Mapping[str, float], rate: float) -> str:
+def _format(metrics: Mapping[str, Any], rate: float) -> str:
   parts = [f"{rate:,.1f} rounds/s"]
   for key in ("train_loss", "test_loss", "test_accuracy", "central_accuracy"):
     if key in metrics:
-      parts.append(f"{key} {metrics[key]:.4f}")
+      value = np.asarray(metrics[key], np.float64)
+      if value.ndim:  # a sweep: mean ± std over members
+        parts.append(f"{key} {np.mean(value):.4f} ± {np.std(value):.4f}")
+      else:
+        parts.append(f"{key} {float(value):.4f}")
   return " | ".join(parts)
+
+
+def _host_value(value: Any) -> Any:
+  """A float, or a list of K floats for a swept value."""
+  value = np.asarray(value, np.float64)
+  return value.tolist() if value.ndim else float(value)
 
 
 # ---- the driver ------------------------------------------------------------------------------------------------
@@ -228,8 +256,9 @@ def _default_eval_params(state: PyTree) -> PyTree:
 
 
 def _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, checkpoint_every):
-  if not isinstance(algorithm, FederatedAlgorithm):
-    raise TypeError(f"algorithm must be a fedjax_opt.FederatedAlgorithm; got {type(algorithm).__name__}.")
+  if not isinstance(algorithm, (FederatedAlgorithm, SweptAlgorithm)):
+    raise TypeError(f"algorithm must be a fedjax_opt.FederatedAlgorithm (or a fedjax_opt.sweep.SweptAlgorithm); "
+                    f"got {type(algorithm).__name__}.")
   if not isinstance(dataset, FederatedDataset):
     raise TypeError(f"dataset must be a fedjax_opt.data.FederatedDataset; got {type(dataset).__name__}.")
   for name, v in (("rounds", rounds), ("clients_per_round", clients_per_round), ("eval_every", eval_every),
@@ -240,8 +269,22 @@ def _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, check
     raise ValueError(f"clients_per_round={clients_per_round} exceeds the dataset's {dataset.num_clients} clients.")
 
 
+def _check_seed(seed: Any, algorithm: Any) -> int | tuple[int, ...]:
+  """One int seed, or K int seeds for a sweep of K members."""
+  if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+    return int(seed)
+  seeds = tuple(seed) if isinstance(seed, (list, tuple, np.ndarray)) else None
+  if seeds is None or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in seeds):
+    raise TypeError(f"seed must be an int, or a sequence of K ints for a sweep; got {seed!r}.")
+  if not isinstance(algorithm, SweptAlgorithm):
+    raise ValueError("a sequence of seeds needs a sweep (fedjax_opt.sweep.SweptAlgorithm); got a single algorithm.")
+  if len(seeds) != algorithm.size:
+    raise ValueError(f"seed must hold one seed per sweep member: K={algorithm.size}; got {len(seeds)} seeds.")
+  return tuple(int(s) for s in seeds)
+
+
 def train(
-    algorithm: FederatedAlgorithm,
+    algorithm: FederatedAlgorithm | SweptAlgorithm,
     state: PyTree,
     dataset: FederatedDataset,
     rounds: int,
@@ -256,7 +299,7 @@ def train(
     eval_params: Callable[[PyTree], PyTree] | None = None,
     holdout: FederatedDataset | None = None,
     eval_batch_size: int = 256,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     progress: bool = True,
     label: str = "train",
     checkpoint_dir: str | None = None,
@@ -266,7 +309,8 @@ def train(
   """Runs `algorithm` from `state` until `state.round == rounds`.
 
   Args:
-    algorithm: any `FederatedAlgorithm`.
+    algorithm: any `FederatedAlgorithm`, or a `fedjax_opt.sweep.SweptAlgorithm`
+      (K runs in one program; state, metrics and evaluations gain a leading [K]).
     state: its state, e.g. `algorithm.init(params, key)`; with `resume`, the
       template the checkpoint is restored into.
     dataset: a packed `FederatedDataset` (train split sampled, test split evaluated).
@@ -283,7 +327,8 @@ def train(
       algorithms whose served model is not `state.params`.
     holdout: clients that never train, evaluated on all their examples.
     eval_batch_size: example slots per evaluation step.
-    seed: seeds the data sampling; round r uses `fold_in(key(seed), r)`.
+    seed: seeds the data sampling; round r uses `fold_in(key(seed), r)`. For a
+      sweep, one seed shared by all members or K seeds, one per member.
     progress: print progress (a bar on a terminal, lines otherwise).
     label: the run's name in progress output.
     checkpoint_dir: where orbax checkpoints go (None: no checkpoints).
@@ -296,10 +341,12 @@ def train(
     (final state, `History`).
   """
   _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, checkpoint_every)
+  seed = _check_seed(seed, algorithm)
+  swept = isinstance(algorithm, SweptAlgorithm)
   if isinstance(resume, str):
     checkpoint_dir = checkpoint_dir or resume
   checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
-  history = History()
+  history = History(sweep_size=algorithm.size if swept else None)
   if resume:
     if checkpointer is None:
       raise ValueError("resume=True needs checkpoint_dir (or pass resume=<directory>).")
@@ -309,15 +356,24 @@ def train(
   eval_params = eval_params or _default_eval_params
   sample_kwargs = dict(clients_per_round=clients_per_round, local_steps=local_steps, batch_size=batch_size,
                        local_epochs=local_epochs, client_sampling=client_sampling)
-  data_key = jax.random.key(seed)
+  per_member_data = isinstance(seed, tuple)
+
+  def draw(s, dataset):
+    if per_member_data:  # a sweep with one data stream per member
+      keys = jnp.stack([jax.random.key(k) for k in seed])
+      return jax.vmap(lambda k, r: sample_round(jax.random.fold_in(k, r), dataset, **sample_kwargs))(keys, s.round)
+    r = s.round[0] if swept else s.round
+    return sample_round(jax.random.fold_in(jax.random.key(seed), r), dataset, **sample_kwargs)
 
   def run_chunk(state, dataset, length):
     def body(s, _):
-      batches = sample_round(jax.random.fold_in(data_key, s.round), dataset, **sample_kwargs)
-      s = algorithm.step(s, batches)
+      s = algorithm.step(s, draw(s, dataset))
       return s, s.metrics
 
-    return jax.lax.scan(body, state, None, length=length)
+    state, metrics = jax.lax.scan(body, state, None, length=length)
+    if swept:  # [R, K] -> [K, R]: the sweep axis leads
+      metrics = jax.tree.map(lambda m: jnp.moveaxis(m, 0, -1), metrics)
+    return state, metrics
 
   def run_eval(params, dataset, holdout):
     out = {}
@@ -332,14 +388,18 @@ def train(
             params, holdout, metric_fns, split="train", batch_size=eval_batch_size).items()})
     return out
 
-  run_key = (algorithm, tuple(sorted(sample_kwargs.items())), seed)
-  eval_key = (tuple(sorted((metric_fns or {}).items())), eval_params, eval_batch_size)
-  start_round = int(state.round)
+  if swept:
+    single_eval = run_eval
+    run_eval = lambda params, dataset, holdout: jax.vmap(single_eval, in_axes=(0, None, None))(params, dataset, holdout)
+
+  run_key = ((algorithm.init, algorithm.step), tuple(sorted(sample_kwargs.items())), seed)
+  eval_key = (tuple(sorted((metric_fns or {}).items())), eval_params, eval_batch_size, swept)
+  start_round = current_round(state)
   bar = _Progress(progress, rounds, start_round, label)
   chunks_done = 0
   try:
-    while int(state.round) < rounds:
-      current = int(state.round)
+    while current_round(state) < rounds:
+      current = current_round(state)
       length = min(rounds, (current // eval_every + 1) * eval_every) - current
       chunk = _compiled(("chunk", run_key, length, _signature((state, dataset))), run_chunk,
                         (state, dataset, length), history, static_argnums=2)
@@ -349,16 +409,17 @@ def train(
       elapsed = time.perf_counter() - t0
       history.train_seconds += elapsed
       history.append_rounds(metrics)
-      point = {"round": int(state.round), "seconds": history.train_seconds,
-               "train_loss": float(np.mean(metrics["client_loss"])) if "client_loss" in metrics else float("nan")}
+      point = {"round": current_round(state), "seconds": history.train_seconds,
+               "train_loss": (_host_value(np.mean(metrics["client_loss"], axis=-1)) if "client_loss" in metrics
+                              else float("nan"))}
       if metric_fns:
-        args = (eval_params(state), dataset, holdout)
+        args = (eval_params(state) if not swept else jax.vmap(eval_params)(state), dataset, holdout)
         evaluator = _compiled(("eval", eval_key, _signature(args)), run_eval, args, history)
-        point.update({k: float(v) for k, v in evaluator(*args).items()})
+        point.update({k: _host_value(v) for k, v in evaluator(*args).items()})
       history.evals.append(point)
-      bar.update(int(state.round), _format(point, length / max(elapsed, 1e-9)))
+      bar.update(current_round(state), _format(point, length / max(elapsed, 1e-9)))
       chunks_done += 1
-      if checkpointer is not None and (chunks_done % checkpoint_every == 0 or int(state.round) >= rounds):
+      if checkpointer is not None and (chunks_done % checkpoint_every == 0 or current_round(state) >= rounds):
         checkpointer.save(state, history)
   finally:
     bar.close()
