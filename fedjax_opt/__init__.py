@@ -6,7 +6,8 @@
     state = jax.jit(algo.step)(state, batches)
 """
 
-from fedjax_opt import aggregators, algorithms, core, data, evaluate, graphs, models, objectives, server_optimizers
+from fedjax_opt import (aggregators, algorithms, core, data, distributed, evaluate, graphs, models, objectives,
+                        server_optimizers, sweep)
 from fedjax_opt.core import ClientBatches, FederatedAlgorithm
 from fedjax_opt.core import client_map
 from fedjax_opt.train import History, train
