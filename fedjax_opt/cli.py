@@ -70,7 +70,7 @@ DEFAULTS = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition="dirichlet", alpha=0.5, num_clients=100,
     clients_per_round=10, local_steps=10, batch_size=20, client_lr=0.05, server_lr=None, rounds=300,
     eval_every=25, seed=0, seeds=1, model="auto", out=None, resume=False, checkpoint_every=4, quiet=False,
-    prox_mu=0.01, feddyn_alpha=0.01,
+    prox_mu=0.01, feddyn_alpha=0.01, client_map="auto",
 )
 
 
@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument("--seed", type=int, help="default 0")
   run.add_argument("--seeds", type=_positive_int("seeds"),
                    help="runs per algorithm, seeds seed … seed+N-1, vmapped into one program (default 1)")
+  run.add_argument("--client-map",
+                   help="how clients run: auto (default), vmap, sequential, chunked[:K], sharded[:<inner>] "
+                        "(docs/scaling.md)")
   run.add_argument("--model", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
   run.add_argument("--out", help="output folder (default runs/<dataset>-<time>)")
   run.add_argument("--checkpoint-every", type=_positive_int("checkpoint-every"), help="chunks between checkpoints")
@@ -181,6 +184,12 @@ def _validate(config: dict[str, Any]) -> None:
     raise UsageError(f"unknown dataset {config['dataset']!r}; choose from {', '.join(names)}")
   if config["partition"] not in PARTITIONS:
     raise UsageError(f"unknown partition {config['partition']!r}; choose from {', '.join(PARTITIONS)}")
+  from fedjax_opt.core import client_map
+
+  try:
+    client_map.resolve(config["client_map"])
+  except ValueError as e:
+    raise UsageError(f"bad --client-map {config['client_map']!r}: {e}") from None
   if config["model"] not in MODELS:
     raise UsageError(f"unknown model {config['model']!r}; choose from {', '.join(MODELS)}")
   for key in ("alpha", "client_lr", "server_lr", "prox_mu", "feddyn_alpha"):
@@ -248,18 +257,20 @@ def build_algorithm(name: str, model, config: dict[str, Any], num_clients: int):
   spec = ALGORITHMS[name]
   lr = config["server_lr"] or spec.server_lr
   client_lr = config["client_lr"]
+  mode = config["client_map"]
   if spec.kind == "fedsgd":
-    return algorithms.fedsgd(model.loss_fn, server_optimizer=optax.sgd(lr))
+    return algorithms.fedsgd(model.loss_fn, server_optimizer=optax.sgd(lr), client_map=mode)
   if spec.kind == "scaffold":
-    return algorithms.scaffold(model.loss_fn, client_lr, lr, num_clients)
+    return algorithms.scaffold(model.loss_fn, client_lr, lr, num_clients, client_map=mode)
   if spec.kind == "fednova":
-    return algorithms.fednova(model.loss_fn, client_lr, server_optimizer=optax.sgd(lr))
+    return algorithms.fednova(model.loss_fn, client_lr, server_optimizer=optax.sgd(lr), client_map=mode)
   if spec.kind == "feddyn":
-    return algorithms.feddyn(model.loss_fn, config["feddyn_alpha"], optax.sgd(client_lr), num_clients)
+    return algorithms.feddyn(model.loss_fn, config["feddyn_alpha"], optax.sgd(client_lr), num_clients,
+                             client_map=mode)
   server = server_optimizers.get(spec.server_optimizer, learning_rate=lr)
   if spec.kind == "fedprox":
-    return algorithms.fedprox(model.loss_fn, config["prox_mu"], optax.sgd(client_lr), server)
-  return algorithms.fedavg(model.loss_fn, optax.sgd(client_lr), server)
+    return algorithms.fedprox(model.loss_fn, config["prox_mu"], optax.sgd(client_lr), server, client_map=mode)
+  return algorithms.fedavg(model.loss_fn, optax.sgd(client_lr), server, client_map=mode)
 
 
 def _plot_series(ax, x, values, name: str, **style) -> None:

@@ -26,6 +26,7 @@ def run_cli(*args, cwd=None):
     (["run", "--partition", "zipf"], "unknown partition 'zipf'; choose from iid, dirichlet"),
     (["run", "--rounds", "ten"], "--rounds must be a positive integer; got 'ten'"),
     (["run", "--config", "/nonexistent/exp.toml"], "cannot read config '/nonexistent/exp.toml'"),
+    (["run", "--client-map", "chunked:0"], "bad --client-map 'chunked:0': client_map must be one of"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
@@ -63,7 +64,8 @@ def test_small_run_from_a_config_file_writes_results(tmp_path):
   """A short run on digits from TOML: progress, a results table, history, config and two PNG plots."""
   config = tmp_path / "exp.toml"
   config.write_text('algorithms = ["fedavg", "fedyogi"]\ndataset = "digits"\nnum_clients = 20\nrounds = 30\n'
-                    'eval_every = 10\nclients_per_round = 5\nlocal_steps = 5\nbatch_size = 16\nclient_lr = 0.1\n')
+                    'eval_every = 10\nclients_per_round = 5\nlocal_steps = 5\nbatch_size = 16\nclient_lr = 0.1\n'
+                    'client_map = "chunked:4"\n')
   out = tmp_path / "out"
   result = run_cli("run", "--config", str(config), "--out", str(out), "--rounds", "20")  # the flag wins over the file
   assert result.returncode == 0, result.stderr
