@@ -12,3 +12,6 @@ from fedjax_opt.algorithms.mixture import (L2GDState, L2SGDPlusState, l2gd, l2gd
 from fedjax_opt.algorithms.ditto import DittoState, ditto
 from fedjax_opt.algorithms.per_fedavg import per_fedavg, personalize
 from fedjax_opt.algorithms.pfedme import PFedMeState, pfedme
+from fedjax_opt.algorithms.easgd import EASGDState, easgd
+from fedjax_opt.algorithms.fedu import FedUState, fedu, laplacian_penalty
+from fedjax_opt.algorithms.fedavg_finetune import FineTuning, FineTuningState, fedavg_finetune

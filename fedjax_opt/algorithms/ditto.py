@@ -36,15 +36,16 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
-from fedjax_opt.algorithms.pfedme import broadcast_rows, personalized_params
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
-from fedjax_opt.core.local import local_train
+from fedjax_opt.core.local import cycle_steps, local_train
 from fedjax_opt.core.server import (aggregate_updates, apply_server_update, client_is_finite, initial_round_metrics,
                                     round_metrics)
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_client_batches, check_key, check_loss_fn, check_optimizer,
                                         check_positive)
+
+personalized_params = per_client.personalized_params
 
 __all__ = ["DittoState", "ditto", "personalized_params"]
 
@@ -72,12 +73,6 @@ class DittoState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
-
-
-def _cycle(tree: PyTree, steps: int, period: int) -> PyTree:
-  """Leaves `[S, ...]` → `[P, ...]`, row p = row p mod S (static indices)."""
-  index = jnp.arange(steps) % period
-  return jax.tree.map(lambda a: jnp.take(a, index, axis=0), tree)
 
 
 def ditto(
@@ -132,15 +127,15 @@ def ditto(
     global_result = local_train(loss_fn, client_optimizer, w, data, mask, unroll=unroll)
     prox = lambda x: jax.tree.map(lambda a, b: lam * (a - b), x, w)  # ∇ of λ/2 ‖v − w_t‖²
     s = mask.shape[0]
-    personal = local_train(loss_fn, personal_optimizer, v, _cycle(data, personal_steps, s),
-                           _cycle(mask, personal_steps, s), gradient_correction=prox, unroll=unroll)
+    personal = local_train(loss_fn, personal_optimizer, v, *cycle_steps(data, mask, personal_steps),
+                           gradient_correction=prox, unroll=unroll)
     return global_result, jax.tree.map(jnp.add, v, personal.delta), personal
 
   def init(params: PyTree, key: jax.Array) -> DittoState:
     check_key(key)
     return DittoState(
         params=params,
-        personal_params=broadcast_rows(params, num_clients, storage_dtype),
+        personal_params=per_client.broadcast(params, num_clients, storage_dtype=storage_dtype),
         server_opt_state=server_optimizer.init(params),
         aggregator_state=aggregator.init(params),
         round=jnp.zeros((), jnp.int32),

@@ -50,7 +50,7 @@ from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_client_batches, check_key, check_loss_fn, check_positive
 
-__all__ = ["PFedMeState", "pfedme", "personalized_params", "broadcast_rows"]
+__all__ = ["PFedMeState", "pfedme", "personalized_params"]
 
 
 @flax.struct.dataclass
@@ -76,11 +76,6 @@ class PFedMeState:
   key: jax.Array
   metrics: dict[str, jax.Array]
 
-
-def broadcast_rows(params: PyTree, num_clients: int, storage_dtype: Any = None) -> PyTree:
-  """A per-client table whose every row is `params`, leaves `[N, ...]`."""
-  table = per_client.init(params, num_clients, storage_dtype=storage_dtype)
-  return jax.tree.map(lambda t, p: t + jnp.asarray(p).astype(t.dtype), table, params)
 
 
 def _check_int(value: Any, name: str) -> int:
@@ -168,7 +163,7 @@ def pfedme(
     check_key(key)
     return PFedMeState(
         params=params,
-        personal_params=broadcast_rows(params, num_clients, storage_dtype),
+        personal_params=per_client.broadcast(params, num_clients, storage_dtype=storage_dtype),
         server_opt_state=server_optimizer.init(params),
         aggregator_state=aggregator.init(params),
         round=jnp.zeros((), jnp.int32),
@@ -204,19 +199,6 @@ def pfedme(
   return FederatedAlgorithm(init, step)
 
 
-def personalized_params(state: Any, client_id: Any = None) -> PyTree:
-  """The personalized models to evaluate client(s) with (pFedMe's θ_i; also works for Ditto's v_i).
 
-  Args:
-    state: a `PFedMeState` (or any state with a `personal_params` table).
-    client_id: None for the whole table `[N, ...]`, an int for one client's
-      model, or a `[C]` int array for a stack of rows `[C, ...]`.
-
-  Returns:
-    The model(s), in the global model's dtype.
-  """
-  if client_id is None:
-    return state.personal_params
-  ids = jnp.asarray(client_id, jnp.int32)
-  rows = per_client.gather(state.personal_params, jnp.atleast_1d(ids), like=state.params)
-  return jax.tree.map(lambda r: r[0], rows) if ids.ndim == 0 else rows
+personalized_params = per_client.personalized_params
+"""pFedMe's θ_i table, or rows of it (`fedjax_opt.core.per_client.personalized_params`)."""

@@ -121,3 +121,18 @@ def as_single_step(data: PyTree, mask: jax.Array) -> tuple[PyTree, jax.Array]:
   """
   folded = jax.tree.map(lambda a: a.reshape((1, -1) + a.shape[2:]), data)
   return folded, mask.reshape(1, -1)
+
+
+def cycle_steps(data: PyTree, mask: jax.Array, num_steps: int) -> tuple[PyTree, jax.Array]:
+  """`num_steps` local steps over a client's S batches, step k using batch k mod S.
+
+  Args:
+    data: leaves `[S, B, ...]`.
+    mask: `[S, B]`.
+    num_steps: K (Python int), the number of steps wanted.
+
+  Returns:
+    (data with leaves `[K, B, ...]`, mask `[K, B]`), with static indices.
+  """
+  index = jnp.arange(num_steps) % mask.shape[0]
+  return jax.tree.map(lambda a: jnp.take(a, index, axis=0), data), jnp.take(mask, index, axis=0)

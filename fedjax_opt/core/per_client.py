@@ -211,3 +211,27 @@ def scatter(table: PyTree, client_id: jax.Array, values: PyTree, write: jax.Arra
       written=written,
       change=jax.tree.map(change, table, values),
   )
+
+
+def broadcast(params: PyTree, num_clients: int, *, storage_dtype: Any = None) -> PyTree:
+  """A table whose every row is `params` (leaves `[N, ...]`): personal models that start at the global one."""
+  table = init(params, num_clients, storage_dtype=storage_dtype)
+  return jax.tree.map(lambda t, p: t + jnp.asarray(p).astype(t.dtype), table, params)
+
+
+def personalized_params(state: Any, client_id: Any = None) -> PyTree:
+  """The personal models of a state with a `personal_params` table (pFedMe, Ditto, EASGD, FedU).
+
+  Args:
+    state: any algorithm state with `personal_params` (leaves `[N, ...]`) and `params`.
+    client_id: None for the whole table `[N, ...]`, an int for one client's
+      model, or a `[C]` int array for a stack of rows `[C, ...]`.
+
+  Returns:
+    The model(s), in the global model's dtype.
+  """
+  if client_id is None:
+    return state.personal_params
+  ids = jnp.asarray(client_id, jnp.int32)
+  rows = gather(state.personal_params, jnp.atleast_1d(ids), like=state.params)
+  return jax.tree.map(lambda r: r[0], rows) if ids.ndim == 0 else rows

@@ -1,0 +1,192 @@
+"""EASGD: elastic averaging of local models around a moving center.
+
+Zhang, Choromanska, LeCun. "Deep learning with Elastic Averaging SGD."
+NeurIPS 2015. arXiv:1412.6651.
+
+Each client i keeps its own model x_i (a per-client table); the server keeps
+the center x̃. EASGD solves the consensus problem relaxed by an elastic
+(quadratic) link between every x_i and the center,
+
+    min_{x_1 … x_p, x̃}  Σ_i f_i(x_i) + (ρ/2) ‖x_i − x̃‖²,
+
+by the paper's synchronous update (its Section 3), with α = ηρ:
+
+    x_i ← x_i − η ∇f_i(x_i) − α (x_i − x̃)
+    x̃  ← x̃ + α Σ_i (x_i − x̃)                       (right-hand sides at the old x_i, x̃)
+
+A round here is that update with τ local steps (communication period τ):
+
+    client i (taking part):  d_i = x_i − x̃_t                       (the elastic difference)
+                             x_i^τ = τ steps of ClientOpt from x_i   (`core.local.local_train`)
+                             x_i ← x_i^τ − α d_i
+    server:                  x̃_{t+1} = x̃_t + α Σ_{i taking part} d_i
+
+With τ = 1 and `optax.sgd(η)` on full batches this is exactly that update: the
+elastic force and the gradient are both taken at the round's starting point
+x_i. (The paper's asynchronous Algorithm 1 instead moves x_i elastically at
+the start of a period and then runs the τ steps from the moved point; the
+center update is the same.) On quadratic f_i with full-batch gradient
+descent and τ = 1 a fixed point satisfies
+
+    ∇f_i(x_i) + ρ (x_i − x̃) = 0 for every i,    Σ_i (x_i − x̃) = 0,    ρ = α / η,
+
+so the center is the mean of the clients' models.
+
+Parametrization and stability. The factory takes α = ηρ (the client step size
+η lives in the optax client optimizer). With β = pα for p clients in a round
+(the paper's notation), the center update reads x̃ ← (1 − β) x̃ + β · mean_i x_i:
+a moving average of the clients' mean, which the paper's reading needs
+0 ≤ β ≤ 1; likewise x_i ← (1 − α) x_i + α x̃ (before the gradient steps) is a
+convex pull towards the center only for 0 ≤ α ≤ 1. Without gradients the
+elastic step contracts every difference x_i − x̃ orthogonal to their sum by
+(1 − α) and the sum Σ_i (x_i − x̃) by (1 − α − β). We require 0 < α ≤ 1
+(checked when the factory is called with a concrete α) and β = C·α ≤ 1 for
+the C client slots of the round (checked when `step` is traced; C bounds the
+number of clients actually taking part).
+
+Partial participation: clients with weight 0 (and clients whose new x_i is not
+finite) neither move nor pull the center; the sum runs over the clients that
+took part, unweighted as in the paper (`batches.weight` only marks who takes
+part). A client drawn twice in a round counts once (`core.per_client.scatter`).
+
+State: `state.params` is the center x̃ (what a global evaluation sees);
+`state.personal_params` is the table of the x_i (leaves `[N, ...]`), read with
+`personalized_params(state, client_id)`. Every x_i starts at the initial model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import per_client
+from fedjax_opt.core.local import local_train
+from fedjax_opt.core.server import Aggregated, client_is_finite, initial_round_metrics, round_metrics
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.validation import (check_client_batches, check_in_range, check_key, check_loss_fn,
+                                        check_optimizer, check_positive, is_concrete)
+
+personalized_params = per_client.personalized_params
+
+__all__ = ["EASGDState", "easgd", "personalized_params"]
+
+
+@flax.struct.dataclass
+class EASGDState:
+  """Server state of synchronous EASGD.
+
+  Attributes:
+    params: the center variable x̃.
+    personal_params: the clients' local variables x_i, a per-client table (leaves `[N, ...]`).
+    round: t, rounds applied, int32.
+    key: PRNG key (EASGD draws nothing; kept for the common state contract).
+    metrics: `core.server.ROUND_METRICS` (update_norm: ‖x̃_{t+1} − x̃_t‖) plus
+      `elastic_distance`, the mean ‖x_i − x̃_t‖ over the clients that took part.
+  """
+
+  params: PyTree
+  personal_params: PyTree
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+def _check_beta(alpha: Any, num_slots: int) -> None:
+  """β = C·α ≤ 1 (the center update is a moving average), when α is concrete."""
+  if not is_concrete(alpha):
+    return
+  beta = float(np.max(np.asarray(alpha))) * num_slots
+  if beta > 1.0:
+    raise ValueError(
+        f"easgd needs beta = C * alpha <= 1 (the center moves to a convex combination of itself and the clients' "
+        f"mean); got alpha={alpha} with C={num_slots} client slots, beta={beta:.4g}. "
+        f"Use alpha <= {1.0 / num_slots:.4g}.")
+
+
+def easgd(
+    loss_fn: LossFn,
+    client_optimizer: optax.GradientTransformation,
+    alpha: Any,
+    *,
+    num_clients: int,
+    storage_dtype: Any = None,
+    client_map: client_map_lib.ClientMap | str | None = None,
+    unroll: int | bool = 1,
+) -> FederatedAlgorithm:
+  """Synchronous EASGD (Zhang et al. 2015): τ local steps per client, then the elastic update.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
+    client_optimizer: optax optimizer of the τ = S local steps (`optax.sgd(η)`
+      in the paper; re-initialized every round).
+    alpha: α = ηρ ∈ (0, 1], the elastic step (may be traced, e.g. swept by
+      `jax.vmap`); β = C·α must be ≤ 1 for a round of C client slots.
+    num_clients: N, rows of the x_i table.
+    storage_dtype: dtype of the stored x_i (None: the model's).
+    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
+    unroll: `lax.scan` unroll of the local steps.
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `EASGDState`.
+  """
+  check_loss_fn(loss_fn)
+  check_optimizer(client_optimizer, "client_optimizer")
+  check_positive(alpha, "alpha")
+  check_in_range(alpha, "alpha", 0.0, 1.0, closed_high=True)
+  num_clients = per_client.check_num_clients(num_clients)
+  mode = client_map_lib.resolve(client_map)
+
+  def client_update(center, client):
+    x, data, mask = client
+    result = local_train(loss_fn, client_optimizer, x, data, mask, unroll=unroll)
+    diff = jax.tree.map(jnp.subtract, x, center)
+    new_x = jax.tree.map(lambda a, delta, d: a + delta - alpha * d, x, result.delta, diff)
+    return new_x, diff, result
+
+  def init(params: PyTree, key: jax.Array) -> EASGDState:
+    check_key(key)
+    return EASGDState(
+        params=params,
+        personal_params=per_client.broadcast(params, num_clients, storage_dtype=storage_dtype),
+        round=jnp.zeros((), jnp.int32),
+        key=key,
+        metrics={**initial_round_metrics(), "elastic_distance": jnp.zeros((), jnp.float32)},
+    )
+
+  def step(state: EASGDState, batches: ClientBatches) -> EASGDState:
+    check_client_batches(batches)
+    _check_beta(alpha, batches.num_clients)
+    x = per_client.gather(state.personal_params, batches.client_id, like=state.params)
+    new_x, diff, result = client_map_lib.map_clients(
+        mode, client_update, state.params, (x, batches.data, batches.mask))
+    taking_part = batches.weight > 0
+    finite = client_is_finite(new_x)
+    stored = per_client.scatter(state.personal_params, batches.client_id, new_x, taking_part & finite)
+    written = stored.written
+
+    def pull(d):
+      keep = written.reshape((-1,) + (1,) * (d.ndim - 1))
+      return alpha * jnp.sum(jnp.where(keep, d, jnp.zeros_like(d)), axis=0)
+
+    change = jax.tree.map(pull, diff)
+    center = jax.tree.map(lambda c, u: (c + u).astype(jnp.result_type(c)), state.params, change)
+    agg = Aggregated(update=change, state=None, finite=finite,
+                     num_nonfinite=jnp.sum(taking_part & ~finite, dtype=jnp.int32), accepted=jnp.any(written))
+    norms = jnp.sqrt(sum(jnp.sum(jnp.square(d.reshape(d.shape[0], -1)), axis=1) for d in jax.tree.leaves(diff)))
+    distance = jnp.sum(jnp.where(written, norms, 0)) / jnp.maximum(jnp.sum(written), 1)
+    return EASGDState(
+        params=center,
+        personal_params=stored.table,
+        round=state.round + 1,
+        key=state.key,
+        metrics={**round_metrics(result.loss, result.num_examples, batches.weight, agg),
+                 "elastic_distance": distance.astype(jnp.float32)},
+    )
+
+  return FederatedAlgorithm(init, step)

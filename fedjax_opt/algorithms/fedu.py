@@ -1,0 +1,237 @@
+"""FedU: federated multi-task learning with Laplacian regularization.
+
+Dinh, Vu, Tran, Dao, Zhang. "FedU: A Unified Framework for Federated
+Multi-Task Learning with Laplacian Regularization." arXiv:2102.07148, 2021;
+journal version: "A New Look and Convergence Rate of Federated Multi-Task
+Learning with Laplacian Regularization", IEEE TNNLS.
+
+Client i keeps its own model x_i; neighbouring clients on a graph with edge
+weights a_ij ≥ 0 are pulled together:
+
+    min_{x_1 … x_N}  F(x) = Σ_i f_i(x_i) + (λ/2) Σ_{(i,j)∈E} a_ij ‖x_i − x_j‖²,
+
+    ∂F/∂x_i = ∇f_i(x_i) + λ Σ_{j∈N(i)} a_ij (x_i − x_j) = ∇f_i(x_i) + λ ((L ⊗ I) x)_i,
+
+with L = D − A the weighted graph Laplacian. The penalty counts each undirected
+edge once; a formulation that sums over ordered pairs (i, j ∈ N(i)) counts
+every edge twice, so its λ is half of the λ here. One round t (Algorithm 1 of the
+paper), with the sampled clients S_t:
+
+    client i ∈ S_t:  y_i = R local SGD steps x ← x − η ∇f_i(x; D_r) from x_i      (`core.local.local_train`)
+    server:          x_i ← y_i − η λ R Σ_{j∈N(i)} a_ij (z_i − z_j),   i ∈ S_t
+
+The Laplacian step has the size η λ R of R regularizer steps, because the
+regularizer is applied once per R data steps. Where it is evaluated
+(`regularizer_at`):
+
+* "local" (default, the paper's Algorithm 1): z = the models after the local
+  steps, z_i = y_i. A neighbour that did not take part contributes its stored
+  model x_j (the last one it sent); the authors' code sums over sampled
+  neighbours only, which is the same under full participation.
+* "start": z = the models at the start of the round, z_j = x_j (a Jacobi
+  step). With R = 1 full-batch step and full participation a round is then
+  exactly one gradient step x ← x − η ∇F(x), so its fixed points are the
+  stationary points of F: ∇f_i(x_i) + λ Σ_j a_ij (x_i − x_j) = 0.
+
+With "local" and R = 1 full-batch steps the fixed point of a round is not F's
+stationary point but satisfies (I − ηλL ⊗ I) ∇f(x) + λ (L ⊗ I) x = 0 (on
+quadratics, one block linear solve; tests/test_fedu.py): the gap to F's
+stationarity is ηλ (L ⊗ I) ∇f(x) = O(η). λ = 0 gives purely local training;
+on a connected graph λ → ∞ drives every x_i to the consensus minimiser of
+Σ_i f_i.
+
+Stability of the Laplacian step alone needs η λ R ‖L‖ < 2, i.e.
+η λ R · λ_max(L) < 2 (λ_max(L) ≤ 2 max_i Σ_j a_ij).
+
+State: `state.personal_params` is the table of the x_i (leaves `[N, ...]`,
+read with `personalized_params(state, client_id)`); `state.params` is their
+uniform average (1/N) Σ_i x_i, for a global evaluation. Clients with weight 0
+or a non-finite y_i are not updated and do not enter the Laplacian with a new
+model. `metrics` holds `core.server.ROUND_METRICS` (update_norm: the change of
+the average model) and `laplacian_penalty`, (λ/2) Σ_E a_ij ‖x_i − x_j‖² after
+the round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_opt import graphs as graphs_lib
+from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import per_client
+from fedjax_opt.core.local import local_train
+from fedjax_opt.core.server import Aggregated, client_is_finite, initial_round_metrics, round_metrics
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.validation import check_client_batches, check_key, check_loss_fn, check_positive, is_concrete
+from fedjax_opt.objectives import average
+
+personalized_params = per_client.personalized_params
+
+__all__ = ["FedUState", "REGULARIZER_POINTS", "fedu", "laplacian_penalty", "personalized_params"]
+
+REGULARIZER_POINTS = ("local", "start")
+
+
+@flax.struct.dataclass
+class FedUState:
+  """Server state of FedU.
+
+  Attributes:
+    params: (1/N) Σ_i x_i, the average of the personalized models.
+    personal_params: the x_i, a per-client table (leaves `[N, ...]`).
+    round: t, rounds applied, int32.
+    key: PRNG key (FedU draws nothing; kept for the common state contract).
+    metrics: `core.server.ROUND_METRICS` plus `laplacian_penalty`.
+  """
+
+  params: PyTree
+  personal_params: PyTree
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+def _edge_weights(graph: graphs_lib.Graph, edge_weights: Any) -> jax.Array:
+  """a_ij `[E]` in the order of `graph.edges` (ones by default), checked when concrete."""
+  if edge_weights is None:
+    return jnp.ones((graph.num_edges,))
+  if tuple(jnp.shape(edge_weights)) != (graph.num_edges,):
+    raise ValueError(f"edge_weights must have shape [E] = ({graph.num_edges},), one weight per row of graph.edges; "
+                     f"got shape {tuple(jnp.shape(edge_weights))}.")
+  if is_concrete(edge_weights):
+    w = np.asarray(edge_weights)
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+      raise ValueError(f"edge_weights must be finite and >= 0; got {w}.")
+  return jnp.asarray(edge_weights)
+
+
+def _laplacian_times(table: PyTree, edges: np.ndarray, weights: jax.Array) -> PyTree:
+  """(L ⊗ I) z per leaf: row i = Σ_{j∈N(i)} a_ij (z_i − z_j), with L the weighted Laplacian of `edges`."""
+  n = per_client.num_rows(table)
+  head, tail = jnp.asarray(edges[:, 0]), jnp.asarray(edges[:, 1])
+
+  def leaf(z):
+    w = weights.astype(z.dtype).reshape((-1,) + (1,) * (z.ndim - 1))
+    diff = w * (z[head] - z[tail])
+    return jax.ops.segment_sum(diff, head, n) - jax.ops.segment_sum(diff, tail, n)
+
+  return jax.tree.map(leaf, table)
+
+
+def laplacian_penalty(table: PyTree, graph: graphs_lib.Graph, lam: Any, edge_weights: Any = None) -> jax.Array:
+  """(λ/2) Σ_{(i,j)∈E} a_ij ‖x_i − x_j‖² for a table with leaves `[N, ...]` (a scalar)."""
+  weights = _edge_weights(graph, edge_weights)
+  head, tail = jnp.asarray(graph.edges[:, 0]), jnp.asarray(graph.edges[:, 1])
+  squares = [jnp.sum(jnp.square(z[head] - z[tail]).reshape(graph.num_edges, -1), axis=1)
+             for z in jax.tree.leaves(table)]
+  return 0.5 * lam * jnp.sum(weights * sum(squares))
+
+
+def fedu(
+    loss_fn: LossFn,
+    lam: Any,
+    graph: graphs_lib.Graph,
+    *,
+    num_clients: int,
+    client_lr: Any,
+    local_steps: int,
+    edge_weights: Any = None,
+    regularizer_at: str = "local",
+    storage_dtype: Any = None,
+    client_map: client_map_lib.ClientMap | str | None = None,
+    unroll: int | bool = 1,
+) -> FederatedAlgorithm:
+  """FedU (Dinh et al. 2021): R local SGD steps per sampled client, then a Laplacian step over the graph.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
+    lam: λ ≥ 0, the strength of the Laplacian regularization (may be traced).
+    graph: `fedjax_opt.graphs.Graph` on the N clients (node i = client id i).
+    num_clients: N, rows of the x_i table; must equal `graph.num_nodes`.
+    client_lr: η > 0, the local SGD step size (also scales the Laplacian step).
+    local_steps: R ≥ 1 (Python int); `batches` must have S = R local steps.
+    edge_weights: a_ij ≥ 0 `[E]`, one per row of `graph.edges` (default 1);
+      may be traced.
+    regularizer_at: "local" (the paper: the Laplacian at the models after the
+      local steps) or "start" (at the round's starting models; see the module
+      docstring).
+    storage_dtype: dtype of the stored x_i (None: the model's).
+    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
+    unroll: `lax.scan` unroll of the local steps.
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `FedUState`.
+  """
+  check_loss_fn(loss_fn)
+  check_positive(lam, "lam", allow_zero=True)
+  check_positive(client_lr, "client_lr")
+  if not isinstance(graph, graphs_lib.Graph):
+    raise TypeError(f"graph must be a fedjax_opt.graphs.Graph (e.g. graphs.ring(n)); got {type(graph).__name__}.")
+  num_clients = per_client.check_num_clients(num_clients)
+  if graph.num_nodes != num_clients:
+    raise ValueError(f"graph must have one node per client: graph.num_nodes = {graph.num_nodes} but "
+                     f"num_clients = {num_clients}.")
+  if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+    raise ValueError(f"local_steps must be a Python int >= 1; got {local_steps!r}.")
+  if regularizer_at not in REGULARIZER_POINTS:
+    raise ValueError(f"regularizer_at must be one of {REGULARIZER_POINTS}; got {regularizer_at!r}.")
+  weights = _edge_weights(graph, edge_weights)
+  edges = np.asarray(graph.edges)
+  mode = client_map_lib.resolve(client_map)
+  client_optimizer = optax.sgd(client_lr)
+  laplacian_lr = client_lr * lam * local_steps
+
+  def client_update(_, client):
+    x, data, mask = client
+    result = local_train(loss_fn, client_optimizer, x, data, mask, unroll=unroll)
+    return jax.tree.map(jnp.add, x, result.delta), result
+
+  def init(params: PyTree, key: jax.Array) -> FedUState:
+    check_key(key)
+    return FedUState(
+        params=params,
+        personal_params=per_client.broadcast(params, num_clients, storage_dtype=storage_dtype),
+        round=jnp.zeros((), jnp.int32),
+        key=key,
+        metrics={**initial_round_metrics(), "laplacian_penalty": jnp.zeros((), jnp.float32)},
+    )
+
+  def step(state: FedUState, batches: ClientBatches) -> FedUState:
+    check_client_batches(batches)
+    if batches.local_steps != local_steps:
+      raise ValueError(f"fedu(local_steps={local_steps}) needs batches with S = local_steps; "
+                       f"got S = {batches.local_steps}.")
+    as_model = lambda table: jax.tree.map(lambda t, p: t.astype(jnp.result_type(p)), table, state.params)
+    x = per_client.gather(state.personal_params, batches.client_id, like=state.params)
+    y, result = client_map_lib.map_clients(mode, client_update, state.params, (x, batches.data, batches.mask))
+    taking_part = batches.weight > 0
+    finite = client_is_finite(y)
+    old = as_model(state.personal_params)
+    local = per_client.scatter(old, batches.client_id, y, taking_part & finite)
+    rows = jnp.zeros((num_clients,), bool).at[batches.client_id].max(local.written, mode="drop")
+    z = local.table if regularizer_at == "local" else old
+    pull = _laplacian_times(z, edges, weights)
+    keep = lambda t: rows.reshape((-1,) + (1,) * (t.ndim - 1))
+    new = jax.tree.map(lambda o, yt, g: jnp.where(keep(o), yt - laplacian_lr * g, o), old, local.table, pull)
+    table = jax.tree.map(lambda t, v: v.astype(t.dtype), state.personal_params, new)
+    params = jax.tree.map(lambda p, m: m.astype(jnp.result_type(p)), state.params, average(as_model(table)))
+    change = jax.tree.map(jnp.subtract, params, state.params)
+    agg = Aggregated(update=change, state=None, finite=finite,
+                     num_nonfinite=jnp.sum(taking_part & ~finite, dtype=jnp.int32), accepted=jnp.any(local.written))
+    penalty = laplacian_penalty(as_model(table), graph, lam, weights)
+    return FedUState(
+        params=params,
+        personal_params=table,
+        round=state.round + 1,
+        key=state.key,
+        metrics={**round_metrics(result.loss, result.num_examples, batches.weight, agg),
+                 "laplacian_penalty": penalty.astype(jnp.float32)},
+    )
+
+  return FederatedAlgorithm(init, step)

@@ -1,0 +1,161 @@
+"""Synchronous EASGD against a float64 NumPy transcription and its closed-form fixed point."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt.algorithms.easgd import easgd, personalized_params
+
+D, N = 3, 5
+
+
+def quad_loss(w, batch):
+  """Per-example ½(xᵀw − y)²: the masked mean is ½wᵀAw − bᵀw + c, A = XᵀX/n, b = Xᵀy/n."""
+  return 0.5 * jnp.square(batch["x"] @ w - batch["y"])
+
+
+def _grad_np(w, x, y, m):
+  return x[m].T @ (x[m] @ w - y[m]) / max(m.sum(), 1)
+
+
+def _round_batches(rng, ids, weight, steps=2, b=4):
+  """Mini-batches for clients `ids`; the first client's last step is padding, the third has 2 padded slots."""
+  c = len(ids)
+  x, y = rng.normal(size=(c, steps, b, D)), rng.normal(size=(c, steps, b))
+  mask = np.ones((c, steps, b), bool)
+  mask[0, -1] = False
+  mask[2, 0, :2] = False
+  batches = fo.ClientBatches(data={"x": jnp.asarray(x), "y": jnp.asarray(y)}, mask=jnp.asarray(mask),
+                             weight=jnp.asarray(np.asarray(weight, float)), client_id=jnp.asarray(ids, jnp.int32))
+  return batches, (x, y, mask, np.asarray(weight), np.asarray(ids))
+
+
+def _numpy_round(center, table, x, y, mask, weight, ids, lr, alpha):
+  """The synchronous update of Zhang et al. with τ SGD steps: elastic force at the round's starting x_i."""
+  table = table.copy()
+  pull = np.zeros_like(center)
+  for c in range(x.shape[0]):
+    if weight[c] == 0:
+      continue
+    xi = table[ids[c]].copy()
+    z = xi.copy()
+    for s in range(x.shape[1]):
+      if mask[c, s].any():
+        z = z - lr * _grad_np(z, x[c, s], y[c, s], mask[c, s])
+    table[ids[c]] = z - alpha * (xi - center)
+    pull += alpha * (xi - center)
+  return center + pull, table
+
+
+def test_rounds_match_numpy_and_non_participants_keep_their_model(rng):
+  """Three rounds with different participants (and a zero-weight slot) equal the NumPy transcription."""
+  lr, alpha = 0.1, 0.2
+  rounds = [([3, 0, 4, 1], [4.0, 3.0, 5.0, 0.0]), ([1, 2, 0, 3], [2.0, 1.0, 6.0, 1.0]), ([4, 2, 3, 0], [1.0] * 4)]
+  with jax.enable_x64(True):
+    algo = easgd(quad_loss, optax.sgd(lr), alpha, num_clients=N)
+    center, table = rng.normal(size=D), rng.normal(size=(N, D))
+    state = algo.init(jnp.asarray(center), jax.random.key(0)).replace(personal_params=jnp.asarray(table))
+    step = jax.jit(algo.step)
+    for ids, weight in rounds:
+      batches, (x, y, mask, w, i) = _round_batches(rng, ids, weight)
+      before = np.asarray(state.personal_params)
+      state = step(state, batches)
+      center, table = _numpy_round(center, table, x, y, mask, w, i, lr, alpha)
+      np.testing.assert_allclose(np.asarray(state.params), center, rtol=1e-12, atol=1e-14)
+      np.testing.assert_allclose(np.asarray(state.personal_params), table, rtol=1e-12, atol=1e-14)
+      untouched = sorted(set(range(N)) - {k for k, wk in zip(ids, weight) if wk > 0})
+      for k in untouched:
+        np.testing.assert_array_equal(np.asarray(state.personal_params[k]), before[k])
+    np.testing.assert_allclose(np.asarray(personalized_params(state, 2)), table[2], rtol=1e-12)
+    assert int(state.round) == 3
+    assert int(state.metrics["num_clients"]) == 4
+
+
+def _full_batches(xs, ys):
+  n_clients, n = ys.shape
+  return fo.ClientBatches(data={"x": jnp.asarray(xs[:, None]), "y": jnp.asarray(ys[:, None])},
+                          mask=jnp.ones((n_clients, 1, n), bool), weight=jnp.full((n_clients,), float(n)),
+                          client_id=jnp.arange(n_clients, dtype=jnp.int32))
+
+
+def _run(algo, state, batches, rounds):
+  def body(s, _):
+    return algo.step(s, batches), None
+
+  return jax.jit(lambda s: jax.lax.scan(body, s, None, length=rounds)[0])(state)
+
+
+def test_fixed_point_is_the_elastic_stationary_point(rng):
+  """τ = 1 full-batch GD converges to ∇f_i(x_i) + ρ(x_i − x̃) = 0, Σ_i (x_i − x̃) = 0 with ρ = α/η.
+
+  The closed form is one linear solve in (x_1 … x_n, x̃); the center is the clients' mean.
+  """
+  n_clients, n, alpha = 4, 8, 0.1
+  with jax.enable_x64(True):
+    xs = rng.normal(loc=np.arange(n_clients)[:, None, None] * 0.3, size=(n_clients, n, D))
+    ys = np.einsum("cnd,cd->cn", xs, rng.normal(size=(n_clients, D))) + 0.1 * rng.normal(size=(n_clients, n))
+    a = [x.T @ x / n for x in xs]
+    b = [x.T @ y / n for x, y in zip(xs, ys)]
+    lr = 0.5 / max(np.linalg.eigvalsh(ai).max() for ai in a)  # η(L + ρ) = 0.5 + α < 2
+    rho = alpha / lr
+    # Unknowns (x_1 … x_n, x̃): (A_i + ρI) x_i − ρ x̃ = b_i;  Σ_i x_i − n x̃ = 0.
+    size = (n_clients + 1) * D
+    k = np.zeros((size, size))
+    rhs = np.zeros(size)
+    eye = np.eye(D)
+    for i in range(n_clients):
+      rows = slice(i * D, (i + 1) * D)
+      k[rows, rows] = a[i] + rho * eye
+      k[rows, -D:] = -rho * eye
+      k[-D:, rows] = eye
+      rhs[rows] = b[i]
+    k[-D:, -D:] = -n_clients * eye
+    solution = np.linalg.solve(k, rhs)
+    expected_x, expected_center = solution[:-D].reshape(n_clients, D), solution[-D:]
+
+    algo = easgd(quad_loss, optax.sgd(lr), alpha, num_clients=n_clients)
+    state = _run(algo, algo.init(jnp.zeros(D), jax.random.key(0)), _full_batches(xs, ys), 3000)
+    x, center = np.asarray(state.personal_params), np.asarray(state.params)
+    np.testing.assert_allclose(x, expected_x, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(center, expected_center, rtol=1e-9, atol=1e-10)
+    np.testing.assert_allclose(center, x.mean(axis=0), rtol=1e-9, atol=1e-10)
+    residual = np.stack([a[i] @ x[i] - b[i] + rho * (x[i] - center) for i in range(n_clients)])
+    assert np.abs(residual).max() < 1e-9
+    assert np.abs(x - center).max() > 1e-2  # the clients really differ: the elastic link is not consensus
+
+
+def test_sweep_over_alpha_with_vmap(rng):
+  """α may be traced: a vmapped sweep equals separate runs."""
+  with jax.enable_x64(True):
+    batches, _ = _round_batches(rng, [0, 1, 2, 3], [1.0, 2.0, 3.0, 4.0])
+    params = jnp.asarray(rng.normal(size=D))
+
+    def one(alpha):
+      algo = easgd(quad_loss, optax.sgd(0.1), alpha, num_clients=N)
+      return algo.step(algo.init(params, jax.random.key(0)), batches).params
+
+    alphas = jnp.array([0.05, 0.1, 0.2])
+    swept = jax.jit(jax.vmap(one))(alphas)
+    single = jax.jit(one)
+    for k, alpha in enumerate([0.05, 0.1, 0.2]):
+      np.testing.assert_allclose(np.asarray(swept[k]), np.asarray(single(alpha)), rtol=1e-12)
+
+
+def test_bad_arguments(rng):
+  for alpha in (0.0, -0.1, 1.5):
+    with pytest.raises(ValueError, match="alpha"):
+      easgd(quad_loss, optax.sgd(0.1), alpha, num_clients=N)
+  with pytest.raises(TypeError, match="client_optimizer"):
+    easgd(quad_loss, "sgd", 0.1, num_clients=N)
+  with pytest.raises(ValueError, match="num_clients"):
+    easgd(quad_loss, optax.sgd(0.1), 0.1, num_clients=0)
+  batches, _ = _round_batches(rng, [0, 1, 2, 3], [1.0] * 4)
+  algo = easgd(quad_loss, optax.sgd(0.1), 0.3, num_clients=N)  # β = 4 · 0.3 = 1.2 > 1
+  with pytest.raises(ValueError, match="beta"):
+    algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), batches)
+  algo = easgd(quad_loss, optax.sgd(0.1), 0.1, num_clients=3)
+  with pytest.raises(ValueError, match="num_clients"):
+    algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), batches)
