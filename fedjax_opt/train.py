@@ -13,9 +13,22 @@
   checkpoint gives the bit-for-bit final state of an uninterrupted run.
 * Between chunks: evaluation of the model (`eval_params(state)`, default
   `state.params`) on every client's test split, on a centralized test set when
-  the dataset has one, and on held-out clients when given; a progress line or
-  bar; the `History`; and, every `checkpoint_every` chunks and at the end, an
+  the dataset has one, and on held-out clients when given; for personalized
+  algorithms, of each client's own model on its own test examples
+  (`personalized_params` or `personalize`, below); a progress line or bar;
+  the `History`; and, every `checkpoint_every` chunks and at the end, an
   orbax checkpoint of the state and the history.
+* Personalized metrics. `personalized_params(state) -> [N, ...]` (a table
+  with one model per dataset client: `mixture.personalized_params` of
+  L2GD/L2SGD+, `pfedme.personalized_params` of pFedMe and Ditto) or
+  `personalize(params, data, mask) -> params` (a model adapted on each
+  client's train split from `eval_params(state)`, e.g. Per-FedAvg's
+  `functools.partial(per_fedavg.personalize, loss_fn, alpha)`) adds, per
+  metric, `personalized_test_<name>` (mean over the clients with test
+  examples), `personalized_test_<name>_weighted` (example-weighted mean),
+  `personalized_test_<name>_p10` (10th percentile over clients) and
+  `personalized_num_excluded` (clients without test examples), exactly the
+  summary of `fedjax_opt.evaluate.personalized` / `adapted`.
 * Sweeps: a `fedjax_opt.sweep.SweptAlgorithm` (K runs vmapped into one
   program) runs the same way. Its state, the round metrics and every
   evaluated value carry a leading sweep axis `[K]`; `seed` may then be K
@@ -211,7 +224,7 @@ class _Progress:
 
 def _format(metrics: Mapping[str, Any], rate: float) -> str:
   parts = [f"{rate:,.1f} rounds/s"]
-  for key in ("train_loss", "test_loss", "test_accuracy", "central_accuracy"):
+  for key in ("train_loss", "test_loss", "test_accuracy", "central_accuracy", "personalized_test_accuracy"):
     if key in metrics:
       value = np.asarray(metrics[key], np.float64)
       if value.ndim:  # a sweep: mean ± std over members
@@ -253,6 +266,40 @@ def _compiled(key: Any, fn: Callable, args: tuple, history: "History", static_ar
 def _default_eval_params(state: PyTree) -> PyTree:
   return state.params
 
+
+
+def _no_table(state: PyTree) -> None:
+  del state
+  return None
+
+
+PERSONALIZED_PERCENTILE = 10.0
+"""The percentile over clients reported as `personalized_test_<name>_p10`."""
+
+
+def _check_personalized(personalized_params: Any, personalize: Any, metric_fns: Any) -> None:
+  for name, fn in (("personalized_params", personalized_params), ("personalize", personalize)):
+    if fn is not None and not callable(fn):
+      raise TypeError(f"{name} must be callable; got {type(fn).__name__}.")
+  if personalized_params is not None and personalize is not None:
+    raise ValueError("give personalized_params (stored per-client models) or personalize (models adapted on "
+                     "each client), not both.")
+  if (personalized_params is not None or personalize is not None) and not metric_fns:
+    raise ValueError("personalized metrics need metric_fns, e.g. {'accuracy': model.accuracy_fn}.")
+
+
+def _personalized_summary(params, table, personalize, dataset, metric_fns, batch_size, client_map) -> dict:
+  """`personalized_test_*` scalars of `evaluate.personalized` (table) or `evaluate.adapted` (personalize)."""
+  kwargs = dict(split="test", batch_size=batch_size, client_map=client_map, percentile=PERSONALIZED_PERCENTILE)
+  if personalize is not None:
+    result = evaluate_lib.adapted(params, personalize, dataset, metric_fns, **kwargs)
+  else:
+    result = evaluate_lib.personalized(table, dataset, metric_fns, **kwargs)
+  suffixes = ("", "_weighted", evaluate_lib.percentile_suffix(PERSONALIZED_PERCENTILE))
+  out = {f"personalized_test_{name}{suffix}": result.summary[name + suffix]
+         for name in metric_fns for suffix in suffixes}
+  out["personalized_num_excluded"] = result.summary["num_excluded"]
+  return out
 
 
 def _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, checkpoint_every):
@@ -297,6 +344,9 @@ def train(
     eval_every: int = 10,
     metric_fns: Mapping[str, evaluate_lib.MetricFn] | None = None,
     eval_params: Callable[[PyTree], PyTree] | None = None,
+    personalized_params: Callable[[PyTree], PyTree] | None = None,
+    personalize: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None,
+    personalized_client_map: Any = None,
     holdout: FederatedDataset | None = None,
     eval_batch_size: int = 256,
     seed: int | Sequence[int] = 0,
@@ -325,6 +375,14 @@ def train(
       test set, if any) and `holdout_<name>` (all examples of `holdout`).
     eval_params: `state -> params` to evaluate (default `state.params`); for
       algorithms whose served model is not `state.params`.
+    personalized_params: `state -> [N, ...]` personalized models, row i for
+      client i of `dataset` (see the module docstring); adds the
+      `personalized_test_*` metrics. Needs `metric_fns`.
+    personalize: `(params, data [S, B, ...], mask [S, B]) -> params`, a model
+      adapted on each client's train split from `eval_params(state)`; the
+      alternative to `personalized_params` (give at most one).
+    personalized_client_map: how clients are mapped in the personalized
+      evaluation (see `fedjax_opt.core.client_map`; default auto).
     holdout: clients that never train, evaluated on all their examples.
     eval_batch_size: example slots per evaluation step.
     seed: seeds the data sampling; round r uses `fold_in(key(seed), r)`. For a
@@ -341,6 +399,7 @@ def train(
     (final state, `History`).
   """
   _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, checkpoint_every)
+  _check_personalized(personalized_params, personalize, metric_fns)
   seed = _check_seed(seed, algorithm)
   swept = isinstance(algorithm, SweptAlgorithm)
   if isinstance(resume, str):
@@ -375,9 +434,12 @@ def train(
       metrics = jax.tree.map(lambda m: jnp.moveaxis(m, 0, -1), metrics)
     return state, metrics
 
-  def run_eval(params, dataset, holdout):
+  def run_eval(params, table, dataset, holdout):
     out = {}
     if metric_fns:
+      if personalized_params is not None or personalize is not None:
+        out.update(_personalized_summary(params, table, personalize, dataset, metric_fns, eval_batch_size,
+                                         personalized_client_map))
       out.update({f"test_{k}": v for k, v in evaluate_lib.global_model(
           params, dataset, metric_fns, split="test", batch_size=eval_batch_size).items()})
       if dataset.central_test is not None:
@@ -390,10 +452,13 @@ def train(
 
   if swept:
     single_eval = run_eval
-    run_eval = lambda params, dataset, holdout: jax.vmap(single_eval, in_axes=(0, None, None))(params, dataset, holdout)
+    run_eval = lambda params, table, dataset, holdout: jax.vmap(single_eval, in_axes=(0, 0, None, None))(
+        params, table, dataset, holdout)
 
   run_key = ((algorithm.init, algorithm.step), tuple(sorted(sample_kwargs.items())), seed)
-  eval_key = (tuple(sorted((metric_fns or {}).items())), eval_params, eval_batch_size, swept)
+  eval_key = (tuple(sorted((metric_fns or {}).items())), eval_params, eval_batch_size, swept, personalized_params,
+              personalize, personalized_client_map)
+  table_fn = personalized_params or _no_table
   start_round = current_round(state)
   bar = _Progress(progress, rounds, start_round, label)
   chunks_done = 0
@@ -413,7 +478,9 @@ def train(
                "train_loss": (_host_value(np.mean(metrics["client_loss"], axis=-1)) if "client_loss" in metrics
                               else float("nan"))}
       if metric_fns:
-        args = (eval_params(state) if not swept else jax.vmap(eval_params)(state), dataset, holdout)
+        params_fn = (lambda s: (eval_params(s), table_fn(s)))
+        params, table = params_fn(state) if not swept else jax.vmap(params_fn)(state)
+        args = (params, table, dataset, holdout)
         evaluator = _compiled(("eval", eval_key, _signature(args)), run_eval, args, history)
         point.update({k: _host_value(v) for k, v in evaluator(*args).items()})
       history.evals.append(point)

@@ -264,3 +264,76 @@ def test_vmap_over_lambda_of_the_scanned_solver():
       np.testing.assert_allclose(swept[i], _optimum(a, b, lam), atol=1e-7)
     lone = jax.jit(solve)(lams[1], alphas[1], ps[1])
     np.testing.assert_allclose(swept[1], np.asarray(lone), rtol=1e-10, atol=1e-12)
+
+
+def _uploads_from_coins(coins):
+  """Independent count for the efficient L2SGD+: an aggregation step uploads iff it is the 1st or 2nd of its run
+  of consecutive ξ = 1 and some local step (ξ = 0) came before it (at the start the master knows x̄ and drift 0)."""
+  uploads, run, seen_local = [], 0, False
+  for c in coins:
+    if c:
+      run += 1
+      uploads.append(seen_local and run <= 2)
+    else:
+      run, seen_local = 0, True
+      uploads.append(False)
+  return np.asarray(uploads)
+
+
+def test_efficient_l2sgd_plus_has_the_plain_iterates_and_uploads_models_only():
+  """variant="efficient": the same x^k as Algorithm 2 (float64, same coins), x(λ) reached, uploads counted exactly."""
+  lam, p, k = 1.0, 0.5, 3000  # p = 1/2: many runs of 3+ aggregation steps, where the master extrapolates x̄
+  with jax.enable_x64(True):
+    a, b = _problem()
+    batches = _batches(a, b)
+    x_star = _optimum(a, b, lam)
+    _, l_example, mu = _constants(a, b)
+    alpha = mx.l2sgd_plus_step_size(lam, l_example, mu, p, N, M)
+    runs = {}
+    for variant in ("plain", "efficient"):
+      algo = mx.l2sgd_plus(quad_loss, lam, alpha, p, N, M, variant=variant, client_map=MAP)
+      body = lambda s, _, algo=algo: (algo.step(s, batches),) * 2
+      init = algo.init(jnp.zeros(D), jax.random.key(4))
+      runs[variant] = jax.jit(lambda s, body=body: jax.lax.scan(body, s, None, length=k))(init)
+    (plain, plain_path), (eff, eff_path) = runs["plain"], runs["efficient"]
+    np.testing.assert_allclose(np.asarray(eff_path.local_params), np.asarray(plain_path.local_params),
+                               rtol=1e-9, atol=1e-12)
+    assert np.sum((np.asarray(eff.local_params) - x_star)**2) < 1e-8 * np.sum(x_star**2)
+    # The fact the variant rests on: mean_i Ψ_i = 0 at every iteration.
+    np.testing.assert_allclose(np.asarray(eff_path.aggregation_control).mean(1), 0.0, atol=1e-12)
+    coins = np.asarray(eff_path.metrics["aggregated"])
+    np.testing.assert_array_equal(coins, np.asarray(plain_path.metrics["aggregated"]))
+    uploads = _uploads_from_coins(coins)
+    np.testing.assert_array_equal(np.asarray(eff_path.metrics["communicated"]), uploads)
+    assert int(eff.metrics["num_communications"]) == int(eff.metrics["num_vectors_sent"]) == uploads.sum()
+    transitions = int(np.sum(coins[1:] & ~coins[:-1]))
+    assert int(plain.metrics["num_communications"]) == transitions
+    assert int(plain.metrics["num_vectors_sent"]) == 3 * transitions
+    assert sum(run >= 3 for run in map(len, "".join("1" if c else "0" for c in coins).split("0"))) > 50
+    # Expected uploads per iteration p(1−p)(1+p): 0.375 here (a ±4σ band of a Bernoulli-ish count).
+    assert abs(uploads.sum() / k - p * (1 - p) * (1 + p)) < 4 * np.sqrt(0.375 / k)
+    assert uploads.sum() < 3 * transitions  # fewer vectors than the plain variant
+
+
+def test_l2sgd_plus_step_size_is_the_theorem_bound_and_sits_below_divergence():
+  """α = min{n(1−p)/(4L+μm), np/(4λ+μ)}: linear convergence at the bound, divergence at 30× the bound."""
+  lam = 1.0
+  with jax.enable_x64(True):
+    a, b = _problem(seed=3)
+    batches = _batches(a, b)
+    x_star = _optimum(a, b, lam)
+    _, l_example, mu = _constants(a, b)
+    p = 0.3
+    alpha = mx.l2sgd_plus_step_size(lam, l_example, mu, p, N, M)
+    assert alpha == pytest.approx(min(N * (1 - p) / (4 * l_example + mu * M), N * p / (4 * lam + mu)), rel=1e-15)
+    _, gaps = _run(mx.l2sgd_plus(quad_loss, lam, alpha, p, N, M, client_map=MAP), batches, 3000, reference=x_star)
+    assert gaps[1999] < 1e-3 * gaps[499] and gaps[-1] < 1e-3 * gaps[1499], gaps[[499, 1499, 1999, -1]]
+    with pytest.warns(UserWarning, match="Theorem 5.2"):
+      algo = mx.l2sgd_plus(quad_loss, lam, 30 * alpha, p, N, M, smoothness=l_example, mu=mu, client_map=MAP)
+    _, gaps = _run(algo, batches, 500, reference=x_star)
+    assert not np.isfinite(gaps[-1]) or gaps[-1] > 1e10, gaps[-1]
+
+
+def test_bad_variant():
+  with pytest.raises(ValueError, match=r"variant must be one of \('plain', 'efficient'\); got 'fast'"):
+    mx.l2sgd_plus(quad_loss, 1.0, 0.1, 0.5, N, M, variant="fast")

@@ -41,8 +41,12 @@ Over k iterations this happens p(1−p)·k times in expectation (Lemma 4.2;
 exactly (k−1)p(1−p) here, because the run starts synchronized: ξ_{−1} = 1).
 For L2SGD+ as written, x̄ drifts during aggregation steps by −(α/n)(mean J̄_i −
 (1/p − 1) mean Ψ_i), so those rounds also carry J̄_i and Ψ_i (three vectors per
-device, not one); the paper's appendix gives a reformulation that avoids it,
-not implemented here. The counters count communication *rounds*.
+device, not one). Since every Ψ_i is overwritten at the same iterations with
+λ(x_i − x̄), mean Ψ_i = 0 and the drift is −(α/n) mean J̄_i, constant during
+a run of aggregation steps: `l2sgd_plus(..., variant="efficient")` uses this
+to upload models only (at the first two aggregation steps of a run; see
+`l2sgd_plus`). The counters count communication *rounds*;
+`num_vectors_sent` counts the vectors each device sent.
 
 Data layout (all three): one `step` is one iteration with all n clients.
 `ClientBatches` carries every client's full data set, `C = n` (full
@@ -73,7 +77,7 @@ from fedjax_opt.core.validation import check_client_batches, check_key, check_lo
 from fedjax_opt.objectives import average, consensus_penalty
 
 __all__ = [
-    "L2GDState", "L2SGDPlusState", "l2gd", "l2sgd", "l2sgd_plus", "l2gd_max_step_size", "l2sgd_plus_step_size",
+    "L2GDState", "L2SGDPlusState", "L2SGD_PLUS_VARIANTS", "l2gd", "l2sgd", "l2sgd_plus", "l2gd_max_step_size", "l2sgd_plus_step_size",
     "optimal_p", "personalized_params"
 ]
 
@@ -111,7 +115,18 @@ class L2SGDPlusState:
     gradient_table: J, leaves `[n, m, ...]` (m = S·B example slots per client):
       J_ij is the last ∇f_ij computed for example j of client i (0 until then).
     aggregation_control: Ψ, leaves `[n, ...]`: the last λ(x_i − x̄).
-    previous_coin, round, key, metrics: as in `L2GDState` (no `objective`).
+    previous_coin, round, key: as in `L2GDState`.
+    metrics: `aggregated`, `communicated`, `num_communications` as in
+      `L2GDState` (no `objective`), and `num_vectors_sent`: d-dimensional
+      vectors each device has sent since init (3 per communication for
+      "plain": x_i, J̄_i, Ψ_i; 1 for "efficient": x_i).
+    master_average: `variant="efficient"` only (None otherwise): the master's
+      copy of x̄, used by the aggregation steps.
+    master_drift: "efficient" only: the master's estimate of x̄'s change per
+      aggregation step, −(α/n)·mean_i J̄_i, learnt from two uploads.
+    average_known, drift_known: "efficient" only, bool: whether the master's
+      x̄ (and drift) are current, i.e. no local step happened since they were
+      learnt.
   """
 
   params: PyTree
@@ -122,6 +137,10 @@ class L2SGDPlusState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
+  master_average: PyTree = None
+  master_drift: PyTree = None
+  average_known: jax.Array | None = None
+  drift_known: jax.Array | None = None
 
 
 def personalized_params(state: L2GDState | L2SGDPlusState, client_id: Any = None) -> PyTree:
@@ -186,6 +205,17 @@ def l2sgd_plus_step_size(lam: Any, smoothness: Any, mu: Any, p: Any, num_clients
   the SAGA bound for F with the f-terms sampled with probability (1 − p)/m
   and the ψ-term with probability p; then E[Φ^k] ≤ (1 − αμ/n)^k Φ^0 for a
   Lyapunov function Φ including ‖x^k − x(λ)‖².
+
+  Where each term comes from: F = Σ_{i,j} (1/(nm)) f_ij(x_i) + λψ(x) is
+  (μ/n)-strongly convex in x = (x_1, …, x_n); the term (1/(nm)) f_ij is
+  (L/(nm))-smooth and drawn with probability q = (1 − p)/m, λψ is
+  (λ/n)-smooth and drawn with probability p. The SAGA step-size rule for
+  such non-uniform sampling, α ≤ min_terms q_term / (4 L_term + μ_F),
+  gives (1 − p)/m / (4L/(nm) + μ/n) = n(1 − p)/(4L + μm) and
+  p / (4λ/n + μ/n) = np/(4λ + μ): the two terms above. This reconstruction
+  matches the formula used here; it has not been checked line by line
+  against the theorem's printed statement. Tested: linear convergence to
+  x(λ) at this α and divergence at 30α (tests/test_mixture.py).
   """
   a = num_clients * (1.0 - p) / (4.0 * smoothness + mu * num_examples)
   b = num_clients * p / (4.0 * lam + mu)
@@ -413,16 +443,58 @@ def _sampled_with_table(loss_fn: LossFn):
   return fn
 
 
+L2SGD_PLUS_VARIANTS = ("plain", "efficient")
+
+
+def _master_average(state: L2SGDPlusState, coin: jax.Array, true_average: PyTree):
+  """The x̄ the master uses at this iteration, its new knowledge, and whether the devices uploaded.
+
+  `true_average` is mean_i x_i, what an upload of every model gives the
+  master. Aggregation step (ξ = 1): first of a run → upload, x̄ learnt;
+  second → upload, drift = x̄^k − x̄^{k−1} learnt; later → x̄ ← x̄ + drift, no
+  upload. A local step (ξ = 0) makes both stale.
+  """
+  first = coin & ~state.average_known
+  second = coin & state.average_known & ~state.drift_known
+  later = coin & state.average_known & state.drift_known
+  average = jax.tree.map(
+      lambda old, drift, true: jnp.where(later, old + drift, jnp.where(first | second, true, old)).astype(old.dtype),
+      state.master_average, state.master_drift, true_average)
+  drift = jax.tree.map(lambda old_avg, old, true: jnp.where(second, true - old_avg, old).astype(old.dtype),
+                       state.master_average, state.master_drift, true_average)
+  known = coin
+  drift_known = coin & (second | later)
+  return average, drift, known, drift_known, first | second
+
+
 def l2sgd_plus(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: int, num_examples: int, *,
-               smoothness: Any = None, mu: Any = None,
+               smoothness: Any = None, mu: Any = None, variant: str = "plain",
                client_map: client_map_lib.ClientMap | str | None = None) -> FederatedAlgorithm:
   """L2SGD+, loopless local SGD with SAGA control variates (Algorithm 2 of Hanzely & Richtárik 2020).
 
   ξ = 0: g_i = (1/n)[(∇f_ij(x_i) − J_ij)/(1−p) + J̄_i + Ψ_i], J_ij ← ∇f_ij(x_i);
   ξ = 1: g_i = (1/n)[(λ(x_i − x̄) − Ψ_i)/p + J̄_i + Ψ_i], Ψ_i ← λ(x_i − x̄);
   then x_i ← x_i − α g_i. Converges linearly to the exact optimum x(λ).
-  Keeps the full per-example table J (`[n, m, ...]`, the paper's Algorithm 2,
-  not the memory-efficient appendix variant).
+  Keeps the full per-example table J (`[n, m, ...]`, the paper's Algorithm 2)
+  in both variants.
+
+  `variant="efficient"`: the same iterates, with control variates that never
+  leave the devices; only models are uploaded. Two facts make it possible
+  (both exact, and checked by the tests): every Ψ_i is overwritten at the same
+  iterations with λ(x_i − x̄), so mean_i Ψ_i = 0 at all times; and J only
+  changes in local steps. Averaging the update over i, an aggregation step
+  therefore moves x̄ by exactly −(α/n)·mean_i J̄_i, the same vector at every
+  aggregation step of a run of consecutive ξ = 1. So the master needs the
+  devices' models at the first aggregation step of a run (to learn x̄) and at
+  the second (x̄ once more: the difference is the drift); from the third on
+  it extrapolates x̄ ← x̄ + drift. At the start everything is known
+  (x_i = x̄, J = 0: drift 0). Communications: an upload of one vector per
+  device at the first two aggregation steps of every run that follows a
+  local step, in expectation p(1−p)(1+p) per iteration (vs p(1−p) rounds of
+  three vectors for "plain"). The iterates equal the plain ones up to the
+  rounding of the extrapolated x̄. This is our derivation; the paper's
+  appendix describes its own efficient implementation, which is not
+  reproduced here.
 
   Args:
     loss_fn, lam, step_size, p, num_clients, client_map: as `l2gd`.
@@ -432,6 +504,8 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: i
     smoothness, mu: optional L (every f_ij L-smooth) and μ (every f_i
       μ-strongly convex); when both are given and everything is concrete, a
       step size above `l2sgd_plus_step_size` warns.
+    variant: "plain" (Algorithm 2 as written, the master reads x̄ from all
+      models every aggregation step) or "efficient" (models only, above).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `L2SGDPlusState`.
@@ -440,6 +514,10 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: i
   num_clients = per_client.check_num_clients(num_clients)
   m = per_client.check_num_clients(num_examples, "num_examples")
   _check_hyperparameters(lam, step_size, p)
+  if variant not in L2SGD_PLUS_VARIANTS:
+    raise ValueError(f"variant must be one of {L2SGD_PLUS_VARIANTS}; got {variant!r}.")
+  efficient = variant == "efficient"
+  vectors_per_communication = 1 if efficient else 3
   if smoothness is not None and mu is not None:
     check_positive(smoothness, "smoothness")
     check_positive(mu, "mu")
@@ -451,6 +529,10 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: i
   def init(params: PyTree, key: jax.Array) -> L2SGDPlusState:
     check_key(key)
     example_row = jax.tree.map(lambda t: jnp.zeros((m,) + jnp.shape(t), jnp.result_type(t)), params)
+    master = {}
+    if efficient:
+      master = dict(master_average=params, master_drift=jax.tree.map(jnp.zeros_like, params),
+                    average_known=jnp.ones((), bool), drift_known=jnp.ones((), bool))
     return L2SGDPlusState(
         params=params,
         local_params=jax.tree.map(lambda t: jnp.broadcast_to(t, (n,) + jnp.shape(t)).astype(jnp.result_type(t)),
@@ -460,7 +542,8 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: i
         previous_coin=jnp.ones((), bool),
         round=jnp.zeros((), jnp.int32),
         key=key,
-        metrics=_initial_communication_metrics(),
+        metrics={**_initial_communication_metrics(), "num_vectors_sent": jnp.zeros((), jnp.int32)},
+        **master,
     )
 
   def step(state: L2SGDPlusState, batches: ClientBatches) -> L2SGDPlusState:
@@ -477,6 +560,14 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: i
     grad, old, mean, new_rows = client_map_lib.map_clients(
         mode, _sampled_with_table(loss_fn), None, (x, batches.data, batches.mask, keys, table))
     x_bar = average(state.local_params)
+    master, metrics = {}, _communication_metrics(state, coin)
+    if efficient:
+      x_bar, drift, known, drift_known, uploaded = _master_average(state, coin, x_bar)
+      master = dict(master_average=x_bar, master_drift=drift, average_known=known, drift_known=drift_known)
+      metrics = {"aggregated": coin, "communicated": uploaded,
+                 "num_communications": state.metrics["num_communications"] + uploaded.astype(jnp.int32)}
+    metrics["num_vectors_sent"] = state.metrics["num_vectors_sent"] + vectors_per_communication * (
+        metrics["communicated"].astype(jnp.int32))
     pull = jax.tree.map(lambda a, b: lam * (a - b), x, x_bar)  # λ(x_i − x̄)
     local = jax.tree.map(lambda g, o, jm, ps: (g - o) / (1.0 - p) + jm + ps, grad, old, mean, psi)
     toward = jax.tree.map(lambda pl, jm, ps: (pl - ps) / p + jm + ps, pull, mean, psi)
@@ -492,7 +583,8 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, step_size: Any, p: Any, num_clients: i
         previous_coin=coin,
         round=state.round + 1,
         key=key,
-        metrics=_communication_metrics(state, coin),
+        metrics=metrics,
+        **master,
     )
 
   return FederatedAlgorithm(init, step)

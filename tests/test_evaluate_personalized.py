@@ -1,0 +1,240 @@
+"""Personalized evaluation (`evaluate.personalized`, `evaluate.adapted`) against a float64 NumPy loop over clients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_opt import evaluate
+from fedjax_opt.algorithms.per_fedavg import personalize
+from fedjax_opt.data.dataset import pack
+
+D, K = 4, 3
+# Test-set sizes coprime with 10, so no accuracy k/n falls on an inner edge of the 10 bins; client 3 has none.
+TRAIN = [9, 5, 12, 7, 6, 8]
+TEST = [7, 13, 3, 0, 11, 9]
+
+
+def softmax_loss(params, batch):
+  logits = batch["x"] @ params["w"] + params["b"]
+  return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch["y"][:, None], -1)[:, 0]
+
+
+def accuracy(params, batch):
+  logits = batch["x"] @ params["w"] + params["b"]
+  return (jnp.argmax(logits, -1) == batch["y"]).astype(logits.dtype)
+
+
+FNS = {"loss": softmax_loss, "accuracy": accuracy}
+
+
+def _clients(rng, sizes):
+  out = []
+  for n in sizes:
+    x = rng.normal(size=(n, D))
+    out.append({"x": x, "y": rng.integers(0, K, size=n).astype(np.int32)})
+  return out
+
+
+@pytest.fixture(scope="module")
+def data():
+  rng = np.random.default_rng(0)
+  train, test = _clients(rng, TRAIN), _clients(rng, TEST)
+  dataset = pack(train, test_clients=test, num_classes=K)
+  n = len(TRAIN)
+  table = {"w": rng.normal(size=(n, D, K)).astype(np.float32), "b": rng.normal(size=(n, K)).astype(np.float32)}
+  return dataset, train, test, table
+
+
+def _np_metrics(w, b, x, y):
+  """float64 per-example loss and accuracy of one client."""
+  logits = x.astype(np.float32).astype(np.float64) @ w.astype(np.float64) + b.astype(np.float64)
+  top = logits.max(1, keepdims=True)
+  logz = np.log(np.exp(logits - top).sum(1)) + top[:, 0]
+  return logz - logits[np.arange(len(y)), y], (logits.argmax(1) == y).astype(np.float64)
+
+
+def _np_reference(tables, test, ids):
+  """Per-client means, then mean / weighted mean / 10th percentile (np 'linear') / histogram over clients with data."""
+  per = {"loss": [], "accuracy": []}
+  sums = {"loss": 0.0, "accuracy": 0.0}
+  counts = []
+  for i in ids:
+    x, y = test[i]["x"], test[i]["y"]
+    counts.append(len(y))
+    if not len(y):
+      continue
+    loss, acc = _np_metrics(tables["w"][i], tables["b"][i], x, y)
+    for name, v in (("loss", loss), ("accuracy", acc)):
+      per[name].append(v.mean())
+      sums[name] += v.sum()
+  out = {}
+  for name, values in per.items():
+    values = np.asarray(values)
+    out[name] = values
+    out[name + "_mean"] = values.mean()
+    out[name + "_weighted"] = sums[name] / sum(counts)
+    out[name + "_p10"] = np.percentile(values, 10, method="linear")
+  out["histogram"] = np.histogram(per["accuracy"], bins=10, range=(0.0, 1.0))[0]
+  return out, np.asarray(counts)
+
+
+def test_each_client_is_evaluated_with_its_own_model(data):
+  """Per-client loss/accuracy, their mean, weighted mean, 10th percentile and histogram equal a NumPy loop."""
+  dataset, _, test, table = data
+  result = jax.jit(lambda t, d: evaluate.personalized(t, d, FNS, batch_size=4, client_map="vmap"))(table, dataset)
+  ref, counts = _np_reference(table, test, range(len(TEST)))
+  has = counts > 0
+  np.testing.assert_array_equal(np.asarray(result.evaluated), has)
+  np.testing.assert_array_equal(np.asarray(result.count), counts)
+  assert np.isnan(np.asarray(result.per_client["accuracy"])[3])
+  s = result.summary
+  assert int(s["num_evaluated"]) == 5 and int(s["num_excluded"]) == 1
+  for name in ("loss", "accuracy"):
+    np.testing.assert_allclose(np.asarray(result.per_client[name])[has], ref[name], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(float(s[name]), ref[name + "_mean"], rtol=2e-5)
+    np.testing.assert_allclose(float(s[name + "_weighted"]), ref[name + "_weighted"], rtol=2e-5)
+    np.testing.assert_allclose(float(s[name + "_p10"]), ref[name + "_p10"], rtol=2e-5)
+  np.testing.assert_array_equal(np.asarray(s["accuracy_histogram"]), ref["histogram"])
+  assert int(np.sum(s["accuracy_histogram"])) == 5
+  np.testing.assert_allclose(np.asarray(result.histogram_edges), np.linspace(0, 1, 11), atol=1e-7)
+
+
+def test_the_same_model_in_every_row_equals_the_global_evaluation(data):
+  """With every row equal to one model the personalized weighted mean is `global_model`'s test metric."""
+  dataset, _, test, table = data
+  one = jax.tree.map(lambda t: t[2], table)
+  tiled = jax.tree.map(lambda t: np.broadcast_to(t, (len(TEST),) + t.shape), one)
+  result = evaluate.personalized(tiled, dataset, FNS, client_map="sequential")
+  glob = evaluate.global_model(one, dataset, FNS)
+  np.testing.assert_allclose(float(result.summary["accuracy_weighted"]), float(glob["accuracy"]), rtol=1e-6)
+  np.testing.assert_allclose(float(result.summary["loss"]), float(glob["loss_client_mean"]), rtol=1e-5)
+
+
+def test_client_subset_and_client_maps_agree(data):
+  """client_ids picks rows of the table; vmap, sequential and chunked:2 give the same numbers."""
+  dataset, _, test, table = data
+  ids = np.array([4, 0, 3, 2], np.int32)
+  ref, _ = _np_reference(table, test, ids)
+  results = [evaluate.personalized(table, dataset, FNS, client_ids=jnp.asarray(ids), client_map=mode,
+                                   percentile=25.0) for mode in ("vmap", "sequential", "chunked:2")]
+  for r in results:
+    np.testing.assert_array_equal(np.asarray(r.client_id), ids)
+    np.testing.assert_allclose(float(r.summary["accuracy_weighted"]), ref["accuracy_weighted"], rtol=1e-6)
+    np.testing.assert_allclose(float(r.summary["loss_p25"]), np.percentile(ref["loss"], 25), rtol=2e-5)
+    for name in FNS:
+      np.testing.assert_allclose(r.per_client[name], results[0].per_client[name], rtol=1e-6)
+
+
+def test_float64_models_are_evaluated_in_float64(data):
+  dataset, _, test, table = data
+  with jax.enable_x64(True):
+    t64 = jax.tree.map(lambda t: jnp.asarray(t, jnp.float64), table)
+    result = evaluate.personalized(t64, dataset, FNS, client_map="vmap")
+    ref, _ = _np_reference(table, test, range(len(TEST)))
+    assert result.per_client["loss"].dtype == jnp.float64
+    np.testing.assert_allclose(float(result.summary["loss_weighted"]), ref["loss_weighted"], rtol=1e-6)
+
+
+def test_adapted_models_equal_a_numpy_gradient_step(data):
+  """Per-FedAvg's θ_i = w − α∇f_i(w) on client i's train split, then its test metrics (NumPy float64 loop)."""
+  dataset, train, test, table = data
+  alpha = 0.5
+  w = jax.tree.map(lambda t: t[0], table)
+  result = jax.jit(lambda p, d: evaluate.adapted(p, functools.partial(personalize, softmax_loss, alpha), d, FNS,
+                                                 batch_size=4, client_map="vmap"))(w, dataset)
+  rows = {"w": [], "b": []}
+  for client in train:
+    x, y = client["x"].astype(np.float32).astype(np.float64), client["y"]
+    logits = x @ np.asarray(w["w"], np.float64) + np.asarray(w["b"], np.float64)
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    p[np.arange(len(y)), y] -= 1.0
+    rows["w"].append(np.asarray(w["w"], np.float64) - alpha * x.T @ p / len(y))
+    rows["b"].append(np.asarray(w["b"], np.float64) - alpha * p.mean(0))
+  ref, _ = _np_reference({k: np.stack(v) for k, v in rows.items()}, test, range(len(TEST)))
+  has = np.asarray(TEST) > 0
+  np.testing.assert_allclose(np.asarray(result.per_client["loss"])[has], ref["loss"], rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(float(result.summary["accuracy_weighted"]), ref["accuracy_weighted"], rtol=1e-6)
+
+
+def test_no_client_with_data_gives_nan_statistics():
+  rng = np.random.default_rng(1)
+  dataset = pack(_clients(rng, [3, 4]), test_clients=_clients(rng, [1, 0]), num_classes=K)
+  table = {"w": jnp.zeros((2, D, K)), "b": jnp.zeros((2, K))}
+  result = evaluate.personalized(table, dataset, FNS, client_ids=jnp.array([1]), client_map="vmap")
+  assert int(result.summary["num_evaluated"]) == 0 and int(result.summary["num_excluded"]) == 1
+  for key in ("accuracy", "accuracy_weighted", "accuracy_p10"):
+    assert np.isnan(float(result.summary[key])), key
+  assert int(np.sum(result.summary["accuracy_histogram"])) == 0
+
+
+def test_bad_input(data):
+  dataset, _, _, table = data
+  short = jax.tree.map(lambda t: t[:3], table)
+  with pytest.raises(ValueError, match=r"leading axis \[N\] = 6; got 3"):
+    evaluate.personalized(short, dataset, FNS)
+  with pytest.raises(ValueError, match=r"client_ids must lie in \[0, 6\)"):
+    evaluate.personalized(table, dataset, FNS, client_ids=jnp.array([0, 6]))
+  with pytest.raises(ValueError, match=r"percentile must be a Python number in \[0, 100\]"):
+    evaluate.personalized(table, dataset, FNS, percentile=120)
+  with pytest.raises(ValueError, match=r"histogram_range must be finite with low < high"):
+    evaluate.personalized(table, dataset, FNS, histogram_range=(1.0, 0.0))
+  with pytest.raises(ValueError, match=r"split must be 'train' or 'test'"):
+    evaluate.personalized(table, dataset, FNS, split="val")
+  with pytest.raises(TypeError, match=r"metric_fns must be a non-empty dict"):
+    evaluate.personalized(table, dataset, {})
+  with pytest.raises(TypeError, match=r"adapt_fn must be callable"):
+    evaluate.adapted(jax.tree.map(lambda t: t[0], table), None, dataset, FNS)
+
+
+def _params0():
+  return {"w": jnp.zeros((D, K)), "b": jnp.zeros((K,))}
+
+
+def test_train_reports_the_personalized_metrics_of_the_final_state(data):
+  """Ditto through `train`: the last personalized_test_* equal `evaluate.personalized` on the final v_i table."""
+  import optax
+
+  from fedjax_opt.algorithms.ditto import ditto
+  from fedjax_opt.algorithms.pfedme import personalized_params
+  from fedjax_opt.train import train
+
+  dataset = data[0]
+  algo = ditto(softmax_loss, 0.5, optax.sgd(0.1), 0.1, 2, num_clients=len(TRAIN), client_map="vmap")
+  state, history = train(algo, algo.init(_params0(), jax.random.key(0)), dataset, 4, clients_per_round=3,
+                         batch_size=3, local_steps=2, eval_every=2, metric_fns=FNS, progress=False,
+                         personalized_params=personalized_params, personalized_client_map="vmap")
+  assert [e["round"] for e in history.evals] == [2, 4]
+  ref = evaluate.personalized(personalized_params(state), dataset, FNS, client_map="vmap").summary
+  last = history.last_eval
+  for name in FNS:
+    for suffix in ("", "_weighted", "_p10"):
+      np.testing.assert_allclose(last[f"personalized_test_{name}{suffix}"], float(ref[name + suffix]), rtol=1e-6)
+  assert last["personalized_num_excluded"] == 1
+  # The personal models moved away from the global model, so the two evaluations differ.
+  assert last["personalized_test_loss_weighted"] != pytest.approx(last["test_loss"], rel=1e-3)
+
+
+def test_train_reports_adapted_metrics_for_per_fedavg(data):
+  """Per-FedAvg through `train` with `personalize`: equal to `evaluate.adapted` on the final meta-model."""
+  from fedjax_opt.algorithms.per_fedavg import per_fedavg
+  from fedjax_opt.train import train
+
+  dataset = data[0]
+  adapt = functools.partial(personalize, softmax_loss, 0.3)
+  algo = per_fedavg(softmax_loss, 0.3, 0.1, 1, client_map="vmap")
+  state, history = train(algo, algo.init(_params0(), jax.random.key(0)), dataset, 3, clients_per_round=3,
+                         batch_size=3, local_steps=2, eval_every=3, metric_fns=FNS, progress=False,
+                         personalize=adapt, personalized_client_map="vmap")
+  ref = evaluate.adapted(state.params, adapt, dataset, FNS, client_map="vmap").summary
+  np.testing.assert_allclose(history.last_eval["personalized_test_accuracy"], float(ref["accuracy"]), rtol=1e-6)
+  np.testing.assert_allclose(history.last_eval["personalized_test_loss_p10"], float(ref["loss_p10"]), rtol=1e-6)
+  with pytest.raises(ValueError, match=r"not both"):
+    train(algo, state, dataset, 4, clients_per_round=3, batch_size=3, local_steps=2, metric_fns=FNS,
+          progress=False, personalize=adapt, personalized_params=lambda s: s.params)
+  with pytest.raises(ValueError, match=r"personalized metrics need metric_fns"):
+    train(algo, state, dataset, 4, clients_per_round=3, batch_size=3, local_steps=2, progress=False,
+          personalize=adapt)
