@@ -16,3 +16,4 @@ from fedjax_opt.algorithms.easgd import EASGDState, easgd
 from fedjax_opt.algorithms.fedu import FedUState, fedu, laplacian_penalty
 from fedjax_opt.algorithms.fedavg_finetune import FineTuning, FineTuningState, fedavg_finetune
 from fedjax_opt.algorithms.mixture_admm import MixtureADMMState, mixture_admm
+from fedjax_opt.algorithms.gadmm import GADMMState, cq_ggadmm, gadmm, stochastic_quantize

@@ -1,0 +1,526 @@
+"""Group ADMM: decentralized learning on a chain or a bipartite graph, with censoring and quantization.
+
+Elgabli, Park, Bedi, Bennis, Aggarwal. "GADMM: Fast and Communication
+Efficient Framework for Distributed Machine Learning." JMLR 21(76), 2020.
+arXiv:1909.00047.
+
+Issaid, Elgabli, Park, Bennis, Debbah. "Communication Efficient Distributed
+Learning with Censored, Quantized, and Generalized Group ADMM."
+arXiv:2009.06459, 2020.
+
+Problem. N workers, worker n holding f_n (the mean loss over its real
+examples), sit on the nodes of a connected bipartite graph G (GADMM: the
+chain 0 − 1 − … − N−1, `fedjax_opt.graphs.chain`). With one model θ_n per
+worker and one constraint per edge e = (i, j), i < j (`graph.edges`):
+
+    minimize Σ_n f_n(θ_n)   subject to   θ_i = θ_j  for every edge (i, j).
+
+There is no server: each worker talks only to its neighbours. The graph's
+two colour classes (`fedjax_opt.graphs.two_coloring`; node 0 is a head) are
+the head group H and the tail group T; on a chain the heads are the even
+positions and the tails the odd ones, as in the GADMM paper.
+
+Derivation of the worker update. With one unscaled dual λ_e per edge the
+augmented Lagrangian is
+
+    L_ρ(θ, λ) = Σ_n f_n(θ_n) + Σ_{e=(i,j)} [⟨λ_e, θ_i − θ_j⟩ + (ρ/2)‖θ_i − θ_j‖²].
+
+Write B `[E, N]` for the signed incidence matrix, B_{e,i} = +1 and
+B_{e,j} = −1 for e = (i, j), i < j, so that the linear terms are
+Σ_e ⟨λ_e, θ_i − θ_j⟩ = Σ_n ⟨(Bᵀλ)_n, θ_n⟩, where
+(Bᵀλ)_n = Σ_{e=(n,j)} λ_e − Σ_{e=(i,n)} λ_e (plus for the edges where n is
+the smaller end, minus where it is the larger end). The terms of L_ρ that
+hold θ_n are
+
+    f_n(θ) + ⟨(Bᵀλ)_n, θ⟩ + (ρ/2) Σ_{m ∈ N(n)} ‖θ − θ_m‖².
+
+With d_n = |N(n)| (the degree) and s_n = Σ_{m ∈ N(n)} θ_m,
+(ρ/2) Σ_m ‖θ − θ_m‖² = (ρ d_n/2)‖θ − s_n/d_n‖² + const, and completing the
+square with the linear term,
+
+    θ_n ← argmin_θ f_n(θ) + (ρ d_n/2) ‖θ − v_n‖²  = prox_{f_n / (ρ d_n)}(v_n),
+    v_n = (s_n − (Bᵀλ)_n / ρ) / d_n.
+
+On a chain (edges (n−1, n) and (n, n+1)) this is the paper's update
+θ_n ← argmin f_n(θ) + ⟨λ_{n−1}, θ_{n−1} − θ⟩ + ⟨λ_n, θ − θ_{n+1}⟩
++ (ρ/2)‖θ_{n−1} − θ‖² + (ρ/2)‖θ − θ_{n+1}‖², v_n = (θ_{n−1} + θ_{n+1}
++ (λ_{n−1} − λ_n)/ρ) / 2 (one neighbour and one λ at the two ends).
+
+One `step` is one iteration k (heads, then tails, then duals):
+
+    heads n ∈ H (in parallel):  θ_n^{k+1} = prox_{f_n/(ρ d_n)}(v_n), v_n from the tails' θ_m^k and λ^k
+    tails n ∈ T (in parallel):  θ_n^{k+1} = prox_{f_n/(ρ d_n)}(v_n), v_n from the heads' θ_m^{k+1} and λ^k
+    every edge e = (i, j):      λ_e^{k+1} = λ_e^k + ρ (θ_i^{k+1} − θ_j^{k+1})
+
+Every node of a group only needs the other group's models, so a group runs
+in parallel (mapped over its workers by `core.client_map`). The worker update
+is exact when `prox(v, rho, data, mask)` is given (e.g.
+`fedjax_opt.algorithms.admm.prox_least_squares` or `prox_quadratic`, called
+with the penalty ρ d_n); otherwise it is inexact: K optax steps
+(`core.local.local_train`) from the worker's previous θ_n, each on its full
+local data (`core.local.as_single_step`), with the gradient correction
+ρ d_n (θ − v_n). The inexact iteration has the same fixed points as the exact
+one (the fixed point of the inner steps is the prox), hence the same limit:
+at a fixed point all θ_n agree (the dual update stops) and Σ_n ∇f_n(θ) =
+−Σ_n (Bᵀλ)_n = 0 (every column of Bᵀ sums to zero), the centralized optimum.
+
+CQ-GGADMM (`cq_ggadmm`, Issaid et al. 2020). Each worker also keeps θ̂_n,
+the last model it transmitted; its neighbours only know θ̂_n, so the
+updates above use s_n = Σ_{m ∈ N(n)} θ̂_m and the duals use transmitted
+values, λ_e ← λ_e + ρ(θ̂_i − θ̂_j) (both ends know both θ̂, so they agree on
+λ_e without sending it). After its update worker n
+
+* quantizes the change stochastically (`stochastic_quantize`, b bits per
+  coordinate over [−R, R], R = ‖θ_n − θ̂_n‖_∞, unbiased):
+  Q_n = θ̂_n + Q_b(θ_n − θ̂_n); with `bits=None` Q_n = θ_n (no quantization);
+* transmits only if ‖Q_n − θ̂_n‖ ≥ τ₀ ξ^k (censoring, ξ ∈ (0, 1), k the
+  iteration from 0); if it transmits, θ̂_n ← Q_n, else θ̂_n stays.
+
+With `bits=None` and `censor_tau0=0` every worker transmits θ_n exactly:
+generalized GADMM (GGADMM), and on a chain exactly `gadmm`.
+
+Communication accounting (`state.metrics`): an unquantized transmission is
+32 P bits (P model parameters sent as float32); a quantized one b P + 32 bits
+(b bits per coordinate and R as one float32). Duals are never sent.
+
+Data. GADMM is decentralized and every worker computes every iteration, so
+`step` takes a `ClientBatches` with every worker's data: C = N rows, row n
+for worker n (`client_id` = arange(N), checked when concrete). `weight` is
+not used: the objective is the plain sum Σ_n f_n of the workers' mean
+losses (as in `admm_consensus`, whose (1/N) Σ_n f_n has the same minimiser).
+
+State. The per-worker models θ_n (and θ̂_n) are `[N, ...]` tables
+(`core.per_client`), the duals an `[E, ...]` table; `state.params` is the
+workers' average (1/N) Σ_n θ_n, for evaluation only. A worker whose update is
+not finite keeps its model and does not transmit (`metrics["num_nonfinite"]`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_opt import graphs as graphs_lib
+from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import per_client
+from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
+from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.tree import global_norm
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.validation import (check_client_batches, check_key, check_loss_fn,
+                                        check_optimizer, check_positive, is_concrete)
+
+__all__ = ["GADMMState", "gadmm", "cq_ggadmm", "stochastic_quantize", "GADMM_METRICS"]
+
+ProxFn = Callable[[PyTree, jax.Array, PyTree, jax.Array], PyTree]
+"""`prox(v, rho, data, mask) -> argmin_x f_n(x) + (ρ/2)‖x − v‖²` on one worker's data `[S, B, ...]`, mask `[S, B]`."""
+
+FLOAT_BITS = 32
+"""Bits of one float on the wire (an unquantized coordinate, or the range R of a quantized message)."""
+
+GADMM_METRICS = {
+    "objective": jnp.float32,
+    "primal_residual": jnp.float32,
+    "transmissions": jnp.int32,
+    "transmissions_cumulative": jnp.int32,
+    "bits": jnp.float32,
+    "bits_cumulative": jnp.float32,
+    "censor_threshold": jnp.float32,
+    "num_nonfinite": jnp.int32,
+}
+"""`state.metrics` of `gadmm` and `cq_ggadmm` after an iteration.
+
+* objective: Σ_n f_n(θ_n^{k+1}), at every worker's new model;
+* primal_residual: sqrt(Σ_{e=(i,j)} ‖θ̂_i − θ̂_j‖²) over the edges, with the
+  transmitted models (the models themselves for `gadmm`);
+* transmissions, bits: messages and bits sent in this iteration (duals are
+  never sent); *_cumulative: since `init`;
+* censor_threshold: τ₀ ξ^k used in this iteration (0 for `gadmm`);
+* num_nonfinite: workers whose update was not finite (kept their model).
+"""
+
+
+@flax.struct.dataclass
+class GADMMState:
+  """State of GADMM / CQ-GGADMM.
+
+  Attributes:
+    params: (1/N) Σ_n θ_n, the workers' average (for evaluation; no worker uses it).
+    local_params: the workers' models θ_n, a table (leaves `[N, ...]`).
+    transmitted: θ̂_n, the last model each worker transmitted (leaves `[N, ...]`);
+      None for `gadmm`, whose workers always transmit θ_n exactly.
+    duals: the unscaled edge duals λ_e, leaves `[E, ...]`, row e for `graph.edges[e]`.
+    round: k, iterations applied, int32.
+    key: PRNG key, split once per iteration by `cq_ggadmm` (quantizer noise).
+    metrics: `GADMM_METRICS`.
+  """
+
+  params: PyTree
+  local_params: PyTree
+  transmitted: PyTree
+  duals: PyTree
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_rho(rho: Any) -> None:
+  if rho is None:
+    raise ValueError("rho (ρ, the ADMM penalty) must be given and > 0.")
+  check_positive(rho, "rho (ρ, the ADMM penalty)")
+
+
+def _check_graph(graph: Any) -> np.ndarray:
+  """The two colours of a connected bipartite graph with at least 2 nodes, or a clear error."""
+  if not isinstance(graph, graphs_lib.Graph):
+    raise TypeError(f"graph must be a fedjax_opt.graphs.Graph (e.g. fo.graphs.chain(n)); got {type(graph).__name__}.")
+  if graph.num_nodes < 2:
+    raise ValueError(f"graph must have at least 2 workers (nodes); got num_nodes={graph.num_nodes}.")
+  graphs_lib.check_connected(graph)
+  return graphs_lib.two_coloring(graph)
+
+
+def _check_bits(bits: Any) -> None:
+  if bits is None:
+    return
+  if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+    raise TypeError(f"bits must be a Python int in [1, 32] or None (no quantization); got {type(bits).__name__}.")
+  if not 1 <= bits <= 32:
+    raise ValueError(f"bits (b, bits per quantized coordinate) must lie in [1, 32]; got {bits}.")
+
+
+def _check_censoring(tau0: Any, xi: Any) -> None:
+  if tau0 is None:
+    raise ValueError("censor_tau0 (τ₀) must be given and >= 0 (0: no censoring).")
+  check_positive(tau0, "censor_tau0 (τ₀)", allow_zero=True)
+  if xi is None:
+    raise ValueError("censor_xi (ξ) must be given and lie in the open interval (0, 1).")
+  if is_concrete(xi):
+    x = np.asarray(xi)
+    if not (np.all(np.isfinite(x)) and np.all(x > 0) and np.all(x < 1)):
+      raise ValueError(f"censor_xi (ξ, the censoring decay) must lie in the open interval (0, 1); got {xi}.")
+
+
+def _check_all_workers(batches: ClientBatches, num_workers: int) -> None:
+  c = batches.num_clients
+  if c != num_workers:
+    raise ValueError(
+        f"batches must carry every worker's data each step (row n = worker n): C must equal the graph's "
+        f"num_nodes N = {num_workers}; got C = {c}.")
+  if is_concrete(batches.client_id):
+    ids = np.asarray(batches.client_id)
+    if not np.array_equal(ids, np.arange(num_workers)):
+      raise ValueError(f"batches.client_id must be arange(N) = [0 … {num_workers - 1}] (row n = worker n); "
+                       f"got {ids}.")
+
+
+# ----------------------------------------------------------------------------- quantizer
+
+
+def stochastic_quantize(key: jax.Array, x: PyTree, bits: int) -> PyTree:
+  """Unbiased stochastic b-bit quantization of a vector (a pytree, quantized as one vector).
+
+  With R = max_j |x_j| over every coordinate of every leaf and the 2^b levels
+  −R + l Δ, l = 0 … 2^b − 1, Δ = 2R / (2^b − 1), each coordinate is rounded
+  to one of its two nearest levels at random, up with probability
+  (x_j + R)/Δ − ⌊(x_j + R)/Δ⌋, so E[Q(x)] = x and |Q(x)_j − x_j| ≤ Δ. The
+  message is the b-bit level index per coordinate plus R (the stochastic
+  quantizer of Issaid et al. 2020). x = 0 gives Q(x) = 0.
+
+  Args:
+    key: PRNG key.
+    x: pytree of arrays (one vector).
+    bits: b >= 1.
+
+  Returns:
+    Q(x), a pytree like `x`.
+  """
+  _check_bits(bits)
+  if bits is None:
+    raise ValueError("bits must be an int in [1, 32] for stochastic_quantize; got None.")
+  leaves, treedef = jax.tree.flatten(x)
+  radius = jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves]))
+  levels = float(2**bits - 1)
+  spacing = 2 * radius / levels
+  safe = jnp.where(radius > 0, spacing, 1)
+  keys = jax.random.split(key, len(leaves))
+  out = []
+  for leaf, k in zip(leaves, keys):
+    position = (leaf + radius) / safe
+    low = jnp.floor(position)
+    up = jax.random.uniform(k, leaf.shape, position.dtype) < position - low
+    level = jnp.clip(low + up, 0, levels)
+    out.append(jnp.where(radius > 0, level * spacing - radius, 0).astype(leaf.dtype))
+  return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------- the iteration
+
+
+def _rows(table: PyTree, index: np.ndarray) -> PyTree:
+  return jax.tree.map(lambda t: jnp.take(t, index, axis=0), table)
+
+
+def _edge_difference(table: PyTree, edges: np.ndarray) -> PyTree:
+  """θ_i − θ_j for every edge (i, j): leaves `[E, ...]` (B θ)."""
+  return jax.tree.map(lambda t: jnp.take(t, edges[:, 0], axis=0) - jnp.take(t, edges[:, 1], axis=0), table)
+
+
+def _incidence_transpose(duals: PyTree, edges: np.ndarray, num_nodes: int) -> PyTree:
+  """(Bᵀλ)_n = Σ_{e=(n,j)} λ_e − Σ_{e=(i,n)} λ_e: leaves `[N, ...]`."""
+  ends = np.concatenate([edges[:, 0], edges[:, 1]])
+  return jax.tree.map(
+      lambda l: jax.ops.segment_sum(jnp.concatenate([l, -l]), ends, num_segments=num_nodes), duals)
+
+
+def _neighbour_sum(table: PyTree, edges: np.ndarray, num_nodes: int) -> PyTree:
+  """s_n = Σ_{m ∈ N(n)} θ_m: leaves `[N, ...]`."""
+  source = np.concatenate([edges[:, 1], edges[:, 0]])
+  target = np.concatenate([edges[:, 0], edges[:, 1]])
+  return jax.tree.map(
+      lambda t: jax.ops.segment_sum(jnp.take(t, source, axis=0), target, num_segments=num_nodes), table)
+
+
+def _row_norms(tree: PyTree) -> jax.Array:
+  """`[C]` Euclidean norm of each row over every leaf."""
+  return jnp.sqrt(sum(jnp.sum(jnp.square(leaf.reshape(leaf.shape[0], -1)), axis=1) for leaf in jax.tree.leaves(tree)))
+
+
+def _group_admm(loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, *, prox: ProxFn | None,
+                local_optimizer: optax.GradientTransformation | None, local_steps: int | None,
+                client_map: Any, unroll: int | bool, compress: bool, bits: int | None, censor_tau0: Any,
+                censor_xi: Any, name: str) -> FederatedAlgorithm:
+  """GADMM on a connected bipartite graph; with `compress`, CQ-GGADMM's transmitted models (module docstring)."""
+  check_loss_fn(loss_fn)
+  _check_rho(rho)
+  colour = _check_graph(graph)
+  if prox is None:
+    if local_optimizer is None:
+      raise ValueError(f"{name} needs prox (exact worker update) or local_optimizer (inexact update by "
+                       "local_train); got neither.")
+    check_optimizer(local_optimizer, "local_optimizer")
+  elif not callable(prox):
+    raise TypeError(f"prox must be callable prox(v, rho, data, mask); got {type(prox).__name__}.")
+  if local_steps is not None and (isinstance(local_steps, bool) or not isinstance(local_steps, int)
+                                  or local_steps < 1):
+    raise ValueError(f"local_steps must be a positive int or None; got {local_steps!r}.")
+  mode = client_map_lib.resolve(client_map)
+
+  n = graph.num_nodes
+  edges = graph.edges
+  groups = (np.flatnonzero(colour == 0), np.flatnonzero(colour == 1))  # heads, tails
+  degree = graphs_lib.degrees(graph)
+
+  def worker_update(rho_k, worker):
+    data, mask, theta_old, v, d = worker
+    penalty = rho_k * d
+    if prox is not None:
+      new = prox(v, penalty, data, mask)
+    else:
+      folded, folded_mask = as_single_step(data, mask)
+      steps = mask.shape[0] if local_steps is None else local_steps
+      repeated = jax.tree.map(lambda a: jnp.broadcast_to(a, (steps,) + a.shape[1:]), folded)
+      repeated_mask = jnp.broadcast_to(folded_mask, (steps,) + folded_mask.shape[1:])
+
+      def penalty_gradient(x):
+        return jax.tree.map(lambda xx, vv: penalty * (xx - vv), x, v)
+
+      result = local_train(loss_fn, local_optimizer, theta_old, repeated, repeated_mask,
+                           gradient_correction=penalty_gradient, unroll=unroll)
+      new = jax.tree.map(jnp.add, theta_old, result.delta)
+    new = jax.tree.map(lambda a, o: a.astype(o.dtype), new, theta_old)
+    folded, folded_mask = as_single_step(data, mask)
+    objective, _ = masked_mean_loss(loss_fn, new, jax.tree.map(lambda a: a[0], folded), folded_mask[0])
+    return new, objective
+
+  def group_update(group, key, theta, sent, dual_term, rho_k, threshold, batches):
+    """One group's parallel update; returns the new tables and (objective, transmissions, non-finite)."""
+    dtype = jnp.result_type(*jax.tree.leaves(theta))
+    d = jnp.asarray(degree[group], dtype)
+    neighbours = _rows(_neighbour_sum(sent, edges, n), group)
+    v = jax.tree.map(lambda s, b: (s - b / rho_k) / d.reshape((-1,) + (1,) * (s.ndim - 1)),
+                     neighbours, _rows(dual_term, group))
+    ids = jnp.asarray(group, jnp.int32)
+    data, mask = _rows(batches.data, group), jnp.take(batches.mask, group, axis=0)
+    theta_old = per_client.gather(theta, ids)
+    new, objective = client_map_lib.map_clients(mode, worker_update, rho_k, (data, mask, theta_old, v, d))
+    finite = client_is_finite(new)
+    theta = per_client.scatter(theta, ids, new, finite).table
+    if not compress:
+      return theta, theta, (objective, jnp.sum(finite, dtype=jnp.int32), jnp.sum(~finite, dtype=jnp.int32))
+    sent_old = per_client.gather(sent, ids)
+    change = jax.tree.map(jnp.subtract, new, sent_old)
+    if bits is None:
+      candidate = new  # Q_n = θ_n, bit for bit
+    else:
+      keys = jax.random.split(key, len(group))
+      change = jax.vmap(stochastic_quantize, in_axes=(0, 0, None))(keys, change, bits)
+      candidate = jax.tree.map(jnp.add, sent_old, change)
+    transmit = finite & (_row_norms(change) >= threshold)
+    sent = per_client.scatter(sent, ids, candidate, transmit).table
+    return theta, sent, (objective, jnp.sum(transmit, dtype=jnp.int32), jnp.sum(~finite, dtype=jnp.int32))
+
+  def init(params: PyTree, key: jax.Array) -> GADMMState:
+    check_key(key)
+    workers = jax.tree.map(lambda t, p: t + p, per_client.init(params, n), params)
+    return GADMMState(
+        params=params,
+        local_params=workers,
+        transmitted=workers if compress else None,
+        duals=per_client.init(params, graph.num_edges),
+        round=jnp.zeros((), jnp.int32),
+        key=key,
+        metrics={metric: jnp.zeros((), dt) for metric, dt in GADMM_METRICS.items()},
+    )
+
+  def step(state: GADMMState, batches: ClientBatches) -> GADMMState:
+    check_client_batches(batches)
+    _check_all_workers(batches, n)
+    theta = state.local_params
+    dtype = jnp.result_type(*jax.tree.leaves(theta))
+    rho_k = jnp.asarray(rho, dtype)
+    sent = state.transmitted if compress else theta
+    if compress:
+      key, round_key = jax.random.split(state.key)
+      threshold = jnp.asarray(censor_tau0, dtype) * jnp.asarray(censor_xi, dtype) ** state.round.astype(dtype)
+    else:
+      key, round_key = state.key, state.key
+      threshold = jnp.zeros((), dtype)
+    dual_term = _incidence_transpose(state.duals, edges, n)  # λ^k, fixed for both groups
+    objective, transmissions, nonfinite = 0.0, 0, 0
+    for group, group_key in zip(groups, jax.random.split(round_key)):  # heads, then tails: two static phases
+      theta, sent, (f, t, bad) = group_update(group, group_key, theta, sent, dual_term, rho_k, threshold, batches)
+      objective, transmissions, nonfinite = objective + jnp.sum(f), transmissions + t, nonfinite + bad
+
+    residual = _edge_difference(sent, edges)
+    duals = jax.tree.map(lambda l, r: (l + rho_k * r).astype(l.dtype), state.duals, residual)
+    num_params = sum(int(np.prod(jnp.shape(p))) for p in jax.tree.leaves(state.params))
+    per_message = (bits * num_params + FLOAT_BITS) if (compress and bits is not None) else FLOAT_BITS * num_params
+    round_bits = transmissions.astype(jnp.float32) * per_message
+    values = {
+        "objective": objective,
+        "primal_residual": global_norm(residual),
+        "transmissions": transmissions,
+        "transmissions_cumulative": state.metrics["transmissions_cumulative"] + transmissions,
+        "bits": round_bits,
+        "bits_cumulative": state.metrics["bits_cumulative"] + round_bits,
+        "censor_threshold": threshold,
+        "num_nonfinite": nonfinite,
+    }
+    average = jax.tree.map(lambda t, p: jnp.mean(t, axis=0).astype(jnp.result_type(p)), theta, state.params)
+    return GADMMState(
+        params=average,
+        local_params=theta,
+        transmitted=sent if compress else None,
+        duals=duals,
+        round=state.round + 1,
+        key=key,
+        metrics={metric: jnp.asarray(values[metric]).astype(dt) for metric, dt in GADMM_METRICS.items()},
+    )
+
+  return FederatedAlgorithm(init, step)
+
+
+def gadmm(
+    loss_fn: LossFn,
+    rho: Any,
+    graph: graphs_lib.Graph,
+    *,
+    prox: ProxFn | None = None,
+    local_optimizer: optax.GradientTransformation | None = None,
+    local_steps: int | None = None,
+    client_map: client_map_lib.ClientMap | str | None = None,
+    unroll: int | bool = 1,
+) -> FederatedAlgorithm:
+  """Group ADMM (Elgabli et al., JMLR 2020): heads, then tails, then edge duals, one iteration per step.
+
+  θ_n ← argmin_θ f_n(θ) + (ρ d_n/2)‖θ − v_n‖², v_n = (Σ_{m∈N(n)} θ_m − (Bᵀλ)_n/ρ)/d_n,
+  heads first (from the tails' models), then tails (from the heads' new
+  models), then λ_e ← λ_e + ρ(θ_i − θ_j) for every edge e = (i, j), i < j.
+  The derivation and the signs are in the module docstring.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`; f_n is its mean
+      over worker n's real examples (include any regulariser per example).
+    rho: ρ > 0, the penalty (may be traced, e.g. `jax.vmap` over ρ).
+    graph: the workers' communication graph, connected and bipartite
+      (`fedjax_opt.graphs.chain(N)` for the paper's GADMM; any other
+      connected bipartite graph gives generalized GADMM). Node n is row n
+      of the batches.
+    prox: exact update `prox(v, rho, data, mask) = argmin_x f_n(x) + (ρ/2)‖x − v‖²`
+      (`admm.prox_least_squares`, `admm.prox_quadratic`), called with ρ d_n.
+      None: inexact update by `local_optimizer`.
+    local_optimizer: optax optimizer of the inexact update (required when
+      `prox` is None): K steps from the previous θ_n on f_n + (ρ d_n/2)‖θ − v_n‖².
+    local_steps: K, each step on the worker's full data. None: K = S, the
+      number of batches the worker's data is packed in. Ignored with `prox`.
+    client_map: how the workers of a group are mapped (`fedjax_opt.core.client_map`).
+    unroll: `lax.scan` unroll of the inexact local steps.
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `GADMMState` (`transmitted` None);
+    `step(state, batches)` takes every worker's data, C = N, client_id = arange(N).
+
+  Raises:
+    ValueError: ρ <= 0; the graph is disconnected, not bipartite or has fewer
+      than 2 nodes; neither `prox` nor `local_optimizer`; `local_steps` < 1;
+      (at `step`) C != N or client_id != arange(N).
+  """
+  return _group_admm(loss_fn, rho, graph, prox=prox, local_optimizer=local_optimizer, local_steps=local_steps,
+                     client_map=client_map, unroll=unroll, compress=False, bits=None, censor_tau0=0.0,
+                     censor_xi=0.5, name="gadmm")
+
+
+def cq_ggadmm(
+    loss_fn: LossFn,
+    rho: Any,
+    graph: graphs_lib.Graph,
+    *,
+    bits: int | None,
+    censor_tau0: Any,
+    censor_xi: Any = 0.9,
+    prox: ProxFn | None = None,
+    local_optimizer: optax.GradientTransformation | None = None,
+    local_steps: int | None = None,
+    client_map: client_map_lib.ClientMap | str | None = None,
+    unroll: int | bool = 1,
+) -> FederatedAlgorithm:
+  """Censored, quantized, generalized GADMM (Issaid et al. 2020) on a connected bipartite graph.
+
+  The GADMM iteration with every worker's neighbours using its last
+  transmitted model θ̂_n (module docstring): after its update worker n forms
+  Q_n = θ̂_n + Q_b(θ_n − θ̂_n) (`stochastic_quantize`; Q_n = θ_n when
+  `bits=None`) and transmits, θ̂_n ← Q_n, only if ‖Q_n − θ̂_n‖ ≥ τ₀ ξ^k;
+  the duals are updated with the transmitted models,
+  λ_e ← λ_e + ρ(θ̂_i − θ̂_j). `bits=None`, `censor_tau0=0` is generalized
+  GADMM (on a chain, `gadmm` exactly).
+
+  Args:
+    loss_fn, rho, graph, prox, local_optimizer, local_steps, client_map,
+      unroll: as in `gadmm`.
+    bits: b, bits per quantized coordinate (a Python int in [1, 32]); None: no
+      quantization (32-bit floats are sent).
+    censor_tau0: τ₀ >= 0, the censoring threshold at k = 0 (0: no censoring;
+      may be traced).
+    censor_xi: ξ ∈ (0, 1), the threshold's decay per iteration (may be traced).
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `GADMMState`; the quantizer's
+    noise comes from `state.key`, split once per iteration.
+
+  Raises:
+    ValueError: as `gadmm`, and bits outside [1, 32], τ₀ < 0, ξ outside (0, 1).
+  """
+  _check_bits(bits)
+  _check_censoring(censor_tau0, censor_xi)
+  return _group_admm(loss_fn, rho, graph, prox=prox, local_optimizer=local_optimizer, local_steps=local_steps,
+                     client_map=client_map, unroll=unroll, compress=True, bits=bits, censor_tau0=censor_tau0,
+                     censor_xi=censor_xi, name="cq_ggadmm")

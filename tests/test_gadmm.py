@@ -1,0 +1,380 @@
+"""GADMM and CQ-GGADMM reach the centralized optimum (normal equations, scipy L-BFGS) and save bits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.optimize
+
+import fedjax_opt as fo
+from fedjax_opt.algorithms.admm import prox_least_squares
+from fedjax_opt.algorithms.gadmm import cq_ggadmm, gadmm, stochastic_quantize
+from conftest import lsq_loss, make_clients, pack
+
+D = 3
+L2 = 0.1
+
+
+def _vec(params):
+  return np.append(np.asarray(params["w"], np.float64), np.asarray(params["b"], np.float64))
+
+
+def _rows(table):
+  """A table {"w": [N, D], "b": [N]} as `[N, D + 1]`."""
+  return np.column_stack([np.asarray(table["w"], np.float64), np.asarray(table["b"], np.float64)])
+
+
+def _table(rows):
+  return {"w": jnp.asarray(rows[:, :-1]), "b": jnp.asarray(rows[:, -1])}
+
+
+def _zeros():
+  return {"w": jnp.zeros(D), "b": jnp.zeros(())}
+
+
+def _ridge_loss(params, batch):
+  return lsq_loss(params, batch) + 0.5 * L2 * jnp.sum(jnp.square(params["w"]))
+
+
+def _design(x):
+  return np.hstack([x, np.ones((len(x), 1))])
+
+
+def _centralized(clients, l2=0.0):
+  """argmin Σ_n [(1/n_n) Σ ½(xᵀw + b − y)² + (l2/2)‖w‖²] from the normal equations, float64."""
+  penalty = np.diag([l2] * D + [0.0])
+  lhs = sum(_design(x).T @ _design(x) / len(x) + penalty for x, _ in clients)
+  rhs = sum(_design(x).T @ y / len(y) for x, y in clients)
+  return np.linalg.solve(lhs, rhs)
+
+
+def _run(algo, batches, iterations, key=0):
+  """The whole run as one jitted `lax.scan` over iterations; returns the final state and the metrics history."""
+
+  def body(state, _):
+    state = algo.step(state, batches)
+    return state, (state.metrics, state.params)
+
+  init = algo.init(_zeros(), jax.random.key(key))
+  return jax.jit(lambda s: jax.lax.scan(body, s, None, length=iterations))(init)
+
+
+def _rel_err(got, want):
+  return np.linalg.norm(got - want, axis=-1) / np.linalg.norm(want)
+
+
+@pytest.fixture
+def chain_clients(rng):
+  """Six heterogeneous least-squares workers (unequal sizes, shifted inputs, own target models), padded."""
+  clients = make_clients(rng, [8, 10, 6, 12, 9, 7], D)
+  with jax.enable_x64(True):  # float64 device arrays (made outside the context they would be float32)
+    return clients, pack(clients, 2, 6, extra_slots=1, dtype=np.float64)
+
+
+def test_gadmm_on_a_chain_reaches_the_centralized_least_squares_solution(chain_clients):
+  """Exact prox: every worker reaches argmin Σ_n f_n, and the duals satisfy the KKT condition ∇f_n = −(Bᵀλ)_n."""
+  clients, batches = chain_clients
+  n = len(clients)
+  with jax.enable_x64(True):
+    algo = gadmm(lsq_loss, 3.0, fo.graphs.chain(n), prox=prox_least_squares(), client_map="vmap")
+    state, (history, _) = _run(algo, batches, 200)
+    z_star = _centralized(clients)
+    assert _rel_err(_vec(state.params), z_star) < 1e-6
+    assert np.all(_rel_err(_rows(state.local_params), z_star) < 1e-6)  # all workers agree
+    # KKT on the chain: (Bᵀλ)_n = λ_n − λ_{n−1} (λ_{−1} = λ_{N−1} = 0) equals −∇f_n(θ*).
+    lam = np.vstack([np.zeros(D + 1), _rows(state.duals), np.zeros(D + 1)])
+    for k, (x, y) in enumerate(clients):
+      grad = _design(x).T @ (_design(x) @ z_star - y) / len(y)
+      np.testing.assert_allclose(lam[k + 1] - lam[k], -grad, atol=1e-8)
+    objective = sum(np.mean(0.5 * (_design(x) @ z_star - y) ** 2) for x, y in clients)
+    np.testing.assert_allclose(float(history["objective"][-1]), objective, rtol=1e-6)
+    assert history["primal_residual"][-1] < 1e-8 < history["primal_residual"][0]
+    assert int(state.round) == 200 and state.transmitted is None
+    # Every worker sends its float32 model once per iteration: N · 32 · P bits.
+    np.testing.assert_array_equal(history["transmissions"], n)
+    np.testing.assert_allclose(history["bits_cumulative"][-1], 200 * n * 32 * (D + 1))
+
+
+def _numpy_gadmm_chain(thetas, lams, clients, rho, l2):
+  """One GADMM iteration written from the paper's chain equations (Elgabli et al., JMLR 2020), float64.
+
+  Head / tail n solves ∇f_n(θ) − λ_{n−1} + λ_n + ρ(θ − θ_{n−1}) + ρ(θ − θ_{n+1}) = 0 (terms of a missing
+  neighbour dropped), heads (even n) first, then tails with the heads' new models; then λ_n += ρ(θ_n − θ_{n+1}).
+  """
+  thetas, lams = thetas.copy(), lams.copy()
+  n = len(clients)
+  penalty = np.diag([l2] * D + [0.0])
+  for parity in (0, 1):
+    new = {}
+    for k in range(parity, n, 2):
+      x, y = clients[k]
+      a = _design(x)
+      lhs, rhs = a.T @ a / len(a) + penalty, a.T @ y / len(y)
+      if k > 0:
+        lhs, rhs = lhs + rho * np.eye(D + 1), rhs + lams[k - 1] + rho * thetas[k - 1]
+      if k < n - 1:
+        lhs, rhs = lhs + rho * np.eye(D + 1), rhs - lams[k] + rho * thetas[k + 1]
+      new[k] = np.linalg.solve(lhs, rhs)
+    for k, v in new.items():
+      thetas[k] = v
+  for k in range(n - 1):
+    lams[k] = lams[k] + rho * (thetas[k] - thetas[k + 1])
+  return thetas, lams
+
+
+def test_iterations_match_the_papers_chain_equations_in_numpy(chain_clients, rng):
+  """Three iterations from a random state (models, duals) agree with a float64 NumPy transcription of the paper."""
+  clients, batches = chain_clients
+  n, rho = len(clients), 0.7
+  thetas, lams = rng.normal(size=(n, D + 1)), rng.normal(size=(n - 1, D + 1))
+  with jax.enable_x64(True):
+    algo = gadmm(_ridge_loss, rho, fo.graphs.chain(n), prox=prox_least_squares(L2), client_map="vmap")
+    state = algo.init(_zeros(), jax.random.key(0)).replace(local_params=_table(thetas), duals=_table(lams))
+    step = jax.jit(algo.step)
+    for _ in range(3):
+      state = step(state, batches)
+      thetas, lams = _numpy_gadmm_chain(thetas, lams, clients, rho, L2)
+      np.testing.assert_allclose(_rows(state.local_params), thetas, rtol=1e-10, atol=1e-12)
+      np.testing.assert_allclose(_rows(state.duals), lams, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(_vec(state.params), thetas.mean(0), rtol=1e-10)
+    diffs = np.array([thetas[k] - thetas[k + 1] for k in range(n - 1)])
+    np.testing.assert_allclose(float(state.metrics["primal_residual"]), np.linalg.norm(diffs), rtol=1e-6)
+
+
+def _numpy_censored_iteration(graph, thetas, sent, lams, clients, rho, threshold):
+  """One censored GGADMM iteration (no quantization) on a bipartite graph, float64, from Issaid et al. 2020.
+
+  Worker n solves ∇f_n(θ) + Σ_{e=(n,j)} λ_e − Σ_{e=(i,n)} λ_e + ρ Σ_{m∈N(n)} (θ − θ̂_m) = 0 with the
+  neighbours' transmitted θ̂_m (group 0 first), then transmits (θ̂_n ← θ_n) iff ‖θ_n − θ̂_n‖ ≥ threshold;
+  λ_e += ρ(θ̂_i − θ̂_j).
+  """
+  thetas, sent, lams = thetas.copy(), sent.copy(), lams.copy()
+  colour = fo.graphs.two_coloring(graph)
+  sent_count = 0
+  for group in (0, 1):
+    for k in np.flatnonzero(colour == group):
+      x, y = clients[k]
+      a = _design(x)
+      lhs, rhs = a.T @ a / len(a), a.T @ y / len(y)
+      for e, (i, j) in enumerate(graph.edges):
+        if k in (i, j):
+          other = j if k == i else i
+          lhs = lhs + rho * np.eye(D + 1)
+          rhs = rhs + rho * sent[other] - (lams[e] if k == i else -lams[e])
+      thetas[k] = np.linalg.solve(lhs, rhs)
+      if np.linalg.norm(thetas[k] - sent[k]) >= threshold:
+        sent[k], sent_count = thetas[k], sent_count + 1
+  for e, (i, j) in enumerate(graph.edges):
+    lams[e] = lams[e] + rho * (sent[i] - sent[j])
+  return thetas, sent, lams, sent_count
+
+
+def test_censored_iteration_on_a_bipartite_graph_matches_numpy(rng):
+  """Censoring without quantization (deterministic): workers below τ₀ξ^k keep their old θ̂ and send nothing."""
+  graph = fo.graphs.random_bipartite(3, 4, 0.4, seed=3)
+  clients = make_clients(rng, list(rng.integers(5, 12, graph.num_nodes)), D)
+  n, e, rho, tau0, xi = graph.num_nodes, graph.num_edges, 0.8, 2.0, 0.5
+  thetas = rng.normal(size=(n, D + 1))
+  sent = thetas + 0.5 * rng.normal(size=(n, D + 1))
+  lams = rng.normal(size=(e, D + 1))
+  with jax.enable_x64(True):
+    batches = pack(clients, 2, 6, dtype=np.float64)
+    algo = cq_ggadmm(lsq_loss, rho, graph, bits=None, censor_tau0=tau0, censor_xi=xi, prox=prox_least_squares(),
+                     client_map="vmap")
+    state = algo.init(_zeros(), jax.random.key(0)).replace(
+        local_params=_table(thetas), transmitted=_table(sent), duals=_table(lams))
+    step = jax.jit(algo.step)
+    counts = []
+    for k in range(3):
+      state = step(state, batches)
+      thetas, sent, lams, count = _numpy_censored_iteration(graph, thetas, sent, lams, clients, rho, tau0 * xi**k)
+      counts.append(count)
+      np.testing.assert_allclose(_rows(state.local_params), thetas, rtol=1e-9, atol=1e-11)
+      np.testing.assert_allclose(_rows(state.transmitted), sent, rtol=1e-9, atol=1e-11)
+      np.testing.assert_allclose(_rows(state.duals), lams, rtol=1e-9, atol=1e-11)
+      assert int(state.metrics["transmissions"]) == count
+      np.testing.assert_allclose(float(state.metrics["censor_threshold"]), tau0 * xi**k, rtol=1e-6)
+    assert 0 < min(counts) and max(counts[:2]) < n  # censoring really silenced some workers, not all
+    assert int(state.metrics["transmissions_cumulative"]) == sum(counts)
+    np.testing.assert_allclose(float(state.metrics["bits_cumulative"]), sum(counts) * 32 * (D + 1))
+
+
+def _logistic_loss(params, batch):
+  """Binary logistic loss with a small ridge term, per example."""
+  s = batch["x"] @ params["w"] + params["b"]
+  return jax.nn.softplus(s) - batch["y"] * s + 0.5 * L2 * jnp.sum(jnp.square(params["w"]))
+
+
+def test_inexact_gadmm_reaches_the_lbfgs_optimum_of_logistic_regression(rng):
+  """K = 10 full-batch SGD steps per worker update (no closed form): every worker reaches scipy's optimum to 1e-4."""
+  sizes = [20, 30, 25, 15]
+  clients = []
+  for k, m in enumerate(sizes):
+    x = rng.normal(loc=0.5 * k, size=(m, D))
+    y = (x @ rng.normal(size=D) + 0.5 * rng.normal(size=m) > 0.5 * k).astype(np.float64)
+    clients.append((x, y))
+
+  def pooled(v):
+    w, b = v[:-1], v[-1]
+    total, grad = 0.0, np.zeros_like(v)
+    for x, y in clients:
+      s = x @ w + b
+      p = 1 / (1 + np.exp(-s))
+      total += np.mean(np.logaddexp(0, s) - y * s) + 0.5 * L2 * w @ w
+      grad += np.append(x.T @ (p - y) / len(y) + L2 * w, np.mean(p - y))
+    return total, grad
+
+  ref = scipy.optimize.minimize(pooled, np.zeros(D + 1), jac=True, method="L-BFGS-B",
+                                options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 10000}).x
+  with jax.enable_x64(True):
+    batches = pack(clients, 1, max(sizes), dtype=np.float64)
+    algo = gadmm(_logistic_loss, 1.0, fo.graphs.chain(len(sizes)), local_optimizer=optax.sgd(0.2), local_steps=10)
+    state, (history, _) = _run(algo, batches, 200)
+    assert _rel_err(_vec(state.params), ref) < 1e-4, _rel_err(_vec(state.params), ref)
+    assert np.all(_rel_err(_rows(state.local_params), ref) < 1e-4)
+    np.testing.assert_allclose(float(history["objective"][-1]), pooled(ref)[0], rtol=1e-6)
+
+
+def _bits_to_reach(history, params, z_star, tol):
+  err = _rel_err(_rows(params), z_star)
+  assert np.any(err < tol), err.min()
+  first = int(np.argmax(err < tol))
+  return float(history["bits_cumulative"][first]), first
+
+
+def test_cq_ggadmm_reaches_the_optimum_on_a_random_bipartite_graph_with_fewer_bits(rng):
+  """4-bit quantization + decaying censoring: same optimum as GGADMM, fewer bits and messages to reach 1e-4."""
+  graph = fo.graphs.random_bipartite(4, 4, 0.3, seed=1)
+  clients = make_clients(rng, list(rng.integers(6, 14, graph.num_nodes)), D)
+  z_star = _centralized(clients)
+  p = D + 1
+  with jax.enable_x64(True):
+    batches = pack(clients, 2, 8, dtype=np.float64)
+    exact = dict(prox=prox_least_squares(), client_map="vmap")
+    plain, (plain_hist, plain_params) = _run(
+        cq_ggadmm(lsq_loss, 1.0, graph, bits=None, censor_tau0=0.0, **exact), batches, 200)
+    cq, (cq_hist, cq_params) = _run(
+        cq_ggadmm(lsq_loss, 1.0, graph, bits=4, censor_tau0=1.0, censor_xi=0.9, **exact), batches, 200)
+    for state in (plain, cq):
+      assert np.all(_rel_err(_rows(state.local_params), z_star) < 1e-6)
+    assert np.all(_rel_err(_rows(cq.transmitted), z_star) < 1e-6)  # what the neighbours know converges too
+    plain_bits, plain_round = _bits_to_reach(plain_hist, plain_params, z_star, 1e-4)
+    cq_bits, cq_round = _bits_to_reach(cq_hist, cq_params, z_star, 1e-4)
+    assert cq_bits < 0.5 * plain_bits, (cq_bits, plain_bits)
+    assert cq_round < 2 * plain_round  # a few more iterations, far fewer bits
+    # Accounting: 32·P bits per plain message, b·P + 32 per quantized one; censoring skipped messages.
+    np.testing.assert_allclose(plain_hist["bits"], plain_hist["transmissions"] * 32.0 * p)
+    np.testing.assert_allclose(cq_hist["bits"], cq_hist["transmissions"] * (4.0 * p + 32))
+    assert int(cq.metrics["transmissions_cumulative"]) < int(plain.metrics["transmissions_cumulative"])
+    assert int(plain.metrics["transmissions_cumulative"]) == 200 * graph.num_nodes
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_uncompressed_uncensored_cq_ggadmm_on_a_chain_is_gadmm(chain_clients, exact):
+  _, batches = chain_clients
+  graph = fo.graphs.chain(6)
+  if exact:
+    options = dict(prox=prox_least_squares(), client_map="vmap")
+  else:
+    options = dict(local_optimizer=optax.sgd(0.1), local_steps=3)
+  with jax.enable_x64(True):
+    a, (a_hist, _) = _run(gadmm(lsq_loss, 1.3, graph, **options), batches, 20)
+    b, (b_hist, _) = _run(cq_ggadmm(lsq_loss, 1.3, graph, bits=None, censor_tau0=0.0, **options), batches, 20)
+    for field in ("params", "local_params", "duals"):
+      jax.tree.map(np.testing.assert_array_equal, getattr(a, field), getattr(b, field))
+    jax.tree.map(np.testing.assert_array_equal, b.transmitted, b.local_params)
+    for metric in ("objective", "primal_residual", "bits_cumulative", "transmissions"):
+      np.testing.assert_array_equal(a_hist[metric], b_hist[metric])
+
+
+def test_stochastic_quantizer_is_unbiased_on_a_grid_of_2_to_the_b_levels(rng):
+  """5000 copies of one vector share R = max|x|, so one call gives 5000 independent roundings of every entry."""
+  copies, bits = 5000, 3
+  a, b = rng.normal(size=(5,)), rng.normal(size=(2, 2))
+  x = {"a": jnp.asarray(np.tile(a, (copies, 1))), "b": jnp.asarray(np.tile(b, (copies, 1, 1)))}
+  quantize = jax.jit(stochastic_quantize, static_argnums=2)
+  q = quantize(jax.random.key(0), x, bits)
+  flat = np.concatenate([a, b.ravel()])
+  qs = np.concatenate([np.asarray(q["a"]), np.asarray(q["b"]).reshape(copies, -1)], axis=1)
+  radius = np.abs(flat).max()
+  spacing = 2 * radius / (2**bits - 1)
+  levels = (qs + radius) / spacing
+  np.testing.assert_allclose(levels, np.round(levels), atol=1e-4)  # on the grid −R + lΔ, l = 0 … 2^b − 1
+  assert levels.min() > -1e-4 and levels.max() < 2**bits - 1 + 1e-4
+  assert np.all(np.abs(qs - flat) <= spacing * (1 + 1e-5))  # one of the two nearest levels
+  assert np.all(np.abs(qs.mean(0) - flat) < 5 * 0.5 * spacing / np.sqrt(copies))  # unbiased: 5 standard errors
+  assert np.std(qs, axis=0).max() > 0.1 * spacing  # the rounding is random, not deterministic
+  zero = quantize(jax.random.key(1), jax.tree.map(jnp.zeros_like, x), bits)  # same shapes: no recompile
+  assert all(np.all(np.asarray(z) == 0) for z in jax.tree.leaves(zero))
+
+
+def test_vmap_over_rho_runs_a_sweep_in_one_program(chain_clients):
+  clients, batches = chain_clients
+  rhos = jnp.array([1.0, 3.0, 5.0])
+  graph = fo.graphs.chain(6)
+  with jax.enable_x64(True):
+
+    def solve(rho):
+      algo = cq_ggadmm(lsq_loss, rho, graph, bits=8, censor_tau0=0.5, censor_xi=0.9, prox=prox_least_squares())
+      state, (history, _) = _run(algo, batches, 250)
+      return state.params, history["primal_residual"]
+
+    params, residuals = jax.jit(jax.vmap(solve))(rhos)
+    z_star = _centralized(clients)
+    for i in range(len(rhos)):
+      assert _rel_err(_vec(jax.tree.map(lambda a: a[i], params)), z_star) < 1e-6
+    assert residuals.shape == (3, 250)
+    assert not np.allclose(residuals[0, :5], residuals[2, :5])  # the three ρ really differ
+
+
+def test_client_map_modes_agree(chain_clients):
+  _, batches = chain_clients
+  batches = jax.tree.map(lambda a: a.astype(np.float32) if a.dtype == np.float64 else a, batches)
+  outs = []
+  for mode in ["vmap", "sequential"]:
+    algo = gadmm(lsq_loss, 1.0, fo.graphs.chain(6), local_optimizer=optax.sgd(0.1), local_steps=3, client_map=mode)
+    state = algo.init({"w": jnp.zeros(D, jnp.float32), "b": jnp.zeros((), jnp.float32)}, jax.random.key(0))
+    outs.append(_rows(jax.jit(algo.step)(state, batches).local_params))
+  np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments(chain_clients):
+  _, batches = chain_clients
+  prox = prox_least_squares()
+  chain = fo.graphs.chain(6)
+  for rho in (0.0, -1.0, None):
+    with pytest.raises(ValueError, match=r"rho \(ρ, the ADMM penalty\) must be"):
+      gadmm(lsq_loss, rho, chain, prox=prox)
+  with pytest.raises(ValueError, match=r"graph must be bipartite .* edge \(\d, \d\) closes an odd cycle"):
+    gadmm(lsq_loss, 1.0, fo.graphs.ring(5), prox=prox)
+  with pytest.raises(ValueError, match=r"graph must be connected .* 2 components"):
+    cq_ggadmm(lsq_loss, 1.0, fo.graphs.from_edges([[0, 1], [2, 3]]), bits=4, censor_tau0=0.0, prox=prox)
+  with pytest.raises(ValueError, match=r"at least 2 workers"):
+    gadmm(lsq_loss, 1.0, fo.graphs.chain(1), prox=prox)
+  with pytest.raises(TypeError, match=r"graph must be a fedjax_opt.graphs.Graph"):
+    gadmm(lsq_loss, 1.0, np.ones((3, 3)), prox=prox)
+  with pytest.raises(ValueError, match=r"needs prox .* or local_optimizer"):
+    gadmm(lsq_loss, 1.0, chain)
+  with pytest.raises(ValueError, match=r"local_steps must be a positive int"):
+    gadmm(lsq_loss, 1.0, chain, local_optimizer=optax.sgd(0.1), local_steps=0)
+  for bits in (0, 33):
+    with pytest.raises(ValueError, match=r"bits \(b, bits per quantized coordinate\) must lie in \[1, 32\]; got"):
+      cq_ggadmm(lsq_loss, 1.0, chain, bits=bits, censor_tau0=0.0, prox=prox)
+  with pytest.raises(TypeError, match=r"bits must be a Python int"):
+    cq_ggadmm(lsq_loss, 1.0, chain, bits=2.5, censor_tau0=0.0, prox=prox)
+  for xi in (0.0, 1.0, 1.5, -0.2):
+    with pytest.raises(ValueError, match=r"censor_xi \(ξ, the censoring decay\) must lie in the open interval"):
+      cq_ggadmm(lsq_loss, 1.0, chain, bits=4, censor_tau0=1.0, censor_xi=xi, prox=prox)
+  with pytest.raises(ValueError, match=r"censor_tau0 \(τ₀\) must be finite and >= 0; got -0.1"):
+    cq_ggadmm(lsq_loss, 1.0, chain, bits=4, censor_tau0=-0.1, prox=prox)
+  with jax.enable_x64(True):
+    algo = gadmm(lsq_loss, 1.0, fo.graphs.chain(5), prox=prox)
+    state = algo.init(_zeros(), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"C must equal the graph's num_nodes N = 5; got C = 6"):
+      algo.step(state, batches)
+    algo = gadmm(lsq_loss, 1.0, chain, prox=prox)
+    state = algo.init(_zeros(), jax.random.key(0))
+    shuffled = batches.replace(client_id=jnp.array([1, 0, 2, 3, 4, 5], jnp.int32))
+    with pytest.raises(ValueError, match=r"client_id must be arange\(N\)"):
+      algo.step(state, shuffled)
