@@ -55,7 +55,8 @@ def _rel_err(got, want):
 def lsq_clients(rng):
   """Heterogeneous least squares: unequal sizes, shifted inputs, a different target model per client."""
   clients = make_clients(rng, [8, 10, 6, 12], D)
-  return clients, pack(clients, 2, 6, extra_slots=1, dtype=np.float64)
+  with jax.enable_x64(True):  # float64 device arrays (outside the context they would be float32)
+    return clients, pack(clients, 2, 6, extra_slots=1, dtype=np.float64)
 
 
 @pytest.mark.parametrize("l2, prox_name", [(0.0, "least_squares"), (L2, "least_squares"), (L2, "quadratic")])
