@@ -28,6 +28,10 @@ time, against the best of a 2048×2048 float32 matmul measured on the same devic
     python benchmarks/throughput.py --devices 8   # simulate 8 CPU devices: adds the sharded columns
     python benchmarks/throughput.py --memory      # + peak RSS of one C=1024 W-CNN round (subprocesses)
     python benchmarks/throughput.py --memory-only # just that
+    python benchmarks/throughput.py --workloads W-LR --out /tmp/lr  # a subset, written to another folder
+
+A run of a subset of the workloads writes `throughput_<workloads>.json` (e.g. `throughput_W-LR.json`), so it
+never replaces the full run's `throughput.json`.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--memory-clients", type=int, default=1024)
   parser.add_argument("--memory-child", nargs=2, metavar=("MODE", "C"), help=argparse.SUPPRESS)
   parser.add_argument("--no-run", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+  parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                      help="folder for the JSON and PNG (a subset of --workloads adds its names to the file name)")
   return parser.parse_args(argv)
 
 
@@ -100,7 +105,7 @@ class Workload(NamedTuple):
 
 WORKLOADS = {
     "W-LR": Workload("W-LR", fo.models.logistic_regression(60, 10), [10, 100, 1000], [10, 100], 20, 10,
-                     ["auto", "vmap", "sequential", "chunked:C/4"], [], False),
+                     ["auto", "vmap", "vmap:fuse_small_dots", "sequential", "chunked:C/4"], [], False),
     "W-MLP": Workload("W-MLP", fo.models.mlp_2nn(num_classes=10, input_dim=784), [8, 32, 128, 512], [8, 32], 10, 20,
                       ["auto", "vmap", "sequential", "chunked:C/4"], [], False),
     "W-CNN": Workload("W-CNN", fo.models.emnist_cnn(), [8, 32, 128], [8], 5, 20,
@@ -308,13 +313,18 @@ def _timed(run: Callable[[], Any]) -> float:
 
 
 def time_cell(runs: dict[str, Callable[[], Any]], repeats: int, cell_seconds: float) -> dict[str, float]:
-  """Median seconds per round of each method: one warm-up each, then interleaved repeats (fewer for slow ones)."""
+  """Median seconds per round of each method: one warm-up each, then interleaved repeats (fewer for slow ones).
+
+  Each repeat starts at the next method (a rotation): the first method of a repeat ran up to 1.6× slower
+  than the same program later in it (W-LR, C=10), so no method is always first.
+  """
   samples = {name: [_timed(run)] for name, run in runs.items()}  # warm-up, kept as a sample
   wanted = {name: max(1, min(repeats, int(cell_seconds / max(s[0], 1e-9)))) for name, s in samples.items()}
+  names = list(runs)
   for r in range(1, max(wanted.values())):
-    for name, run in runs.items():
+    for name in names[r % len(names):] + names[:r % len(names)]:
       if r < wanted[name]:
-        samples[name].append(_timed(run))
+        samples[name].append(_timed(runs[name]))
   return {name: statistics.median(s[1:] if len(s) > 1 else s) for name, s in samples.items()}
 
 
@@ -525,7 +535,11 @@ def main(args) -> None:
     print(f"flower: skipped, {reason}")
   rows = []
   t0 = time.perf_counter()
-  for name in args.workloads.split(","):
+  names = args.workloads.split(",")
+  unknown = [n for n in names if n not in WORKLOADS]
+  if unknown:
+    raise SystemExit(f"--workloads: unknown {unknown}; expected a comma-separated subset of {list(WORKLOADS)}")
+  for name in names:
     workload = WORKLOADS[name]
     rows += run_workload(workload, workload.quick_sizes if args.quick else workload.sizes, args, peak)
   total = time.perf_counter() - t0
@@ -538,6 +552,8 @@ def main(args) -> None:
   stem = "throughput_quick" if args.quick else "throughput"
   if args.devices:
     stem += f"_{args.devices}dev"
+  if set(names) != set(WORKLOADS):
+    stem += "_" + "_".join(names)
   result = dict(info, matmul_peak_flops=peak, seconds_total=total, rows=rows, targets=checks, memory=memory)
   with open(os.path.join(args.out, stem + ".json"), "w") as f:
     json.dump(result, f, indent=1)
