@@ -88,7 +88,7 @@ ridge / elastic-net (or ℓ1/ℓ2-regularised logistic regression) solution.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -98,20 +98,20 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core import per_client
-from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
+from fedjax_opt.core.local import as_single_step, cycle_steps, local_train, masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
-from fedjax_opt.core.validation import (check_client_batches, check_key, check_loss_fn, check_optimizer,
-                                        check_positive, is_concrete)
+from fedjax_opt.core.validation import check_client_batches, check_key, check_loss_fn, check_positive, is_concrete
 
 __all__ = [
     "ADMMConsensusState", "ADMMSharingState", "admm_consensus", "admm_sharing", "prox_least_squares",
     "prox_quadratic",
 ]
 
-ProxFn = Callable[[PyTree, jax.Array, PyTree, jax.Array], PyTree]
+ProxFn = prox_lib.ProxFn
 """`prox(v, rho, data, mask) -> argmin_x f_i(x) + (ρ/2)‖x − v‖²` on one client's data `[S, B, ...]`, mask `[S, B]`."""
 
 CONSENSUS_METRICS = {
@@ -249,12 +249,6 @@ class ADMMConsensusState:
   metrics: dict[str, jax.Array]
 
 
-def _cycle_steps(data: PyTree, mask: jax.Array, num_steps: int) -> tuple[PyTree, jax.Array]:
-  """K local steps over a client's S batches, step k using batch k mod S: `[K, B, ...]`, `[K, B]`."""
-  index = jnp.arange(num_steps) % mask.shape[0]
-  return jax.tree.map(lambda a: jnp.take(a, index, axis=0), data), jnp.take(mask, index, axis=0)
-
-
 def _broadcast_rows(row_tree: PyTree, like_table: PyTree) -> PyTree:
   return jax.tree.map(lambda r, t: jnp.broadcast_to(r, t.shape), row_tree, like_table)
 
@@ -313,16 +307,7 @@ def admm_consensus(
   check_positive(abs_tol, "abs_tol", allow_zero=True)
   check_positive(rel_tol, "rel_tol", allow_zero=True)
   num_clients = per_client.check_num_clients(num_clients)
-  if prox is None:
-    if local_optimizer is None:
-      raise ValueError("admm_consensus needs prox (exact x-update) or local_optimizer (inexact x-update by "
-                       "local_train); got neither.")
-    check_optimizer(local_optimizer, "local_optimizer")
-  elif not callable(prox):
-    raise TypeError(f"prox must be callable prox(v, rho, data, mask); got {type(prox).__name__}.")
-  if local_steps is not None and (isinstance(local_steps, bool) or not isinstance(local_steps, int)
-                                  or local_steps < 1):
-    raise ValueError(f"local_steps must be a positive int or None; got {local_steps!r}.")
+  prox_lib.check_solver("admm_consensus", prox, local_optimizer, local_steps)
   mode = client_map_lib.resolve(client_map)
 
   def x_update(z, rho_k, data, mask, x_i, lam_i):
@@ -330,7 +315,7 @@ def admm_consensus(
       v = jax.tree.map(lambda zz, l: zz - l / rho_k, z, lam_i)
       return prox(v, rho_k, data, mask)
     steps = mask.shape[0] if local_steps is None else local_steps
-    cycled_data, cycled_mask = _cycle_steps(data, mask, steps)
+    cycled_data, cycled_mask = cycle_steps(data, mask, steps)
 
     def augmented_lagrangian_gradient(x):
       return jax.tree.map(lambda xx, zz, l: l + rho_k * (xx - zz), x, z, lam_i)

@@ -107,13 +107,13 @@ import optax
 
 from fedjax_opt import graphs as graphs_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core import per_client
-from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
+from fedjax_opt.core.local import as_single_step, masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
-from fedjax_opt.core.validation import (check_client_batches, check_key, check_loss_fn,
-                                        check_optimizer, check_positive, is_concrete)
+from fedjax_opt.core.validation import check_client_batches, check_key, check_loss_fn, check_positive, is_concrete
 
 __all__ = ["GADMMState", "gadmm", "cq_ggadmm", "stochastic_quantize", "GADMM_METRICS"]
 
@@ -302,16 +302,7 @@ def _group_admm(loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, *, prox: Pro
   check_loss_fn(loss_fn)
   _check_rho(rho)
   colour = _check_graph(graph)
-  if prox is None:
-    if local_optimizer is None:
-      raise ValueError(f"{name} needs prox (exact worker update) or local_optimizer (inexact update by "
-                       "local_train); got neither.")
-    check_optimizer(local_optimizer, "local_optimizer")
-  elif not callable(prox):
-    raise TypeError(f"prox must be callable prox(v, rho, data, mask); got {type(prox).__name__}.")
-  if local_steps is not None and (isinstance(local_steps, bool) or not isinstance(local_steps, int)
-                                  or local_steps < 1):
-    raise ValueError(f"local_steps must be a positive int or None; got {local_steps!r}.")
+  prox_lib.check_solver(name, prox, local_optimizer, local_steps)
   mode = client_map_lib.resolve(client_map)
 
   n = graph.num_nodes
@@ -322,20 +313,8 @@ def _group_admm(loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, *, prox: Pro
   def worker_update(rho_k, worker):
     data, mask, theta_old, v, d = worker
     penalty = rho_k * d
-    if prox is not None:
-      new = prox(v, penalty, data, mask)
-    else:
-      folded, folded_mask = as_single_step(data, mask)
-      steps = mask.shape[0] if local_steps is None else local_steps
-      repeated = jax.tree.map(lambda a: jnp.broadcast_to(a, (steps,) + a.shape[1:]), folded)
-      repeated_mask = jnp.broadcast_to(folded_mask, (steps,) + folded_mask.shape[1:])
-
-      def penalty_gradient(x):
-        return jax.tree.map(lambda xx, vv: penalty * (xx - vv), x, v)
-
-      result = local_train(loss_fn, local_optimizer, theta_old, repeated, repeated_mask,
-                           gradient_correction=penalty_gradient, unroll=unroll)
-      new = jax.tree.map(jnp.add, theta_old, result.delta)
+    new = prox_lib.prox_update(loss_fn, prox, local_optimizer, local_steps, v, penalty, theta_old, data, mask,
+                               unroll)
     new = jax.tree.map(lambda a, o: a.astype(o.dtype), new, theta_old)
     folded, folded_mask = as_single_step(data, mask)
     objective, _ = masked_mean_loss(loss_fn, new, jax.tree.map(lambda a: a[0], folded), folded_mask[0])

@@ -132,12 +132,12 @@ import numpy as np
 import optax
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core import per_client
-from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
+from fedjax_opt.core.local import as_single_step, masked_mean_loss
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
-from fedjax_opt.core.validation import (check_client_batches, check_key, check_loss_fn, check_optimizer,
-                                        check_positive, is_concrete)
+from fedjax_opt.core.validation import check_client_batches, check_key, check_loss_fn, check_positive, is_concrete
 from fedjax_opt.objectives import average, consensus_penalty
 
 __all__ = ["MixtureADMMState", "mixture_admm", "VARIANTS"]
@@ -253,38 +253,14 @@ def mixture_admm(
     raise ValueError(f"variant must be one of {VARIANTS}; got {variant!r}.")
   n = per_client.check_num_clients(num_clients)
   _check_variant_rho(variant, lam, rho, n)
-  if prox is None:
-    if local_optimizer is None:
-      raise ValueError("mixture_admm needs prox (exact x-update) or local_optimizer (inexact x-update by "
-                       "local_train); got neither.")
-    check_optimizer(local_optimizer, "local_optimizer")
-  elif not callable(prox):
-    raise TypeError(f"prox must be callable prox(v, rho, data, mask); got {type(prox).__name__}.")
-  if local_steps is not None and (isinstance(local_steps, bool) or not isinstance(local_steps, int)
-                                  or local_steps < 1):
-    raise ValueError(f"local_steps must be a positive int or None; got {local_steps!r}.")
+  prox_lib.check_solver("mixture_admm", prox, local_optimizer, local_steps)
   kappa = float(n) if variant == "jacobi" else 1.0
   mode = client_map_lib.resolve(client_map)
   value_and_grad = jax.value_and_grad(masked_mean_loss, argnums=1, has_aux=True)
 
-  def x_update(penalty, data, mask, x_i, v_i):
-    if prox is not None:
-      return prox(v_i, penalty, data, mask)
-    folded, folded_mask = as_single_step(data, mask)
-    steps = mask.shape[0] if local_steps is None else local_steps
-    repeated = jax.tree.map(lambda a: jnp.broadcast_to(a, (steps,) + a.shape[1:]), folded)
-    repeated_mask = jnp.broadcast_to(folded_mask, (steps,) + folded_mask.shape[1:])
-
-    def proximal_gradient(x):
-      return jax.tree.map(lambda xx, vv: penalty * (xx - vv), x, v_i)
-
-    result = local_train(loss_fn, local_optimizer, x_i, repeated, repeated_mask,
-                         gradient_correction=proximal_gradient, unroll=unroll)
-    return jax.tree.map(jnp.add, x_i, result.delta)
-
   def client_update(penalty, client):
     data, mask, x_i, v_i = client
-    new_x = x_update(penalty, data, mask, x_i, v_i)
+    new_x = prox_lib.prox_update(loss_fn, prox, local_optimizer, local_steps, v_i, penalty, x_i, data, mask, unroll)
     new_x = jax.tree.map(lambda a, o: a.astype(o.dtype), new_x, x_i)
     folded, folded_mask = as_single_step(data, mask)
     batch = jax.tree.map(lambda a: a[0], folded)
