@@ -341,6 +341,7 @@ def train(
     local_steps: int | None = None,
     local_epochs: int | None = None,
     client_sampling: str = "uniform",
+    example_order: str = "shuffled",
     eval_every: int = 10,
     metric_fns: Mapping[str, evaluate_lib.MetricFn] | None = None,
     eval_params: Callable[[PyTree], PyTree] | None = None,
@@ -365,7 +366,7 @@ def train(
       template the checkpoint is restored into.
     dataset: a packed `FederatedDataset` (train split sampled, test split evaluated).
     rounds: the round to stop at (a total, so resuming does not add rounds).
-    clients_per_round, batch_size, local_steps, local_epochs, client_sampling:
+    clients_per_round, batch_size, local_steps, local_epochs, client_sampling, example_order:
       passed to `fedjax_opt.data.sample_round` each round.
     eval_every: rounds per compiled chunk; evaluation and progress between chunks.
     metric_fns: `{name: fn(params, batch) -> [B]}` evaluated between chunks,
@@ -414,7 +415,7 @@ def train(
       state, history = restored
   eval_params = eval_params or _default_eval_params
   sample_kwargs = dict(clients_per_round=clients_per_round, local_steps=local_steps, batch_size=batch_size,
-                       local_epochs=local_epochs, client_sampling=client_sampling)
+                       local_epochs=local_epochs, client_sampling=client_sampling, example_order=example_order)
   per_member_data = isinstance(seed, tuple)
 
   def draw(s, dataset):

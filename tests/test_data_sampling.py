@@ -15,7 +15,7 @@ from fedjax_opt import data
 from fedjax_opt.core import validation
 from fedjax_opt.data import sampling
 
-STATIC = ("clients_per_round", "local_steps", "batch_size", "local_epochs", "client_sampling")
+STATIC = ("clients_per_round", "local_steps", "batch_size", "local_epochs", "client_sampling", "example_order")
 sample = jax.jit(data.sample_round, static_argnames=STATIC)
 
 
@@ -99,6 +99,29 @@ def test_epochs_mode_makes_exactly_e_passes_over_every_client():
     seen = ids[c][np.asarray(batches.mask[c])]
     values, counts = np.unique(seen, return_counts=True)
     assert len(values) == n and np.all(counts == 3)
+
+
+def test_fixed_order_puts_every_example_in_its_stored_slot_every_round():
+  """example_order="fixed": each epoch in stored order, the same slots in every round (keys do not matter)."""
+  sizes = [1, 5, 9, 16, 23]
+  ds, owner = _id_dataset(sizes)
+  train = [c["id"] for c in data.unpack(ds, "train")]
+  rounds = [sample(jax.random.key(k), ds, 5, batch_size=4, local_epochs=2, client_sampling="all",
+                   example_order="fixed") for k in range(2)]
+  _check_round(ds, owner, rounds[0], local_epochs=2)
+  for batches in rounds:
+    ids = np.asarray(batches.data["id"])
+    for c, n in enumerate(sizes):
+      per_epoch = math.ceil(n / 4)  # this client's epoch: its steps, then the next epoch starts
+      for e in range(2):
+        flat = ids[c, e * per_epoch:(e + 1) * per_epoch].reshape(-1)
+        np.testing.assert_array_equal(flat[:n], train[c])  # slot p of the epoch holds example p
+        assert np.all(flat[n:] == 0)
+      assert np.all(ids[c, 2 * per_epoch:] == 0)  # nothing after the two epochs
+  np.testing.assert_array_equal(np.asarray(rounds[0].data["id"]), np.asarray(rounds[1].data["id"]))
+  with pytest.raises(ValueError, match="example_order must be one of"):
+    data.sample_round(jax.random.key(0), ds, 5, batch_size=4, local_epochs=1, client_sampling="all",
+                      example_order="sorted")
 
 
 def test_more_steps_than_an_epoch_start_a_fresh_permutation():

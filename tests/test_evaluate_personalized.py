@@ -238,3 +238,28 @@ def test_train_reports_adapted_metrics_for_per_fedavg(data):
   with pytest.raises(ValueError, match=r"personalized metrics need metric_fns"):
     train(algo, state, dataset, 4, clients_per_round=3, batch_size=3, local_steps=2, progress=False,
           personalize=adapt)
+
+
+def test_l2sgd_plus_runs_through_train_with_fixed_example_slots(data):
+  """L2SGD+ keeps a gradient per example slot, so the driver must give every client its whole train split in the
+  same slots every round (`client_sampling="all"`, `local_epochs=1`, `example_order="fixed"`): then `train` equals
+  a scan of `step` over `fo.data.client_batches` of the train split, and reports `evaluate.personalized`."""
+  from fedjax_opt import data as data_lib
+  from fedjax_opt.algorithms.mixture import l2sgd_plus, personalized_params
+  from fedjax_opt.train import train
+
+  dataset = data[0]
+  n, batch_size = len(TRAIN), 4
+  steps = -(-max(TRAIN) // batch_size)
+  algo = l2sgd_plus(softmax_loss, 0.5, 0.05, 0.3, n, steps * batch_size, client_map="vmap")
+  init = algo.init(_params0(), jax.random.key(1))
+  state, history = train(algo, init, dataset, 12, clients_per_round=n, batch_size=batch_size, local_epochs=1,
+                         client_sampling="all", example_order="fixed", eval_every=6, metric_fns=FNS,
+                         progress=False, personalized_params=personalized_params, personalized_client_map="vmap")
+  fixed = data_lib.client_batches(dataset, batch_size, split="train")
+  reference, _ = jax.jit(lambda s: jax.lax.scan(lambda s, _: (algo.step(s, fixed), None), s, None, length=12))(init)
+  for a, b in zip(jax.tree.leaves(state.local_params), jax.tree.leaves(reference.local_params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  assert int(state.metrics["num_communications"]) == int(reference.metrics["num_communications"]) > 0
+  ref = evaluate.personalized(personalized_params(state), dataset, FNS, client_map="vmap").summary
+  np.testing.assert_allclose(history.last_eval["personalized_test_accuracy"], float(ref["accuracy"]), rtol=1e-6)

@@ -62,6 +62,7 @@ from fedjax_opt.core.types import ClientBatches
 from fedjax_opt.data.dataset import FederatedDataset
 
 CLIENT_SAMPLING = ("uniform", "proportional", "all")
+EXAMPLE_ORDERS = ("shuffled", "fixed")
 
 
 def _check_static_int(value, name: str, *, allow_none: bool = False) -> None:
@@ -186,12 +187,14 @@ def _index_shuffle(round_keys: jax.Array, pos: jax.Array, n: jax.Array) -> jax.A
 
 
 def _client_indices(bits: jax.Array, n: jax.Array, local_steps: int, batch_size: int, stream_length: int,
-                    sort_cap: int, feistel: bool, local_epochs: int | None) -> tuple[jax.Array, jax.Array]:
+                    sort_cap: int, feistel: bool, local_epochs: int | None,
+                    fixed: bool = False) -> tuple[jax.Array, jax.Array]:
   """Slot -> example index `[S, B]` and mask `[S, B]` for one client with n_k = n.
 
   Clients with n <= sort_cap read their indices from a sorted epoch stream;
   when `feistel` (some client is bigger than sort_cap), bigger clients use
-  `_index_shuffle` keyed by epoch.
+  `_index_shuffle` keyed by epoch. With `fixed`, every epoch visits the
+  examples in stored order (slot p of an epoch holds example p).
   """
   n1 = jnp.maximum(n, 1)
   per_epoch = (n1 + batch_size - 1) // batch_size
@@ -202,6 +205,8 @@ def _client_indices(bits: jax.Array, n: jax.Array, local_steps: int, batch_size:
   valid = (pos < n) & (n > 0)
   if local_epochs is not None:
     valid = valid & (epoch < local_epochs)
+  if fixed:
+    return jnp.where(valid, pos, 0), valid
   stream = _epoch_stream(bits[:stream_length + 1], jnp.minimum(n1, sort_cap), stream_length)
   index = stream[jnp.clip(epoch * n1 + pos, 0, stream_length - 1)]
   if feistel:
@@ -248,6 +253,7 @@ def sample_round(
     *,
     local_epochs: int | None = None,
     client_sampling: str = "uniform",
+    example_order: str = "shuffled",
 ) -> ClientBatches:
   """Draws one round's clients and local mini-batches (jit-able; sizes static).
 
@@ -272,6 +278,12 @@ def sample_round(
     local_epochs: E, passes over each client's data (epochs mode).
     client_sampling: "uniform" (without replacement), "proportional"
       (to train size, with replacement) or "all".
+    example_order: "shuffled" (a fresh permutation per client and epoch) or
+      "fixed" (every epoch in stored order: slot s·B + b of the first epoch
+      holds example s·B + b). "fixed" with `client_sampling="all"` and
+      `local_epochs=1` gives every client's whole train split in the same
+      slots every round, which methods that keep per-example state need
+      (L2SGD+'s gradient table).
 
   Returns:
     `ClientBatches` with data `[C, S, B, ...]`, mask `[C, S, B]` (True on real
@@ -282,6 +294,8 @@ def sample_round(
     raise TypeError(f"dataset must be a FederatedDataset (see fo.data.pack); got {type(dataset).__name__}.")
   if client_sampling not in CLIENT_SAMPLING:
     raise ValueError(f"client_sampling must be one of {CLIENT_SAMPLING}; got {client_sampling!r}.")
+  if example_order not in EXAMPLE_ORDERS:
+    raise ValueError(f"example_order must be one of {EXAMPLE_ORDERS}; got {example_order!r}.")
   _check_static_int(clients_per_round, "clients_per_round")
   _check_static_int(batch_size, "batch_size")
   if (local_steps is None) == (local_epochs is None):
@@ -314,7 +328,8 @@ def sample_round(
   counts = dataset.train_count[client_ids]
   per_client = functools.partial(
       _client_indices, local_steps=local_steps, batch_size=batch_size, stream_length=stream_length,
-      sort_cap=sort_cap, feistel=dataset.max_train > sort_cap, local_epochs=local_epochs)
+      sort_cap=sort_cap, feistel=dataset.max_train > sort_cap, local_epochs=local_epochs,
+      fixed=example_order == "fixed")
   index, mask = jax.vmap(per_client)(words[head:].reshape(c, stream_length + 2), counts)
   return ClientBatches(
       data=gather(dataset, client_ids, index, mask),
