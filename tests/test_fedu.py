@@ -208,3 +208,26 @@ def test_bad_arguments(rng):
   algo = fedu(quad_loss, 1.0, graph, num_clients=5, client_lr=0.1, local_steps=2)
   with pytest.raises(ValueError, match="local_steps"):
     algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), batches)
+
+
+def test_laplacian_step_above_its_stability_bound_warns_and_diverges():
+  """2/λ_max(L) is the bound (ring of 6: λ_max = 4, bound 0.5): below it the Laplacian step contracts the clients'
+  disagreement, above it the step alone amplifies it, and the factory warns naming the bound."""
+  from fedjax_opt.algorithms.fedu import laplacian_step_bound
+
+  graph = graphs.ring(6)
+  lap = graphs.laplacian(graph)
+  assert laplacian_step_bound(graph) == pytest.approx(2 / np.linalg.eigvalsh(lap)[-1])
+  assert laplacian_step_bound(graph) == pytest.approx(0.5)
+  x = np.array([1.0, -1, 1, -1, 1, -1])  # the top eigenvector of the ring's Laplacian
+  for step, grows in ((0.45, False), (0.55, True)):
+    y = x.copy()
+    for _ in range(50):
+      y = y - step * lap @ y
+    assert (np.abs(y).max() > 1) == grows
+  with pytest.warns(UserWarning, match=r"exceeds 2/λ_max\(L\) = 0.5"):
+    fedu(quad_loss, 5.5, graph, num_clients=6, client_lr=0.1, local_steps=1)
+  import warnings
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fedu(quad_loss, 4.5, graph, num_clients=6, client_lr=0.1, local_steps=1)

@@ -54,6 +54,7 @@ the round.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import flax.struct
@@ -109,6 +110,24 @@ def _edge_weights(graph: graphs_lib.Graph, edge_weights: Any) -> jax.Array:
     if not np.all(np.isfinite(w)) or np.any(w < 0):
       raise ValueError(f"edge_weights must be finite and >= 0; got {w}.")
   return jnp.asarray(edge_weights)
+
+
+def laplacian_step_bound(graph: graphs_lib.Graph, edge_weights: Any = None) -> float:
+  """2 / λ_max(L) for the weighted Laplacian L of `graph`: the Laplacian step ηλR must stay below it.
+
+  The Laplacian step x ← x − ηλR (L ⊗ I) x alone is stable (non-expansive on
+  the disagreement between clients) iff ηλR·λ_max(L) ≤ 2.
+  """
+  n = graph.num_nodes
+  w = np.ones(graph.num_edges) if edge_weights is None else np.asarray(edge_weights, np.float64)
+  lap = np.zeros((n, n))
+  for (i, j), a in zip(np.asarray(graph.edges), w):
+    lap[i, i] += a
+    lap[j, j] += a
+    lap[i, j] -= a
+    lap[j, i] -= a
+  top = float(np.linalg.eigvalsh(lap)[-1]) if n else 0.0
+  return float("inf") if top <= 0 else 2.0 / top
 
 
 def _laplacian_times(table: PyTree, edges: np.ndarray, weights: jax.Array) -> PyTree:
@@ -186,6 +205,12 @@ def fedu(
   mode = client_map_lib.resolve(client_map)
   client_optimizer = optax.sgd(client_lr)
   laplacian_lr = client_lr * lam * local_steps
+  if all(is_concrete(v) for v in (client_lr, lam)) and (edge_weights is None or is_concrete(edge_weights)):
+    bound = laplacian_step_bound(graph, edge_weights)
+    if float(laplacian_lr) > bound:
+      warnings.warn(f"fedu: the Laplacian step client_lr·lam·local_steps = {float(laplacian_lr):.4g} exceeds "
+                    f"2/λ_max(L) = {bound:.4g} for this graph; the regularization step diverges. Lower "
+                    "client_lr, lam or local_steps.", stacklevel=2)
 
   def client_update(_, client):
     x, data, mask = client
