@@ -241,7 +241,12 @@ def personalize(loss_fn: LossFn, alpha: Any, params: PyTree, data: PyTree, mask:
   return jax.tree.map(jnp.add, params, step.delta)
 
 
-def personalized_params(state: FedAvgState, loss_fn: LossFn, alpha: Any, batches: ClientBatches) -> PyTree:
-  """The personalized models of every client in `batches`, stacked `[C, ...]` (one adaptation step each)."""
+def personalized_params(state: FedAvgState, loss_fn: LossFn, alpha: Any, batches: ClientBatches, *,
+                        client_map: client_map_lib.ClientMap | str | None = None) -> PyTree:
+  """The personalized models of every client in `batches`, stacked `[C, ...]` (one adaptation step each).
+
+  `client_map` chooses how the clients are mapped (default auto), as in the factories.
+  """
   return client_map_lib.map_clients(
-      "auto", lambda w, client: personalize(loss_fn, alpha, w, *client), state.params, (batches.data, batches.mask))
+      client_map, lambda w, client: personalize(loss_fn, alpha, w, *client), state.params,
+      (batches.data, batches.mask))
