@@ -42,7 +42,7 @@ def test_maml_meta_gradient_is_the_closed_form_on_quadratics(rng):
   with jax.enable_x64(True):
     d1, d2 = _batch(rng), _batch(rng)
     w = rng.normal(size=D)
-    for inner, outer in [(d1, d1), (d1, d2)]:  # the brief's one-batch formula, then D ≠ D'
+    for inner, outer in [(d1, d1), (d1, d2)]:  # the one-batch formula, then D ≠ D'
       a1, b1 = _ab(*inner)
       a2, b2 = _ab(*outer)
       expected = (np.eye(D) - alpha * a1) @ (a2 @ (w - alpha * (a1 @ w - b1)) - b2)
