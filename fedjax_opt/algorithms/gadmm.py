@@ -341,7 +341,8 @@ def _group_admm(loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, *, prox: Pro
       candidate = new  # Q_n = θ_n, bit for bit
     else:
       keys = jax.random.split(key, len(group))
-      change = jax.vmap(stochastic_quantize, in_axes=(0, 0, None))(keys, change, bits)
+      change = client_map_lib.map_clients(mode, lambda _, worker: stochastic_quantize(*worker, bits), None,
+                                          (keys, change))
       candidate = jax.tree.map(jnp.add, sent_old, change)
     transmit = finite & (_row_norms(change) >= threshold)
     sent = per_client.scatter(sent, ids, candidate, transmit).table
