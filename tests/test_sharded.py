@@ -241,6 +241,14 @@ def test_stateful_algorithms_agree_across_modes(report, name):
     assert diff < 5e-6, (mode, diff)
 
 
+def test_auto_shards_larger_dense_models_over_several_devices(report):
+  """With 8 devices, `auto` shards a dense model above CPU_VMAP_MAX_PARAMS (its inner auto then picks one device's
+  mode) and keeps a small model on one device; the sharded default gives the sequential loop's FedAvg state."""
+  assert report["auto"]["big"].startswith("Sharded(") and "Auto(memory_budget=None, shard=False)" in report["auto"]["big"]
+  assert report["auto"]["small"].startswith("VMap(")
+  assert report["auto"]["diff"] < 2e-6
+
+
 def test_sweep_of_a_sharded_algorithm(report):
   """jax.vmap over seeds composes with shard_map: a sweep of sharded FedAvg equals a sweep of vmapped FedAvg."""
   assert report["sweep_diff"] < 2e-6
@@ -358,6 +366,30 @@ def _worker() -> dict:
     return jax.jit(swept.step)(state, rounds[0]).params
 
   report["sweep_diff"] = max_diff(sweep_params(cm.sharded(mesh, "vmap")), sweep_params("vmap"))
+
+  # auto with 8 devices: a dense model above CPU_VMAP_MAX_PARAMS is sharded, a small one is not.
+  d_big, k_big = 130, 130  # 17,030 parameters
+  big_params = {"w": jnp.asarray(0.05 * rng.normal(size=(d_big, k_big)), jnp.float32),
+                "b": jnp.zeros(k_big, jnp.float32)}
+  big_rounds = [fo.ClientBatches(
+      data={"x": jnp.asarray(rng.normal(size=(C, S, B, d_big)), jnp.float32),
+            "y": jnp.asarray(rng.integers(0, k_big, (C, S, B)), jnp.int32)},
+      mask=jnp.asarray(rng.random((C, S, B)) < 0.8), weight=jnp.asarray(rng.integers(1, 12, C), jnp.float32),
+      client_id=jnp.arange(C, dtype=jnp.int32)) for _ in range(ROUNDS)]
+  update = lambda p, client: local_train(loss_fn, optax.sgd(CLIENT_LR), p, *client).delta
+  per_big = (big_rounds[0].data, big_rounds[0].mask)
+  per_small = (rounds[0].data, rounds[0].mask)
+
+  def big_final(mode):
+    algo = fo.algorithms.fedavg(loss_fn, optax.sgd(CLIENT_LR), client_map=mode)
+    run = lambda stacked: jax.lax.scan(lambda st, b: (algo.step(st, b), None), algo.init(big_params,
+                                                                                        jax.random.key(0)),
+                                       stacked)[0].params
+    return jax.jit(run)(sweep.stack(big_rounds))
+
+  report["auto"] = {"big": repr(cm.auto().resolve(update, big_params, per_big)),
+                    "small": repr(cm.auto().resolve(update, params, per_small)),
+                    "diff": max_diff(big_final(None), big_final("sequential"))}
 
   # Stateful algorithms: two rounds of each under every mode, one compiled program per mode.
   n = 16

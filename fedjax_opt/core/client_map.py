@@ -22,7 +22,8 @@ Modes (all give the same numbers, to float tolerance):
   sliced off, so the caller always sees `[C]`.
 * `auto()` (the default): the fastest mode measured for the backend, the
   model and C (below), never more than the memory budget at once (on CPU,
-  for small dense models, nor more than `CPU_VMAP_MAX_BYTES`).
+  for small dense models, nor more than `CPU_VMAP_MAX_BYTES`); with several
+  devices, `sharded` over all of them where that was measured faster (`Auto`).
 
 Three rewrites, flags of `vmap`, `sequential` and `chunked` (and string
 suffixes ":canonical_convs", ":unroll", ":fuse_small_dots"), all made on a
@@ -578,12 +579,26 @@ class Auto:
     `fuse_small_dots=True` when the vmapped function holds a batched dot it
     rewrites (`has_small_batched_dot`);
   * CPU, larger dense models: `sequential()`.
+
+  With more than one device (several GPUs/TPUs, or CPU cores exposed as XLA
+  devices), `sharded(inner=auto(shard=False))` over all of them when the
+  backend is an accelerator or, on CPU, for dense models above
+  `CPU_VMAP_MAX_PARAMS` parameters (on two cores exposed as 8 devices, the 2NN
+  MLP's round ran 1.2× (C=8) and 2.7× (C=32) faster sharded than on one
+  device, logistic regression's 1.6× slower at C=100, so small dense models
+  stay on one device; convolutions were not measured sharded on CPU).
+
+  Attributes:
+    memory_budget: bytes a map may use at once (default `default_memory_budget()`).
+    shard: allow the multi-device choice above (False inside `sharded`).
   """
 
   memory_budget: int | None = None
+  shard: bool = True
 
   def __post_init__(self):
     _check_budget(self.memory_budget)
+    _check_flag(self.shard, "shard")
 
   def resolve(self, fn: Callable | None = None, shared: PyTree = None, per_client: PyTree = None) -> "ClientMap":
     """The concrete mode for this call; without arguments, the default for the backend alone."""
@@ -592,7 +607,11 @@ class Auto:
       return VMap() if accelerator else Chunked(1)
     c = _num_clients(per_client)
     jaxpr = trace_client(fn, shared, per_client)
-    if not accelerator and has_convolution(jaxpr):
+    convolves = has_convolution(jaxpr)
+    big_dense = not convolves and _num_params(shared) > CPU_VMAP_MAX_PARAMS
+    if self.shard and jax.device_count() > 1 and c > 1 and (accelerator or big_dense):
+      return Sharded(inner=Auto(self.memory_budget, shard=False))
+    if not accelerator and convolves:
       return Chunked(1, canonical_convs=True)
     if not accelerator and _num_params(shared) > CPU_VMAP_MAX_PARAMS:
       return Chunked(1)
@@ -666,6 +685,8 @@ class Sharded:
     inner = resolve(self.inner)
     if isinstance(inner, Sharded):
       raise ValueError("inner must be a single-device mode (vmap, sequential, chunked, auto); got a sharded mode.")
+    if isinstance(inner, Auto) and inner.shard:  # inside a device: decide among the single-device modes
+      inner = Auto(inner.memory_budget, shard=False)
     object.__setattr__(self, "inner", inner)
 
   def __call__(self, fn: Callable, shared: PyTree, per_client: PyTree) -> PyTree:
@@ -699,9 +720,9 @@ def chunked(chunk_size: int | None = None, *, unroll: bool = False, canonical_co
   return Chunked(chunk_size, unroll, canonical_convs, memory_budget, fuse_small_dots)
 
 
-def auto(memory_budget: int | None = None) -> Auto:
+def auto(memory_budget: int | None = None, *, shard: bool = True) -> Auto:
   """The fastest measured mode for the backend, model and C; never more than `memory_budget` at once."""
-  return Auto(memory_budget)
+  return Auto(memory_budget, shard)
 
 
 def sharded(mesh: Mesh | None = None, inner: Any = "auto", axis_name: str = CLIENTS_AXIS) -> Sharded:
