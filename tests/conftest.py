@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -82,6 +83,47 @@ def make_clients(rng, sizes, d, kind="lsq", num_classes=3):
       y = np.argmax(x @ rng.normal(size=(d, num_classes)), axis=1).astype(np.int32)
     clients.append((x, y))
   return clients
+
+
+def ridge_logistic_loss(l2):
+  """Per-example binary logistic loss with a ridge term (l2/2)‖w‖² on every example."""
+
+  def loss(params, batch):
+    s = batch["x"] @ params["w"] + params["b"]
+    return jax.nn.softplus(s) - batch["y"] * s + 0.5 * l2 * jnp.sum(jnp.square(params["w"]))
+
+  return loss
+
+
+def logistic_clients(rng, sizes, d):
+  """Heterogeneous binary classification clients: shifted inputs, a different separating direction each."""
+  clients = []
+  for k, n in enumerate(sizes):
+    x = rng.normal(loc=0.5 * k, size=(n, d))
+    y = (x @ rng.normal(size=d) + 0.5 * rng.normal(size=n) > 0.5 * k).astype(np.float64)
+    clients.append((x, y))
+  return clients
+
+
+def ridge_logistic_objective(clients, l2, v):
+  """float64 (value, gradient) at v = (w, b) of Σ_i [mean logistic loss of client i + (l2/2)‖w‖²]."""
+  w, b = v[:-1], v[-1]
+  total, grad = 0.0, np.zeros_like(v)
+  for x, y in clients:
+    s = x @ w + b
+    p = 1 / (1 + np.exp(-s))
+    total += np.mean(np.logaddexp(0, s) - y * s) + 0.5 * l2 * w @ w
+    grad += np.append(x.T @ (p - y) / len(y) + l2 * w, np.mean(p - y))
+  return total, grad
+
+
+def ridge_logistic_optimum(clients, l2):
+  """The minimiser of `ridge_logistic_objective`, by float64 scipy L-BFGS."""
+  import scipy.optimize
+
+  d = clients[0][0].shape[1]
+  return scipy.optimize.minimize(lambda v: ridge_logistic_objective(clients, l2, v), np.zeros(d + 1), jac=True,
+                                 method="L-BFGS-B", options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 10000}).x
 
 
 @pytest.fixture

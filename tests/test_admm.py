@@ -10,7 +10,8 @@ from sklearn.linear_model import Lasso, LogisticRegression, Ridge
 
 import fedjax_opt as fo
 from fedjax_opt.algorithms.admm import admm_consensus, admm_sharing, prox_least_squares, prox_quadratic
-from conftest import lsq_loss, make_clients, pack
+from conftest import (logistic_clients, lsq_loss, make_clients, pack, ridge_logistic_loss, ridge_logistic_objective,
+                      ridge_logistic_optimum)
 
 D, N = 3, 4
 L2 = 0.1
@@ -161,40 +162,21 @@ def test_vmap_over_rho_runs_a_sweep_in_one_program(lsq_clients):
     assert not np.allclose(residuals[0, :5], residuals[2, :5])  # the three ρ really differ
 
 
-def _logistic_loss(params, batch):
-  """Binary logistic loss with a small ridge term, per example."""
-  s = batch["x"] @ params["w"] + params["b"]
-  return jax.nn.softplus(s) - batch["y"] * s + 0.5 * L2 * jnp.sum(jnp.square(params["w"]))
+_logistic_loss = ridge_logistic_loss(L2)
 
 
 def test_inexact_consensus_reaches_the_lbfgs_optimum_of_logistic_regression(rng):
   """K = 10 full-batch SGD steps per x-update (no closed form): z reaches scipy's L-BFGS optimum to 1e-4."""
   sizes = [20, 30, 25, 15]
-  clients = []
-  for k, n in enumerate(sizes):
-    x = rng.normal(loc=0.5 * k, size=(n, D))
-    y = (x @ rng.normal(size=D) + 0.5 * rng.normal(size=n) > 0.5 * k).astype(np.float64)
-    clients.append((x, y))
-
-  def pooled(v):
-    w, b = v[:-1], v[-1]
-    total, grad = 0.0, np.zeros_like(v)
-    for x, y in clients:
-      s = x @ w + b
-      p = 1 / (1 + np.exp(-s))
-      total += np.mean(np.logaddexp(0, s) - y * s) + 0.5 * L2 * w @ w
-      grad += np.append(x.T @ (p - y) / len(y) + L2 * w, np.mean(p - y))
-    return total, grad
-
-  ref = scipy.optimize.minimize(pooled, np.zeros(D + 1), jac=True, method="L-BFGS-B",
-                                options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 10000}).x
+  clients = logistic_clients(rng, sizes, D)
+  ref = ridge_logistic_optimum(clients, L2)
   with jax.enable_x64(True):
     batches = pack(clients, 1, max(sizes), dtype=np.float64)
     algo = admm_consensus(_logistic_loss, 1.0, num_clients=N, local_optimizer=optax.sgd(0.3), local_steps=10)
     state, history = _run(algo, _tree(np.zeros(D + 1)), batches, 150)
     assert _rel_err(_vec(state.params), ref) < 1e-4, _rel_err(_vec(state.params), ref)
     assert history["primal_residual"][-1] < 1e-5 * history["primal_residual"][0]
-    np.testing.assert_allclose(float(history["objective"][-1]), pooled(ref)[0] / N, rtol=1e-6)
+    np.testing.assert_allclose(float(history["objective"][-1]), ridge_logistic_objective(clients, L2, ref)[0] / N, rtol=1e-6)
 
 
 def test_client_map_modes_agree(lsq_clients):

@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import scipy.optimize
 
 import fedjax_opt as fo
 from fedjax_opt.algorithms.admm import prox_least_squares
 from fedjax_opt.algorithms.gadmm import cq_ggadmm, gadmm, stochastic_quantize
-from conftest import lsq_loss, make_clients, pack
+from conftest import (logistic_clients, lsq_loss, make_clients, pack, ridge_logistic_loss, ridge_logistic_objective,
+                      ridge_logistic_optimum)
 
 D = 3
 L2 = 0.1
@@ -200,40 +200,21 @@ def test_censored_iteration_on_a_bipartite_graph_matches_numpy(rng):
     np.testing.assert_allclose(float(state.metrics["bits_cumulative"]), sum(counts) * 32 * (D + 1))
 
 
-def _logistic_loss(params, batch):
-  """Binary logistic loss with a small ridge term, per example."""
-  s = batch["x"] @ params["w"] + params["b"]
-  return jax.nn.softplus(s) - batch["y"] * s + 0.5 * L2 * jnp.sum(jnp.square(params["w"]))
+_logistic_loss = ridge_logistic_loss(L2)
 
 
 def test_inexact_gadmm_reaches_the_lbfgs_optimum_of_logistic_regression(rng):
   """K = 10 full-batch SGD steps per worker update (no closed form): every worker reaches scipy's optimum to 1e-4."""
   sizes = [20, 30, 25, 15]
-  clients = []
-  for k, m in enumerate(sizes):
-    x = rng.normal(loc=0.5 * k, size=(m, D))
-    y = (x @ rng.normal(size=D) + 0.5 * rng.normal(size=m) > 0.5 * k).astype(np.float64)
-    clients.append((x, y))
-
-  def pooled(v):
-    w, b = v[:-1], v[-1]
-    total, grad = 0.0, np.zeros_like(v)
-    for x, y in clients:
-      s = x @ w + b
-      p = 1 / (1 + np.exp(-s))
-      total += np.mean(np.logaddexp(0, s) - y * s) + 0.5 * L2 * w @ w
-      grad += np.append(x.T @ (p - y) / len(y) + L2 * w, np.mean(p - y))
-    return total, grad
-
-  ref = scipy.optimize.minimize(pooled, np.zeros(D + 1), jac=True, method="L-BFGS-B",
-                                options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 10000}).x
+  clients = logistic_clients(rng, sizes, D)
+  ref = ridge_logistic_optimum(clients, L2)
   with jax.enable_x64(True):
     batches = pack(clients, 1, max(sizes), dtype=np.float64)
     algo = gadmm(_logistic_loss, 1.0, fo.graphs.chain(len(sizes)), local_optimizer=optax.sgd(0.2), local_steps=10)
     state, (history, _) = _run(algo, batches, 200)
     assert _rel_err(_vec(state.params), ref) < 1e-4, _rel_err(_vec(state.params), ref)
     assert np.all(_rel_err(_rows(state.local_params), ref) < 1e-4)
-    np.testing.assert_allclose(float(history["objective"][-1]), pooled(ref)[0], rtol=1e-6)
+    np.testing.assert_allclose(float(history["objective"][-1]), ridge_logistic_objective(clients, L2, ref)[0], rtol=1e-6)
 
 
 def _bits_to_reach(history, params, z_star, tol):
