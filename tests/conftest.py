@@ -126,6 +126,34 @@ def ridge_logistic_optimum(clients, l2):
                                  method="L-BFGS-B", options={"gtol": 1e-12, "ftol": 1e-15, "maxiter": 10000}).x
 
 
+def quadratic_hessians(a, b):
+  """Clients f_i(x) = (1/2m) ‖A_i x − b_i‖² (a `[n, m, d]`, b `[n, m]`): (H_i `[n, d, d]`, g_i `[n, d]`), ∇f_i = H_i x − g_i."""
+  m = b.shape[1]
+  return np.einsum("imd,ime->ide", a, a) / m, np.einsum("imd,im->id", a, b) / m
+
+
+def quadratic_grads(a, b, x):
+  """∇f_i(x_i) `[n, d]` of the quadratic clients."""
+  h, g = quadratic_hessians(a, b)
+  return np.einsum("ide,ie->id", h, x) - g
+
+
+def mixture_optimum(a, b, lam):
+  """x(λ) `[n, d]` of F = (1/n) Σ f_i(x_i) + λ/(2n) Σ ‖x_i − x̄‖²: ∇f_i(x_i) + λ(x_i − x̄) = 0, one linear solve."""
+  h, g = quadratic_hessians(a, b)
+  n, d = g.shape
+  system = np.kron(np.eye(n) - np.ones((n, n)) / n, lam * np.eye(d))
+  for i in range(n):
+    system[i * d:(i + 1) * d, i * d:(i + 1) * d] += h[i]
+  return np.linalg.solve(system, g.reshape(-1)).reshape(n, d)
+
+
+def mixture_objective(a, b, x, lam):
+  """F(x) = (1/n) Σ f_i(x_i) + λ/(2n) Σ ‖x_i − x̄‖² in float64."""
+  losses = [0.5 * np.mean((ai @ xi - bi)**2) for ai, bi, xi in zip(a, b, x)]
+  return np.mean(losses) + lam / (2 * len(x)) * np.sum((x - x.mean(0))**2)
+
+
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import mixture_objective, mixture_optimum, quadratic_grads, quadratic_hessians
+
 import fedjax_opt as fo
 from fedjax_opt import objectives
 from fedjax_opt.algorithms import mixture as mx
@@ -42,29 +44,16 @@ def _batches(a, b, steps=2):
       client_id=jnp.arange(n, dtype=jnp.int32))
 
 
-def _hessians(a, b):
-  m = b.shape[1]
-  return np.einsum("imd,ime->ide", a, a) / m, np.einsum("imd,im->id", a, b) / m
+_hessians = quadratic_hessians
 
 
-def _optimum(a, b, lam):
-  """x(λ) `[n, d]` from the stationarity system (n·d unknowns)."""
-  h, g = _hessians(a, b)
-  n = len(h)
-  system = np.kron(np.eye(n) - np.ones((n, n)) / n, lam * np.eye(D))
-  for i in range(n):
-    system[i * D:(i + 1) * D, i * D:(i + 1) * D] += h[i]
-  return np.linalg.solve(system, g.reshape(-1)).reshape(n, D)
+_optimum = mixture_optimum
 
 
-def _grads(a, b, x):
-  h, g = _hessians(a, b)
-  return np.einsum("ide,ie->id", h, x) - g
+_grads = quadratic_grads
 
 
-def _objective(a, b, x, lam):
-  losses = [0.5 * np.mean((ai @ xi - bi)**2) for ai, bi, xi in zip(a, b, x)]
-  return np.mean(losses) + lam / (2 * len(x)) * np.sum((x - x.mean(0))**2)
+_objective = mixture_objective
 
 
 def _constants(a, b):

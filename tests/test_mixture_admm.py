@@ -12,6 +12,8 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import mixture_objective, mixture_optimum, quadratic_grads, quadratic_hessians
+
 import fedjax_opt as fo
 from fedjax_opt.algorithms.admm import prox_least_squares, prox_quadratic
 from fedjax_opt.algorithms.mixture_admm import mixture_admm
@@ -40,27 +42,16 @@ def _batches(a, b, steps=2):
       client_id=jnp.arange(N, dtype=jnp.int32))
 
 
-def _hessians(a, b):
-  return np.einsum("imd,ime->ide", a, a) / M, np.einsum("imd,im->id", a, b) / M
+_hessians = quadratic_hessians
 
 
-def _optimum(a, b, lam):
-  """x(λ) `[n, d]`: ∇f_i(x_i) + λ(x_i − x̄) = 0 for all i, one linear solve."""
-  h, g = _hessians(a, b)
-  system = np.kron(np.eye(N) - np.ones((N, N)) / N, lam * np.eye(D))
-  for i in range(N):
-    system[i * D:(i + 1) * D, i * D:(i + 1) * D] += h[i]
-  return np.linalg.solve(system, g.reshape(-1)).reshape(N, D)
+_optimum = mixture_optimum
 
 
-def _grads(a, b, x):
-  h, g = _hessians(a, b)
-  return np.einsum("ide,ie->id", h, x) - g
+_grads = quadratic_grads
 
 
-def _objective(a, b, x, lam):
-  losses = [0.5 * np.mean((ai @ xi - bi)**2) for ai, bi, xi in zip(a, b, x)]
-  return np.mean(losses) + lam / (2 * N) * np.sum((x - x.mean(0))**2)
+_objective = mixture_objective
 
 
 def _run(algo, batches, iterations, init=None):
