@@ -172,9 +172,21 @@ def degrees(graph: Graph) -> np.ndarray:
   return np.bincount(graph.edges.reshape(-1), minlength=graph.num_nodes).astype(np.int64)
 
 
-def laplacian(graph: Graph) -> np.ndarray:
-  """`[n, n]` float64 graph Laplacian L = D − A (symmetric, PSD, L·1 = 0)."""
-  return np.diag(degrees(graph).astype(np.float64)) - graph.adjacency.astype(np.float64)
+def laplacian(graph: Graph, weights: Any = None) -> np.ndarray:
+  """`[n, n]` float64 graph Laplacian L = D − A (symmetric, PSD, L·1 = 0).
+
+  `weights` `[E]` (in the order of `graph.edges`) gives the weighted
+  Laplacian, L_ij = −a_ij and L_ii = Σ_j a_ij; None: every edge weighs 1.
+  """
+  if weights is None:
+    return np.diag(degrees(graph).astype(np.float64)) - graph.adjacency.astype(np.float64)
+  edges = np.asarray(graph.edges).reshape(-1, 2)
+  w = np.asarray(weights, np.float64)
+  lap = np.zeros((graph.num_nodes, graph.num_nodes))
+  np.add.at(lap, (edges[:, 0], edges[:, 1]), -w)
+  np.add.at(lap, (edges[:, 1], edges[:, 0]), -w)
+  lap[np.diag_indices_from(lap)] = -lap.sum(1)
+  return lap
 
 
 def connected_components(graph: Graph) -> tuple[int, np.ndarray]:

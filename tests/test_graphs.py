@@ -84,3 +84,14 @@ def test_invalid_graphs_raise_clear_errors():
     graphs.ring(2)
   with pytest.raises(ValueError, match=r"edge_prob must lie in \[0, 1\]"):
     graphs.random_bipartite(2, 2, 1.5)
+
+
+def test_weighted_laplacian_matches_scipy():
+  """graphs.laplacian(graph, weights) equals scipy.sparse.csgraph.laplacian of the weighted adjacency."""
+  graph = graphs.random_bipartite(4, 5, 0.6, seed=3)
+  weights = np.random.default_rng(0).uniform(0.1, 2.0, graph.num_edges)
+  edges = np.asarray(graph.edges)
+  adjacency = scipy.sparse.coo_matrix((weights, (edges[:, 0], edges[:, 1])), shape=(9, 9))
+  expected = scipy.sparse.csgraph.laplacian((adjacency + adjacency.T).toarray())
+  np.testing.assert_allclose(graphs.laplacian(graph, weights), expected, atol=1e-12)
+  np.testing.assert_allclose(graphs.laplacian(graph, np.ones(graph.num_edges)), graphs.laplacian(graph), atol=0)

@@ -118,15 +118,8 @@ def laplacian_step_bound(graph: graphs_lib.Graph, edge_weights: Any = None) -> f
   The Laplacian step x ← x − ηλR (L ⊗ I) x alone is stable (non-expansive on
   the disagreement between clients) iff ηλR·λ_max(L) ≤ 2.
   """
-  n = graph.num_nodes
-  w = np.ones(graph.num_edges) if edge_weights is None else np.asarray(edge_weights, np.float64)
-  lap = np.zeros((n, n))
-  for (i, j), a in zip(np.asarray(graph.edges), w):
-    lap[i, i] += a
-    lap[j, j] += a
-    lap[i, j] -= a
-    lap[j, i] -= a
-  top = float(np.linalg.eigvalsh(lap)[-1]) if n else 0.0
+  lap = graphs_lib.laplacian(graph, edge_weights)
+  top = float(np.linalg.eigvalsh(lap)[-1]) if graph.num_nodes else 0.0
   return float("inf") if top <= 0 else 2.0 / top
 
 
