@@ -439,11 +439,6 @@ def rewrite_client_fn(fn: Callable, *, unroll: bool = False, canonical_convs: bo
   return rewritten
 
 
-def unroll_scans(fn: Callable) -> Callable:
-  """`fn` with every `lax.scan` inside it fully unrolled (`rewrite_client_fn(fn, unroll=True)`)."""
-  return rewrite_client_fn(fn, unroll=True)
-
-
 # ---- the modes -----------------------------------------------------------------------------------------------
 
 
