@@ -17,16 +17,30 @@ def run_cli(*args, cwd=None):
 
 @pytest.mark.parametrize("args,needle", [
     (["run", "--algorithms", "fedfoo"], "unknown algorithm 'fedfoo'; choose from fedsgd, fedavg"),
+    (["run", "--algorithms", "fedavg,fedavg"], "fedavg is listed twice in --algorithms"),
     (["run", "--dataset", "cifar10"], "unknown dataset 'cifar10'; choose from digits, mnist5k"),
     (["run", "--clients-per-round", "200"], "clients_per_round=200 exceeds num_clients=100"),
     (["run", "--client-lr", "0"], "--client-lr must be a positive number; got '0'"),
     (["run", "--server-lr", "-1"], "--server-lr must be a positive number; got '-1'"),
+    (["run", "--algorithms", "feddyn,fedavg", "--server-lr", "0.5"], "--server-lr does not apply to feddyn"),
     (["run", "--alpha", "0"], "--alpha must be a positive number; got '0'"),
-    (["run", "--prox-mu", "-0.1"], "--prox-mu must be a positive number; got '-0.1'"),
+    (["run", "--prox-mu", "0.1"], "--prox-mu was replaced by --set fedprox.mu=VALUE"),
+    (["run", "--set", "ditto.lam=0.1"], "--set ditto.… is given but ditto is not in --algorithms (fedavg,fedadam)"),
+    (["run", "--algorithms", "ditto", "--set", "ditto.lamb=0.1"], "ditto has no hyper-parameter 'lamb'; settable:"),
+    (["run", "--algorithms", "ditto", "--set", "ditto.lam=abc"], "ditto.lam must be a finite number; got 'abc'"),
+    (["run", "--algorithms", "ditto", "--set", "ditto.personal_steps=2.5"],
+     "ditto.personal_steps must be an integer; got 2.5"),
+    (["run", "--set", "fedavg"], "--set takes ALGORITHM.NAME=VALUE, e.g. ditto.lam=0.1; got 'fedavg'"),
+    (["run", "--dataset", "synthetic_1_1", "--partition", "iid"], "--partition does not apply to 'synthetic_1_1'"),
+    (["run", "--partition", "iid", "--alpha", "0.3"], "--alpha applies to --partition dirichlet only"),
+    (["run", "--dataset", "shakespeare", "--num-clients", "5"], "--num-clients does not apply to 'shakespeare'"),
+    (["run", "--algorithms", "admm_consensus", "--model", "mlp"], "admm_consensus need(s) a convex model"),
     (["run", "--partition", "zipf"], "unknown partition 'zipf'; choose from iid, dirichlet"),
     (["run", "--rounds", "ten"], "--rounds must be a positive integer; got 'ten'"),
     (["run", "--config", "/nonexistent/exp.toml"], "cannot read config '/nonexistent/exp.toml'"),
     (["run", "--client-map", "chunked:0"], "bad --client-map 'chunked:0': client_map must be one of"),
+    (["run", "--resume"], "--resume needs --out DIR"),
+    (["run", "--resume", "--overwrite", "--out", "x"], "--resume continues the run in --out and --overwrite"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
@@ -96,6 +110,25 @@ def test_a_reused_out_folder_is_refused_and_left_untouched(tmp_path):
   result = run_cli("run", "--dataset", "digits", "--rounds", "2", "--out", str(out))
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
-      f"fedjax-opt: error: --out {out} already holds a run; continue it with --resume or choose another folder"]
+      f"fedjax-opt: error: --out {out} already holds a run; continue it with --resume, replace it with "
+      f"--overwrite, or choose another folder"]
   assert sorted(p.name for p in out.iterdir()) == ["config.json"]
   assert (out / "config.json").read_text() == '{"rounds": 7}'
+
+
+def test_a_bad_hyper_parameter_value_is_the_factory_s_one_line(tmp_path):
+  result = run_cli("run", "--dataset", "digits", "--algorithms", "ditto", "--set", "ditto.lam=-1", "--out",
+                   str(tmp_path / "out"))
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == ["fedjax-opt: error: ditto: lam must be finite and >= 0; got -1.0."]
+  assert not (tmp_path / "out").exists()  # nothing is written before every algorithm is built
+
+
+def test_toml_sections_set_hyper_parameters_and_are_checked(tmp_path):
+  bad = tmp_path / "bad.toml"
+  bad.write_text('algorithms = "ditto"\n[dito]\nlam = 0.5\n')
+  result = run_cli("run", "--config", str(bad))
+  assert result.returncode == 2 and "section [dito] is not an algorithm" in result.stderr
+  bad.write_text('algorithms = "ditto"\ndataset = "digits"\n[ditto]\nlam = "big"\n')
+  result = run_cli("run", "--config", str(bad))
+  assert result.returncode == 2 and "ditto.lam must be a finite number; got 'big'" in result.stderr

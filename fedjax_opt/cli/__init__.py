@@ -1,0 +1,118 @@
+"""`fedjax-opt`: the command line.
+
+    fedjax-opt run                                   # FedAvg vs FedAdam, MNIST 5k, 100 clients, Dirichlet(0.5)
+    fedjax-opt run --algorithms fedavg,scaffold,ditto --dataset digits --rounds 200
+    fedjax-opt run --algorithms ditto,pfedme --set ditto.lam=0.5 --partition shards
+    fedjax-opt run --algorithms admm_consensus,gadmm --dataset synthetic_1_1
+    fedjax-opt run --config exp.toml                 # keys mirror the flags; [ditto] sections set hyper-parameters
+    fedjax-opt run --seeds 5                         # 5 seeds per algorithm as one vmapped program; mean ± std
+    fedjax-opt run --out runs/a --resume --rounds 600    # continue a saved run, with its own configuration
+    fedjax-opt list algorithms                       # every algorithm, its family and hyper-parameter defaults
+
+A run trains each algorithm on the same federated dataset from the same
+initial model, prints progress and a results table, and writes into `--out`:
+`config.json`, `history.json`, `results.json`, `accuracy.png` (against
+rounds and against MB sent), `loss.png` (train and test),
+`personalized_accuracy.png` (per-client histogram, personalized algorithms)
+and orbax checkpoints. The files are described in `docs/cli.md`. Bad input
+exits with code 2 and one line naming the bad value, and leaves the run
+folder as it was; Ctrl-C saves the last completed chunk and exits with 130.
+
+The algorithms come from `fedjax_opt.cli.registry`: adding a `Spec` there
+puts an algorithm on the command line, with its hyper-parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Sequence
+
+from fedjax_opt.cli import config as config_lib
+from fedjax_opt.cli import registry, report
+from fedjax_opt.cli.config import DEFAULTS, UsageError, build_parser
+
+__all__ = ["DEFAULTS", "UsageError", "build_parser", "command_list", "flag_reference", "main"]
+
+
+def command_list(what: str | None = None) -> int:
+  from fedjax_opt import data, server_optimizers
+
+  sections = []
+  if what in (None, "algorithms"):
+    for family, doc in registry.FAMILIES.items():
+      entries = {name: f"{spec.description}\n    {registry.describe_defaults(name)}"
+                 for name, spec in registry.REGISTRY.items() if spec.family == family}
+      sections.append((f"algorithms, {family} family ({doc})", entries))
+  if what in (None, "server-optimizers"):
+    sections.append(("server optimizers (--set ALGO.server_optimizer=NAME)", server_optimizers.available()))
+  if what in (None, "datasets"):
+    sections.append(("datasets (--dataset)", {
+        i.name: f"{i.description}; clients: {i.clients}" + ("" if i.installed else f" [needs {i.requires}]")
+        for i in data.available()}))
+  if what in (None, "partitions"):
+    sections.append(("partitions (--partition, image datasets)", {
+        "iid": "uniformly at random, equal sizes", "dirichlet": "label skew, class proportions ~ Dirichlet(α)",
+        "shards": "label-sorted shards, 2 per client (McMahan et al. 2017)",
+        "labels": "each client holds k classes", "power_law": "power-law client sizes"}))
+  if what in (None, "models"):
+    sections.append(("models (--model)", {
+        "auto": "rnn for text, logreg for the ADMM family and feature vectors, mlp for images",
+        "logreg": "multinomial logistic regression", "mlp": "2NN MLP, 200-200 hidden (McMahan et al. 2017)",
+        "cnn": "EMNIST CNN (Reddi et al. 2021)", "rnn": "character GRU for next-character prediction"}))
+  if what in (None, "algorithms"):
+    print(f"--set ALGO.NAME=VALUE sets any name below; '--client-lr' marks the run's --client-lr "
+          f"(default {registry.DEFAULT_CLIENT_LR}), which an explicit --client-lr also puts in every client_lr.")
+  for title, entries in sections:
+    print(title)
+    width = max(len(k) for k in entries)
+    for key, doc in entries.items():
+      print(f"  {key.ljust(width)}  {doc}")
+  return 0
+
+
+def flag_reference() -> str:
+  """The flags of `fedjax-opt run` as a Markdown list, generated from the parser (the README holds it)."""
+  parser = build_parser()
+  run = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]  # pylint: disable=protected-access
+  lines = []
+  for action in run._actions:  # pylint: disable=protected-access
+    if not action.option_strings or action.option_strings == ["-h", "--help"]:
+      continue
+    flag = action.option_strings[-1] + ("" if action.nargs == 0 else f" {action.metavar or action.dest.upper()}")
+    lines.append(f"- `{flag}`: {action.help}")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  out = None
+  try:
+    args = build_parser().parse_args(argv)
+    if args.command == "list":
+      return command_list(args.what)
+    from fedjax_opt.cli import run
+
+    given = config_lib.given_settings(args)
+    if args.resume:
+      if args.overwrite:
+        raise UsageError("--resume continues the run in --out and --overwrite replaces it: give one of them")
+      config = config_lib.finish(config_lib.for_resume(args.out, given))
+      out = args.out
+    else:
+      config = config_lib.finish(given)
+      out = args.out or os.path.join("runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
+      config_lib.prepare_new(out, bool(args.overwrite))
+    return run.command_run(config, out, bool(args.resume), bool(args.overwrite))
+  except UsageError as e:
+    print(f"fedjax-opt: error: {e}", file=sys.stderr)
+    return 2
+  except report.Interrupted as e:
+    print(f"fedjax-opt: interrupted while training {e.algorithm}; its last completed chunk is saved. "
+          f"Continue with: fedjax-opt run --out {out} --resume", file=sys.stderr)
+    return 130
+  except KeyboardInterrupt:
+    print("fedjax-opt: interrupted" + (f"; continue with: fedjax-opt run --out {out} --resume"
+                                      if out and os.path.isfile(os.path.join(out, "config.json")) else ""),
+          file=sys.stderr)
+    return 130

@@ -1,0 +1,5 @@
+import sys
+
+from fedjax_opt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,346 @@
+"""The run's configuration: flags, the TOML file, `--set` overrides, checks, and the run folder.
+
+A configuration is resolved once, as defaults ← TOML file ← flags, checked,
+and saved as `config.json` in the run folder. `--resume` reads the saved one
+back: the run continues with its own configuration, and only `--rounds` (to
+extend it), `--checkpoint-every` and `--quiet` may be given again; any other
+flag that differs from the saved value is an error, and the folder is left
+untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import tomllib
+from typing import Any
+
+from fedjax_opt.cli import registry
+
+PARTITIONS = ("iid", "dirichlet", "shards", "labels", "power_law")
+MODELS = ("auto", "logreg", "mlp", "cnn", "rnn")
+
+DEFAULTS: dict[str, Any] = dict(
+    algorithms="fedavg,fedadam", dataset="mnist5k", partition=None, alpha=None, num_clients=None,
+    clients_per_round=10, local_steps=10, batch_size=20, client_lr=None, server_lr=None, rounds=300,
+    eval_every=25, seed=0, seeds=1, model="auto", client_map="auto", checkpoint_every=4, quiet=False, hyper={},
+)
+"""The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
+
+MAY_CHANGE_ON_RESUME = ("rounds", "checkpoint_every", "quiet")
+
+OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
+                "personalized_accuracy.png", "checkpoints")
+"""What a run writes into its folder (and `--overwrite` removes)."""
+
+REMOVED_FLAGS = {"--prox-mu": "--set fedprox.mu=VALUE", "--feddyn-alpha": "--set feddyn.alpha=VALUE"}
+
+
+class UsageError(Exception):
+  """Bad input: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+  def error(self, message):  # one line, no usage dump
+    for flag, replacement in REMOVED_FLAGS.items():
+      if flag in message:
+        raise UsageError(f"{flag} was replaced by {replacement}")
+    raise UsageError(message)
+
+
+def _positive(name: str, convert, what: str):
+  """An argparse type: `convert(text)`, a finite number > 0, or one line naming `--name`."""
+  def parse(text):
+    try:
+      value = convert(text)
+    except ValueError:
+      value = None
+    if value is None or not 0 < value < float("inf"):
+      raise argparse.ArgumentTypeError(f"--{name} must be a positive {what}; got {text!r}")
+    return value
+  return parse
+
+
+def _setting(text: str) -> tuple[str, str, Any]:
+  """`ALGO.KEY=VALUE` → (algo, key, value); VALUE read as a TOML value (1e-3, true, "x"), else as a string."""
+  head, sep, raw = text.partition("=")
+  algo, dot, key = head.strip().partition(".")
+  if not sep or not dot or not algo or not key:
+    raise argparse.ArgumentTypeError(f"--set takes ALGORITHM.NAME=VALUE, e.g. ditto.lam=0.1; got {text!r}")
+  try:
+    value = tomllib.loads(f"v = {raw.strip()}")["v"]
+  except tomllib.TOMLDecodeError:
+    value = raw.strip()
+  return algo, key.strip(), value
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = _Parser(prog="fedjax-opt", description="Federated optimization experiments in JAX.")
+  sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+  run = sub.add_parser("run", help="train and compare algorithms on an embedded dataset")
+  add = run.add_argument
+  add("--config", help="TOML file whose keys mirror these flags, [algorithm] sections for hyper-parameters")
+  add("--algorithms", help="comma-separated names from `fedjax-opt list algorithms` (default fedavg,fedadam)")
+  add("--set", action="append", type=_setting, metavar="ALGO.NAME=VALUE",
+      help="an algorithm's hyper-parameter, e.g. ditto.lam=0.1 (repeatable; defaults in `fedjax-opt list algorithms`)")
+  add("--dataset", help="an embedded dataset (`fedjax-opt list datasets`; default mnist5k)")
+  add("--partition", help=f"image datasets: one of {', '.join(PARTITIONS)} (default dirichlet)")
+  add("--alpha", type=_positive("alpha", float, "number"), help="--partition dirichlet: concentration α (default 0.5)")
+  add("--num-clients", type=_positive("num-clients", int, "integer"),
+      help="clients to split an image dataset into (default: the dataset's, see `fedjax-opt list datasets`)")
+  add("--clients-per-round", type=_positive("clients-per-round", int, "integer"), help="default 10")
+  add("--local-steps", type=_positive("local-steps", int, "integer"), help="local steps per round (default 10)")
+  add("--batch-size", type=_positive("batch-size", int, "integer"), help="examples per local step (default 20)")
+  add("--client-lr", type=_positive("client-lr", float, "number"), help="every chosen algorithm's client step size (default: each algorithm's own; "
+           "0.05 for most, see `fedjax-opt list algorithms`)")
+  add("--server-lr", type=_positive("server-lr", float, "number"),
+      help="the server step size of every chosen algorithm (default: each algorithm's own; an error for one "
+           "without a server step size)")
+  add("--rounds", type=_positive("rounds", int, "integer"), help="rounds to train, in all (default 300)")
+  add("--eval-every", type=_positive("eval-every", int, "integer"), help="rounds between evaluations (default 25)")
+  add("--seed", type=int, help="seeds the split, the models and the sampling (default 0)")
+  add("--seeds", type=_positive("seeds", int, "integer"),
+      help="runs per algorithm, seeds seed … seed+N-1, vmapped into one program (default 1)")
+  add("--client-map", help="how clients run: auto (default), vmap, sequential, chunked[:K], sharded[:<inner>]")
+  add("--model", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
+  add("--out", help="the run folder (default runs/<dataset>-<time>)")
+  add("--resume", action="store_true", default=None,
+      help="continue the run saved in --out with its saved configuration (only --rounds may grow)")
+  add("--overwrite", action="store_true", default=None, help="replace the run already in --out")
+  add("--checkpoint-every", type=_positive("checkpoint-every", int, "integer"),
+      help="evaluations between checkpoints (default 4)")
+  add("--quiet", action="store_true", default=None, help="no progress lines")
+  listing = sub.add_parser("list", help="list algorithms (with their hyper-parameters), datasets, partitions, models")
+  listing.add_argument("what", nargs="?", choices=("algorithms", "datasets", "partitions", "models",
+                                                   "server-optimizers"), help="one section only")
+  return parser
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+  try:
+    with open(path, "rb") as f:
+      raw = tomllib.load(f)
+  except OSError as e:
+    raise UsageError(f"cannot read config {path!r}: {e.strerror}") from None
+  except tomllib.TOMLDecodeError as e:
+    raise UsageError(f"config {path!r} is not valid TOML: {e}") from None
+  config, hyper = {}, {}
+  for key, value in raw.items():
+    if isinstance(value, dict):
+      if key not in registry.REGISTRY:
+        raise UsageError(f"config {path!r}: section [{key}] is not an algorithm; "
+                         f"choose from {', '.join(registry.REGISTRY)}")
+      hyper[key] = dict(value)
+      continue
+    name = key.replace("-", "_")
+    if name not in DEFAULTS or name == "hyper":
+      raise UsageError(f"unknown key(s) [{key!r}] in config {path!r}; valid keys: {sorted(set(DEFAULTS) - {'hyper'})}"
+                       f" and [algorithm] sections")
+    config[name] = ",".join(value) if name == "algorithms" and isinstance(value, list) else value
+  if hyper:
+    config["hyper"] = hyper
+  return config
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+  """What the user asked for: the TOML file's keys, then the flags given (not the defaults)."""
+  given = _read_toml(args.config) if args.config else {}
+  for key, value in vars(args).items():
+    if key in DEFAULTS and value is not None:
+      given[key] = value
+  if args.set:
+    hyper = {k: dict(v) for k, v in given.get("hyper", {}).items()}
+    for algo, key, value in args.set:
+      hyper.setdefault(algo, {})[key] = value
+    given["hyper"] = hyper
+  return given
+
+
+def _algorithms(value: Any) -> list[str]:
+  names = [a.strip() for a in str(value).split(",") if a.strip()]
+  if not names:
+    raise UsageError(f"--algorithms is empty; choose from {', '.join(registry.REGISTRY)}")
+  for name in names:
+    if name not in registry.REGISTRY:
+      raise UsageError(f"unknown algorithm {name!r}; choose from {', '.join(registry.REGISTRY)}")
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise UsageError(f"{twice[0]} is listed twice in --algorithms; to compare settings of one algorithm, "
+                     f"run them into two --out folders")
+  return names
+
+
+def _check_number(config: dict, key: str, integer: bool) -> None:
+  value = config[key]
+  if integer:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise UsageError(f"{key} must be a positive integer; got {value!r}")
+  elif not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 < value and math.isfinite(value)):
+    raise UsageError(f"{key} must be a positive number; got {value!r}")
+
+
+def finish(given: dict[str, Any]) -> dict[str, Any]:
+  """Defaults ← `given`, checked, with the dataset-dependent defaults chosen; what `config.json` holds."""
+  from fedjax_opt import data
+  from fedjax_opt.core import client_map
+
+  config = dict(DEFAULTS, hyper={})
+  config.update(given)
+  names = _algorithms(config["algorithms"])
+  config["algorithms"] = ",".join(names)
+  infos = {info.name: info for info in data.available()}
+  if config["dataset"] not in infos:
+    raise UsageError(f"unknown dataset {config['dataset']!r}; choose from {', '.join(infos)}")
+  info = infos[config["dataset"]]
+  if not info.installed:
+    raise UsageError(f"dataset {config['dataset']!r} is not installed here: {info.requires}")
+  natural = info.name.startswith("synthetic") or info.name == "shakespeare"
+  for key in ("partition", "alpha"):
+    if natural and config[key] is not None:
+      raise UsageError(f"--{key} does not apply to {info.name!r}, whose clients are natural ({info.clients})")
+  if natural and info.name == "shakespeare" and config["num_clients"] is not None:
+    raise UsageError("--num-clients does not apply to 'shakespeare': one client per (play, role)")
+  if not natural:
+    config["partition"] = config["partition"] or "dirichlet"
+    if config["partition"] not in PARTITIONS:
+      raise UsageError(f"unknown partition {config['partition']!r}; choose from {', '.join(PARTITIONS)}")
+    if config["alpha"] is not None and config["partition"] != "dirichlet":
+      raise UsageError(f"--alpha applies to --partition dirichlet only; got --partition {config['partition']}")
+    if config["partition"] == "dirichlet" and config["alpha"] is None:
+      config["alpha"] = 0.5
+    if config["num_clients"] is None:
+      config["num_clients"] = getattr(info, "default_num_clients", None) or 100
+  try:
+    client_map.resolve(config["client_map"])
+  except ValueError as e:
+    raise UsageError(f"bad --client-map {config['client_map']!r}: {e}") from None
+  if config["model"] not in MODELS:
+    raise UsageError(f"unknown model {config['model']!r}; choose from {', '.join(MODELS)}")
+  for key in [k for k in ("client_lr", "alpha", "server_lr") if config[k] is not None]:
+    _check_number(config, key, integer=False)
+  for key in ("clients_per_round", "local_steps", "batch_size", "rounds", "eval_every", "checkpoint_every", "seeds") + (
+      ("num_clients",) if config["num_clients"] is not None else ()):
+    _check_number(config, key, integer=True)
+  if not isinstance(config["seed"], int) or isinstance(config["seed"], bool):
+    raise UsageError(f"seed must be an integer; got {config['seed']!r}")
+  if config["num_clients"] is not None and config["clients_per_round"] > config["num_clients"]:
+    raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds num_clients={config['num_clients']}")
+  _check_hyper(config, names)
+  return config
+
+
+def _check_hyper(config: dict[str, Any], names: list[str]) -> None:
+  hyper = config["hyper"]
+  if not isinstance(hyper, dict):
+    raise UsageError(f"hyper must be a table of [algorithm] sections; got {hyper!r}")
+  for algo, overrides in hyper.items():
+    if algo not in registry.REGISTRY:
+      raise UsageError(f"--set {algo}.…: unknown algorithm {algo!r}; choose from {', '.join(registry.REGISTRY)}")
+    if algo not in names:
+      raise UsageError(f"--set {algo}.… is given but {algo} is not in --algorithms ({','.join(names)})")
+  if config["server_lr"] is not None:
+    without = [n for n in names if registry.REGISTRY[n].server_lr is None]
+    if without:
+      raise UsageError(f"--server-lr does not apply to {', '.join(without)}: no server step size "
+                       f"(set the others one by one with --set ALGO.server_lr=VALUE)")
+  for name in names:
+    try:
+      registry.resolve(name, hyper.get(name, {}), config["client_lr"])
+    except registry.HyperParameterError as e:
+      raise UsageError(str(e)) from None
+
+
+def hyper_parameters(config: dict[str, Any], name: str) -> dict[str, Any]:
+  """The resolved hyper-parameters of algorithm `name` in this run (`--server-lr` included)."""
+  overrides = dict(config["hyper"].get(name, {}))
+  spec = registry.REGISTRY[name]
+  if config["server_lr"] is not None and spec.server_lr not in overrides:
+    overrides[spec.server_lr] = config["server_lr"]
+  return registry.resolve(name, overrides, config["client_lr"])
+
+
+# ---- the run folder --------------------------------------------------------------------------------------------
+
+
+def _holds_run(out: str) -> bool:
+  return os.path.isfile(os.path.join(out, "config.json")) or os.path.isdir(os.path.join(out, "checkpoints"))
+
+
+def _same(a: Any, b: Any) -> bool:
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+    return float(a) == float(b)
+  return a == b
+
+
+def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
+  """The saved configuration of the run in `out`, with `given` checked against it (only rounds may grow)."""
+  if not out:
+    raise UsageError("--resume needs --out DIR, the folder of the run to continue")
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise UsageError(f"--out {out} is a file, not a run folder")
+  path = os.path.join(out, "config.json")
+  if not os.path.isfile(path):
+    raise UsageError(f"--out {out} holds no run to resume (no config.json); start one without --resume")
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise UsageError(f"cannot read {path}: {e}") from None
+  unknown = sorted(set(saved) - set(DEFAULTS))
+  if unknown:
+    raise UsageError(f"{path} is not a fedjax-opt run configuration (unknown keys {unknown})")
+  saved = dict(DEFAULTS, **saved)
+  given = dict(given)
+  if "algorithms" in given:
+    given["algorithms"] = ",".join(_algorithms(given["algorithms"]))
+  for key, value in given.items():
+    if key in MAY_CHANGE_ON_RESUME:
+      continue
+    if key == "hyper":
+      for algo, overrides in value.items():
+        for k, v in overrides.items():
+          if not _same(saved["hyper"].get(algo, {}).get(k), v):
+            raise UsageError(f"--set {algo}.{k}={v} conflicts with the run saved in {out} "
+                             f"({algo}.{k}={saved['hyper'].get(algo, {}).get(k, 'default')}); --resume continues "
+                             f"the saved configuration, only --rounds may change")
+      continue
+    if not _same(saved[key], value):
+      flag = "--" + key.replace("_", "-")
+      raise UsageError(f"{flag} {value} conflicts with the run saved in {out} ({key} = {saved[key]}); --resume "
+                       f"continues the saved configuration, only --rounds may change")
+  if "rounds" in given and given["rounds"] < saved["rounds"]:
+    raise UsageError(f"--rounds {given['rounds']} is fewer than the {saved['rounds']} rounds of the run saved in {out}; "
+                     f"--resume can only extend a run")
+  config = dict(saved)
+  config.update({k: given[k] for k in MAY_CHANGE_ON_RESUME if k in given})
+  return config
+
+
+def prepare_new(out: str, overwrite: bool) -> None:
+  """Checks that a new run may go into `out` (nothing is written yet)."""
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise UsageError(f"--out {out} is a file, not a folder")
+  if _holds_run(out) and not overwrite:
+    raise UsageError(f"--out {out} already holds a run; continue it with --resume, replace it with --overwrite, "
+                     f"or choose another folder")
+
+
+def clear_previous(out: str) -> None:
+  """Removes a previous run's files from `out` (`--overwrite`); other files are left alone."""
+  for name in OUTPUT_NAMES:
+    path = os.path.join(out, name)
+    if os.path.isdir(path):
+      shutil.rmtree(path)
+    elif os.path.exists(path):
+      os.remove(path)
+
+
+def write_json(path: str, value: Any, **kwargs) -> None:
+  """Writes JSON atomically: a reader (or a crash) never sees half a file."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(value, f, **kwargs)
+  os.replace(tmp, path)

@@ -1,0 +1,385 @@
+"""The algorithms of the command line: one `Spec` per name, hyper-parameters checked against the factory.
+
+A `Spec` says how to build an algorithm from a `fo.algorithms` factory, which
+of its hyper-parameters a user may set (`--set ditto.lam=0.1`, or a `[ditto]`
+section in the TOML file) and their defaults, how `fo.train` feeds it data,
+how it is evaluated and how its communication is counted. Adding a `Spec` to
+`REGISTRY` is all it takes to put an algorithm on the command line: the run,
+the table, `results.json`, the plots and `fedjax-opt list algorithms` read
+everything from here.
+
+Hyper-parameter names are the factory's own parameter names (`lam`, `eta`,
+`mu`, `rho`, `eta_l`, ... the paper's symbols, see `docs/algorithms.md`),
+plus the few that build an object the factory takes (`PSEUDO`):
+`client_lr` (the client optimizer `optax.sgd(client_lr)`), `server_lr` and
+`server_optimizer` (`fo.server_optimizers.get(server_optimizer,
+learning_rate=server_lr)`), `finetune_lr` and `personalize_lr` (FedAvg +
+fine-tuning), `local_lr` and `example_lr` (L2GD / L2SGD+'s local step, from
+which α is derived unless α is given) and `l2` (a ridge term (l2/2)‖θ‖² added
+to every example's loss, for the convex family). A default of `CLIENT_LR`
+means "the run's `--client-lr`". Any other keyword of the factory whose
+default is a plain value (`scaffold.control_update`, `per_fedavg.variant`,
+`admm_consensus.relaxation`, ...) may be set too; the factory's own checks
+then apply, reported as one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from typing import Any, Callable, Mapping
+
+
+class _RunClientLR:
+  """The default "the run's --client-lr"."""
+
+  def __repr__(self) -> str:
+    return "--client-lr"
+
+
+CLIENT_LR = _RunClientLR()
+
+PSEUDO = {
+    "client_lr": "client SGD step size: client_optimizer = optax.sgd(client_lr)",
+    "server_lr": "server step size: server_optimizer = server_optimizers.get(server_optimizer, learning_rate=...)",
+    "server_optimizer": "a fedjax_opt.server_optimizers name (fedavg, fedavgm, fedadagrad, fedadam, fedyogi)",
+    "finetune_lr": "FedAvg + fine-tuning: client SGD step size of stage 2",
+    "personalize_lr": "FedAvg + fine-tuning: SGD step size of the on-client fine-tuning",
+    "local_lr": "L2GD: the local step α/(n(1 − p)); α is derived from it unless alpha is set",
+    "example_lr": "L2SGD+: the per-example step α/n; α is derived from it unless alpha is set",
+    "l2": "ridge (l2/2)‖θ‖² added to every example's loss (the convex family: a unique minimiser)",
+}
+"""Hyper-parameters that are not factory parameters: each builds what the factory takes."""
+
+WIRED = ("loss_fn", "num_clients", "num_examples", "client_map", "client_optimizer", "server_optimizer", "graph",
+         "aggregator", "storage_dtype", "prox", "finetune_client_optimizer", "finetune_server_optimizer",
+         "personalize_optimizer", "edge_weights")
+"""Factory parameters the command line fills itself (never `--set`)."""
+
+FAMILIES = {
+    "averaging": "one global model; evaluated on every client's test split",
+    "personalized": "a model per client; also evaluated per client on its own test split (mean, 10th percentile)",
+    "admm": "convex models (logistic regression, ridge l2); every client every round on its whole train split; "
+            "objective gap to a centralized solve",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+  """What a builder knows about the run: the loss and the shapes of the data."""
+
+  loss_fn: Callable
+  num_clients: int  # N, the dataset's clients
+  max_train: int  # the largest client's number of train examples
+  local_steps: int  # the run's --local-steps
+  rounds: int  # the run's --rounds
+  client_map: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """A named algorithm of the command line.
+
+  Attributes:
+    family: a key of `FAMILIES`.
+    description: one line for `fedjax-opt list`.
+    factory: the `fo.algorithms` factory; hyper-parameters are checked against its signature.
+    defaults: settable hyper-parameters and their defaults (factory parameters or `PSEUDO` names).
+    wire: `wire(context, hyper) -> {factory keyword: value}` for what the defaults do not give directly
+      (optimizers, derived step sizes, graphs); the rest of `hyper` is passed by name.
+    server_lr: the hyper-parameter `--server-lr` sets (None: the algorithm has no server step size).
+    evaluation: "global" (state.params on every client's test split), "table" (also each client's stored
+      model: `fo.personalized_params`) or "adapt" (also the global model adapted on each client:
+      `algorithm.personalize`).
+    sampling: "clients" (C sampled clients, S steps of B examples), "full" (every client, its whole train
+      split as one batch, every round) or "full_fixed" (the same, examples in slot order: per-example tables).
+    messages: (model-sized uploads per client taking part, broadcasts) per round, counted when
+      `communication` is "rounds"; "bits": the algorithm's `bits` metric; "communicated": (n uploads + 1
+      broadcast) in the rounds whose `communicated` metric is set.
+    objective: None, "pooled" (the example-weighted pooled risk of state.params) or "mixture" (the mixture
+      objective of the per-client table, `fo.objectives.mixture`), for the objective gap.
+    data_steps: `data_steps(hyper, S) -> S'`, the batches per client and round the algorithm needs when the
+      run asks for S local steps (None: S itself).
+  """
+
+  family: str
+  description: str
+  factory: Callable
+  defaults: Mapping[str, Any]
+  wire: Callable[[Context, dict], dict] = lambda ctx, hyper: {}
+  server_lr: str | None = None
+  evaluation: str = "global"
+  sampling: str = "clients"
+  messages: tuple[int, int] = (1, 1)
+  communication: str = "rounds"
+  objective: str | None = None
+  data_steps: Callable[[dict, int], int] | None = None
+
+  def settable(self) -> dict[str, Any]:
+    """Every hyper-parameter a user may set, with its default (`inspect.Parameter.empty`: none)."""
+    out = dict(self.defaults)
+    for name, p in inspect.signature(self.factory).parameters.items():
+      if name in out or name in WIRED or p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+        continue
+      if p.default is None or isinstance(p.default, (bool, int, float, str)):
+        out[name] = p.default
+    return out
+
+
+def _sgd(rate):
+  import optax
+
+  return optax.sgd(rate)
+
+
+def _server(hyper: dict):
+  from fedjax_opt import server_optimizers
+
+  return server_optimizers.get(hyper["server_optimizer"], learning_rate=hyper["server_lr"])
+
+
+def _ridge(loss_fn: Callable, l2: float) -> Callable:
+  """loss(θ, batch) + (l2/2)‖θ‖² per example (the loss itself when l2 = 0)."""
+  if not l2:
+    return loss_fn
+  import jax
+  import jax.numpy as jnp
+
+  def loss(params, batch):
+    return loss_fn(params, batch) + 0.5 * l2 * sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(params))
+
+  return loss
+
+
+def _client(ctx, hyper):
+  return {"client_optimizer": _sgd(hyper["client_lr"])}
+
+
+def _client_server(ctx, hyper):
+  return {"client_optimizer": _sgd(hyper["client_lr"]), "server_optimizer": _server(hyper)}
+
+
+def _fedopt(optimizer: str, server_lr: float, description: str) -> Spec:
+  from fedjax_opt import algorithms
+
+  return Spec("averaging", description, algorithms.fedavg,
+              {"client_lr": CLIENT_LR, "server_optimizer": optimizer, "server_lr": server_lr},
+              _client_server, server_lr="server_lr")
+
+
+def _fedavg_finetune_wire(ctx, hyper):
+  return {"client_optimizer": _sgd(hyper["client_lr"]), "finetune_client_optimizer": _sgd(hyper["finetune_lr"]),
+          "server_optimizer": _server(hyper), "personalize_optimizer": _sgd(hyper["personalize_lr"]),
+          "switch_round": hyper["switch_round"] if hyper["switch_round"] is not None else ctx.rounds // 2}
+
+
+def _l2gd_wire(ctx, hyper):
+  alpha = hyper["alpha"] if hyper["alpha"] is not None else hyper["local_lr"] * ctx.num_clients * (1 - hyper["p"])
+  return {"alpha": alpha}
+
+
+def _l2sgd_plus_wire(ctx, hyper):
+  alpha = hyper["alpha"] if hyper["alpha"] is not None else hyper["example_lr"] * ctx.num_clients
+  return {"alpha": alpha, "num_examples": ctx.max_train}
+
+
+def _per_fedavg_batches(hyper: dict) -> int:
+  """Batches per Per-FedAvg meta-step: D, D' (first order, MAML) or D, D', D'' (Hessian-free)."""
+  return 3 if hyper.get("variant") == "hf" else 2
+
+
+def _graph(kind: str):
+  def wire(ctx, hyper):
+    from fedjax_opt import graphs
+
+    return {"graph": getattr(graphs, kind)(ctx.num_clients), "client_optimizer": _sgd(hyper["client_lr"])}
+  return wire
+
+
+def _fedu_wire(ctx, hyper):
+  from fedjax_opt import graphs
+
+  return {"graph": graphs.ring(ctx.num_clients)}
+
+
+def _build_registry() -> dict[str, Spec]:
+  from fedjax_opt import algorithms as a
+
+  admm_local = {"client_lr": 0.2, "l2": 1e-3}
+  return {
+      # ---- averaging -------------------------------------------------------------------------------------------
+      "fedsgd": Spec("averaging", "one full-batch gradient per client, server SGD (McMahan et al. 2017)", a.fedsgd,
+                     {"server_lr": 0.5}, lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])},
+                     server_lr="server_lr"),
+      "fedavg": _fedopt("fedavg", 1.0, "local SGD, weighted average of deltas (McMahan et al. 2017)"),
+      "fedavgm": _fedopt("fedavgm", 0.3, "FedAvg with server momentum 0.9 (Hsu et al. 2019)"),
+      "fedadagrad": _fedopt("fedadagrad", 0.03, "FedOpt with server Adagrad (Reddi et al. 2021)"),
+      "fedadam": _fedopt("fedadam", 0.003, "FedOpt with server Adam (Reddi et al. 2021)"),
+      "fedyogi": _fedopt("fedyogi", 0.003, "FedOpt with server Yogi (Reddi et al. 2021)"),
+      "fedprox": Spec("averaging", "local steps on f_k + (μ/2)‖x − x_t‖² (Li et al. 2020)", a.fedprox,
+                      {"mu": 0.01, "client_lr": CLIENT_LR, "server_optimizer": "fedavg", "server_lr": 1.0},
+                      _client_server, server_lr="server_lr"),
+      "scaffold": Spec("averaging", "control variates correct client drift (Karimireddy et al. 2020)", a.scaffold,
+                       {"eta_l": CLIENT_LR, "eta_g": 1.0}, server_lr="eta_g", messages=(2, 2)),
+      "fednova": Spec("averaging", "normalized averaging of heterogeneous local work (Wang et al. 2020)", a.fednova,
+                      {"eta": CLIENT_LR, "rho": 0.0, "server_lr": 1.0},
+                      lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])}, server_lr="server_lr"),
+      "feddyn": Spec("averaging", "dynamic regularization (Acar et al. 2021); no server step size", a.feddyn,
+                     {"alpha": 0.01, "client_lr": CLIENT_LR}, _client),
+      # ---- personalized ----------------------------------------------------------------------------------------
+      "ditto": Spec("personalized", "FedAvg for w, proximal personal models v_k (Li et al. 2021)", a.ditto,
+                    {"lam": 0.1, "eta": CLIENT_LR, "personal_steps": 5, "client_lr": CLIENT_LR,
+                     "server_optimizer": "fedavg", "server_lr": 1.0},
+                    _client_server, server_lr="server_lr", evaluation="table"),
+      "pfedme": Spec("personalized", "Moreau-envelope personal models (Dinh et al. 2020)", a.pfedme,
+                     {"lam": 15.0, "eta": CLIENT_LR, "beta": 1.0, "inner_steps": 5, "inner_lr": 0.03},
+                     lambda ctx, h: {"local_steps": ctx.local_steps}, evaluation="table"),
+      "per_fedavg": Spec("personalized", "MAML-style meta-learning, first-order (Fallah et al. 2020)", a.per_fedavg,
+                         {"alpha": 0.1, "beta": CLIENT_LR},
+                         lambda ctx, h: {"local_steps": max(1, ctx.local_steps // _per_fedavg_batches(h))},
+                         evaluation="adapt",
+                         data_steps=lambda h, s: _per_fedavg_batches(h) * max(1, s // _per_fedavg_batches(h))),
+      "fedavg_ft": Spec("personalized", "FedAvgM, then FedAvg, then local fine-tuning (Jiang et al. 2019)",
+                        a.fedavg_finetune,
+                        {"client_lr": CLIENT_LR, "server_optimizer": "fedavgm", "server_lr": 0.3,
+                         "switch_round": None, "personalize_steps": 10, "finetune_lr": 0.025,
+                         "personalize_lr": CLIENT_LR},
+                        _fedavg_finetune_wire, server_lr="server_lr", evaluation="adapt"),
+      "l2gd": Spec("personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
+                   a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
+                   evaluation="table", sampling="full", communication="communicated"),
+      "l2sgd_plus": Spec("personalized", "L2GD with per-example variance reduction (Hanzely & Richtárik 2020)",
+                         a.l2sgd_plus, {"lam": 0.1, "alpha": None, "p": 0.2, "example_lr": 0.003},
+                         _l2sgd_plus_wire, evaluation="table", sampling="full_fixed", communication="communicated"),
+      "fedu": Spec("personalized", "decentralized Laplacian-regularized personal models on a ring (Dinh et al. 2021)",
+                   a.fedu, {"lam": 0.1, "eta": CLIENT_LR},
+                   lambda ctx, h: {**_fedu_wire(ctx, h), "local_steps": ctx.local_steps},
+                   evaluation="table", messages=(1, 0)),
+      "easgd": Spec("personalized", "elastic averaging of local models and a center (Zhang et al. 2015)", a.easgd,
+                    {"alpha": 0.1, "client_lr": CLIENT_LR}, _client, evaluation="table"),
+      # ---- ADMM (convex) ---------------------------------------------------------------------------------------
+      "admm_consensus": Spec("admm", "consensus ADMM, inexact local steps, pooled-risk objective (Boyd et al. 2011)",
+                   a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local},
+                   lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
+                   sampling="full", messages=(1, 1), objective="pooled"),
+      "gadmm": Spec("admm", "group ADMM on a chain of workers, no server (Elgabli et al. 2020)", a.gadmm,
+                    {"rho": 0.1, "objective": "examples", **admm_local},
+                    lambda ctx, h: {**_graph("chain")(ctx, h), "local_steps": ctx.local_steps},
+                    sampling="full", messages=(1, 0), objective="pooled"),
+      "cq_ggadmm": Spec("admm", "censored and quantized GADMM on a chain (Issaid et al. 2020)", a.cq_ggadmm,
+                        {"rho": 0.1, "tau0": 0.5, "xi": 0.9, "bits": 8, "objective": "examples", **admm_local},
+                        lambda ctx, h: {**_graph("chain")(ctx, h), "local_steps": ctx.local_steps},
+                        sampling="full", communication="bits", objective="pooled"),
+      "mixture_admm": Spec("admm", "ADMM on the mixture of global and local models (personalized)", a.mixture_admm,
+                           {"lam": 0.1, "rho": 0.1, **admm_local},
+                           lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
+                           evaluation="table", sampling="full", messages=(1, 1), objective="mixture"),
+  }
+
+
+REGISTRY: dict[str, Spec] = _build_registry()
+"""Every algorithm of the command line, by name."""
+
+
+class HyperParameterError(ValueError):
+  """A bad `--set` key or value (reported as one line)."""
+
+
+def check_registry() -> None:
+  """Every default names a factory parameter or a `PSEUDO` one; `server_lr` names a default."""
+  for name, spec in REGISTRY.items():
+    params = inspect.signature(spec.factory).parameters
+    for key in spec.defaults:
+      if key not in params and key not in PSEUDO:
+        raise AssertionError(f"{name}: default {key!r} is neither a parameter of {spec.factory.__name__} "
+                             f"nor one of {sorted(PSEUDO)}")
+      if key in WIRED and key not in PSEUDO:
+        raise AssertionError(f"{name}: {key!r} is filled by the command line and cannot have a default")
+    if spec.server_lr is not None and spec.server_lr not in spec.defaults:
+      raise AssertionError(f"{name}: server_lr={spec.server_lr!r} is not one of its defaults")
+    if spec.family not in FAMILIES:
+      raise AssertionError(f"{name}: unknown family {spec.family!r}")
+
+
+def _coerce(name: str, key: str, value: Any, default: Any) -> Any:
+  """`value` in the type of `default` (ints widen to floats; None/CLIENT_LR defaults take numbers or strings)."""
+  where = f"{name}.{key}"
+  if isinstance(default, bool):
+    if not isinstance(value, bool):
+      raise HyperParameterError(f"{where} must be true or false; got {value!r}")
+    return value
+  if isinstance(default, (int, float)) or default is CLIENT_LR:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value):
+      raise HyperParameterError(f"{where} must be a finite number; got {value!r}")
+    if isinstance(default, int) and not isinstance(default, bool) and default is not CLIENT_LR:
+      if isinstance(default, int) and not float(value).is_integer():
+        raise HyperParameterError(f"{where} must be an integer; got {value!r}")
+      return int(value) if isinstance(default, int) else float(value)
+    return float(value)
+  if isinstance(default, str):
+    if not isinstance(value, str):
+      raise HyperParameterError(f"{where} must be a string; got {value!r}")
+    return value
+  return value  # default None: the factory checks it
+
+
+DEFAULT_CLIENT_LR = 0.05
+"""What `CLIENT_LR` defaults are when `--client-lr` is not given."""
+
+
+def resolve(name: str, overrides: Mapping[str, Any], client_lr: float | None) -> dict[str, Any]:
+  """The hyper-parameters of `name`: its defaults, then `overrides`, checked; `CLIENT_LR` filled in.
+
+  `client_lr` is the run's `--client-lr`: when given (not None) it is every `CLIENT_LR` default and the
+  algorithm's own `client_lr` default too (an explicit `--client-lr` is never ignored); when None, `CLIENT_LR`
+  defaults are `DEFAULT_CLIENT_LR` and numeric defaults stay.
+  """
+  spec = REGISTRY[name]
+  settable = spec.settable()
+  out = {}
+  for key, value in overrides.items():
+    if key not in settable:
+      known = ", ".join(sorted(settable))
+      raise HyperParameterError(f"{name} has no hyper-parameter {key!r}; settable: {known}")
+    default = settable[key]
+    out[key] = _coerce(name, key, value, default) if default is not inspect.Parameter.empty else value
+  hyper = {k: v for k, v in spec.defaults.items()}
+  if client_lr is not None and "client_lr" in hyper:
+    hyper["client_lr"] = client_lr
+  hyper.update(out)
+  fill = DEFAULT_CLIENT_LR if client_lr is None else client_lr
+  return {k: (fill if v is CLIENT_LR else v) for k, v in hyper.items()}
+
+
+def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
+  """The `FederatedAlgorithm` `name` with `hyper` (from `resolve`); a factory's ValueError/TypeError as one line."""
+  spec = REGISTRY[name]
+  hyper = dict(hyper)
+  params = inspect.signature(spec.factory).parameters
+  loss_fn = _ridge(ctx.loss_fn, hyper.get("l2", 0.0))
+  try:
+    kwargs = spec.wire(ctx, hyper)
+    for key, value in hyper.items():  # a value set by the user wins over the wiring; None leaves the wiring
+      if key not in PSEUDO and (value is not None or key not in kwargs):
+        kwargs[key] = value
+    if "num_clients" in params:
+      kwargs["num_clients"] = ctx.num_clients
+    if "client_map" in params:
+      kwargs["client_map"] = ctx.client_map
+    return spec.factory(loss_fn, **kwargs)
+  except (ValueError, TypeError) as e:
+    message = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise HyperParameterError(f"{name}: {message}") from None
+
+
+def describe_defaults(name: str) -> str:
+  """`lam=0.1 eta=--client-lr ...; also: ...` for `fedjax-opt list algorithms`."""
+  spec = REGISTRY[name]
+  show = lambda k, v: f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
+  text = " ".join(show(k, v) for k, v in spec.defaults.items())
+  also = {k: v for k, v in spec.settable().items() if k not in spec.defaults}
+  if also:
+    text += "; also " + " ".join(show(k, v) for k, v in also.items())
+  return text

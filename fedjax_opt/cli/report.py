@@ -1,0 +1,159 @@
+"""What a run shows: the results table and the plots."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+
+class Interrupted(Exception):
+  """Ctrl-C while `algorithm` trained; its last completed chunk is checkpointed."""
+
+  def __init__(self, algorithm: str):
+    super().__init__(algorithm)
+    self.algorithm = algorithm
+
+
+def _cell(row: dict[str, Any], key: str, spec: str = ".4f") -> str:
+  """`0.8123`, `0.8123 ± 0.0040` for a sweep, `-` when the row has no such value."""
+  value = row.get(key)
+  if isinstance(value, list):
+    value = sum(value) / len(value)
+  if value is None or math.isnan(value):  # absent, or NaN (e.g. no client loss: full-gradient methods)
+    return "-"
+  std = row.get(key + "_std")
+  return f"{value:{spec}}" if std is None else f"{value:{spec}} ± {std:{spec}}"
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+  """The table printed at the end of a run (columns for personalized and objective values when present)."""
+  columns = [("algorithm", lambda r: r["algorithm"]), ("rounds", lambda r: str(r["rounds"])),
+             ("test acc", lambda r: _cell(r, "test_accuracy")), ("test loss", lambda r: _cell(r, "test_loss")),
+             ("train loss", lambda r: _cell(r, "train_loss"))]
+  if any("personalized_accuracy" in r for r in rows):
+    columns += [("pers. acc", lambda r: _cell(r, "personalized_accuracy")),
+                ("pers. p10", lambda r: _cell(r, "personalized_accuracy_p10"))]
+  if any("objective_gap" in r for r in rows):
+    columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
+  columns += [("MB sent", lambda r: f"{r['megabytes_sent']:.3g}"), ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
+              ("status", lambda r: r["status"])]
+  header = tuple(c[0] for c in columns)
+  lines = [header] + [tuple(fn(r) for _, fn in columns) for r in rows]
+  widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+
+  def fmt(line):
+    return "  ".join(cell.ljust(w) if i in (0, len(line) - 1) else cell.rjust(w)
+                     for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
+
+  rule = "-" * len(fmt(header))
+  return "\n".join([fmt(header), rule] + [fmt(line) for line in lines[1:]])
+
+
+def title(config: dict[str, Any], dataset) -> str:
+  """`mnist5k, dirichlet(α=0.5), 100 clients, 10/round, 10 steps × batch 20, client lr 0.05, seed 0`."""
+  split = ""
+  if config.get("partition"):
+    split = config["partition"] + (f"(α={config['alpha']:g})" if config["partition"] == "dirichlet" else "")
+    split += ", "
+  seeds = f"seeds {config['seed']}…{config['seed'] + config['seeds'] - 1}" if config["seeds"] > 1 else \
+      f"seed {config['seed']}"
+  return (f"{config['dataset']}, {split}{dataset.num_clients} clients, {config['clients_per_round']}/round, "
+          f"{config['local_steps']} steps × batch {config['batch_size']}"
+          + (f", client lr {config['client_lr']:g}" if config["client_lr"] is not None else "") + f", {seeds}")
+
+
+def _series(ax, x, values, name: str, **style) -> None:
+  """One line; for a sweep (values [K, ...]) the mean over seeds with a ± std band."""
+  import numpy as np
+
+  values = np.asarray(values, np.float64)
+  x = np.asarray(x, np.float64)
+  if values.ndim == 1:
+    ax.plot(x, values, label=name, **style)
+    return
+  mean, std = values.mean(0), values.std(0)
+  line, = ax.plot(x, mean, label=f"{name} (mean ± std, {values.shape[0]} seeds)", **style)
+  ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.25, lw=0)
+
+
+def _eval_points(history, metric: str):
+  try:
+    return history.eval_series(metric)
+  except KeyError:
+    return None
+
+
+def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: dict[str, Any], dataset,
+             out: str) -> list[str]:
+  """accuracy.png (against rounds and MB sent), loss.png (train and test), personalized_accuracy.png."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  heading = title(config, dataset)
+  paths = []
+
+  def save(fig, name):
+    fig.suptitle(heading, fontsize=9)
+    fig.tight_layout()
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  for name, history in histories.items():
+    sent = np.asarray(extras[name]["megabytes_sent"], np.float64)
+    for metric, style in (("test_accuracy", dict(marker="o", ms=3)),
+                          ("personalized_test_accuracy", dict(marker="s", ms=3, ls="--"))):
+      points = _eval_points(history, metric)
+      if points is None:
+        continue
+      rounds, values = points
+      label = name if metric == "test_accuracy" else f"{name} (personalized)"
+      _series(axes[0], rounds, values, label, **style)
+      _series(axes[1], sent[np.asarray(rounds) - 1], values, label, **style)
+  axes[0].set_xlabel("round")
+  axes[1].set_xlabel("MB sent (float32 messages, each counted once)")
+  axes[1].set_xscale("log")
+  for ax in axes:
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=7)
+  save(fig, "accuracy.png")
+
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  for name, history in histories.items():
+    if "client_loss" in history.round_metrics:
+      values = history.round_metrics["client_loss"]
+      _series(axes[0], np.arange(1, np.shape(values)[-1] + 1), values, name, lw=1)
+    points = _eval_points(history, "test_loss")
+    if points is not None:
+      _series(axes[1], *points, name, marker="o", ms=3)
+  axes[0].set_ylabel("train loss (the round's clients, before their steps)")
+  axes[1].set_ylabel("test loss (every client's test split)")
+  for ax in axes:
+    ax.set_xlabel("round")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=7)
+  save(fig, "loss.png")
+
+  personal = [r for r in rows if r.get("personalized_accuracy_per_client")]
+  if personal:
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    bins = np.linspace(0, 1, 21)
+    for r in personal:
+      values = [v for member in r["personalized_accuracy_per_client"] for v in member if v is not None]
+      ax.hist(values, bins=bins, histtype="step", lw=1.5,
+              label=f"{r['algorithm']}: mean {r['personalized_accuracy']:.3f}, p10 "
+                    f"{r['personalized_accuracy_p10']:.3f}")
+    ax.set_xlabel("personalized test accuracy of a client (its own model, its own test split)")
+    ax.set_ylabel("clients")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    save(fig, "personalized_accuracy.png")
+  return paths

@@ -1,0 +1,322 @@
+"""`fedjax-opt run`: every chosen algorithm on one federated dataset, from one initial model."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable
+
+from fedjax_opt.cli import config as config_lib
+from fedjax_opt.cli import registry, report
+from fedjax_opt.cli.config import UsageError
+
+FLOAT_BITS = 32
+"""Bits per parameter of a model-sized message (float32)."""
+
+
+def load_dataset(config: dict[str, Any]):
+  """The federated dataset the config names."""
+  from fedjax_opt import data
+
+  name = config["dataset"]
+  try:
+    if name.startswith("synthetic"):
+      options = {} if config["num_clients"] is None else {"num_clients": config["num_clients"]}
+      return data.load(name, seed=config["seed"], **options)
+    if name == "shakespeare":
+      return data.load(name)
+    options = dict(partition=config["partition"], num_clients=config["num_clients"], seed=config["seed"])
+    if config["partition"] == "dirichlet":
+      options["alpha"] = config["alpha"]
+    return data.load(name, **options)
+  except ValueError as e:
+    raise UsageError(f"cannot split {name!r} as asked: {str(e).splitlines()[0]}") from None
+
+
+def model_choice(config: dict[str, Any], dataset) -> str:
+  """The model name: `--model`, or by dataset (rnn for text, mlp for images, logreg for feature vectors)."""
+  import math as _math
+
+  names = config["algorithms"].split(",")
+  convex = [n for n in names if registry.REGISTRY[n].family == "admm"]
+  choice = config["model"]
+  text = dataset.examples["x"].dtype.kind in "iu"
+  if choice == "auto":
+    shape = tuple(dataset.examples["x"].shape[2:])
+    if text:
+      choice = "rnn"
+    elif convex:
+      choice = "logreg"
+    else:
+      choice = "mlp" if len(shape) >= 2 and _math.prod(shape) >= 256 else "logreg"
+  if convex and choice != "logreg":
+    raise UsageError(f"{', '.join(convex)} need(s) a convex model: use --model logreg (got {choice}), "
+                     f"or run the ADMM family separately")
+  if text and choice != "rnn":
+    raise UsageError(f"dataset {config['dataset']!r} holds character sequences: use --model rnn (got {choice})")
+  if not text and choice == "rnn":
+    raise UsageError(f"model 'rnn' needs character sequences; dataset {config['dataset']!r} holds features")
+  return choice
+
+
+def build_model(config: dict[str, Any], dataset):
+  """The model the config names."""
+  import math as _math
+
+  from fedjax_opt import models
+
+  choice = model_choice(config, dataset)
+  k = dataset.num_classes
+  if choice == "rnn":
+    return models.char_rnn(vocab_size=k)
+  shape = tuple(dataset.examples["x"].shape[2:])
+  features = _math.prod(shape)
+  if choice == "logreg":
+    return models.logistic_regression(features, k)
+  if choice == "mlp":
+    return models.mlp_2nn(num_classes=k, input_dim=features)
+  if len(shape) < 2:
+    raise UsageError(f"model 'cnn' needs image data; dataset {config['dataset']!r} has feature shape {shape}")
+  return models.emnist_cnn(num_classes=k, image_shape=shape[:2])
+
+
+def sampling(spec: registry.Spec, hyper: dict[str, Any], config: dict[str, Any], dataset) -> dict[str, Any]:
+  """`fo.train`'s sampling keywords for `spec`: sampled clients, or every client's whole train split."""
+  if spec.sampling == "clients":
+    steps = config["local_steps"] if spec.data_steps is None else spec.data_steps(hyper, config["local_steps"])
+    return dict(clients_per_round=config["clients_per_round"], local_steps=steps, batch_size=config["batch_size"])
+  out = dict(clients_per_round=dataset.num_clients, client_sampling="all", local_epochs=1,
+             batch_size=dataset.max_train)
+  if spec.sampling == "full_fixed":
+    out["example_order"] = "fixed"
+  return out
+
+
+def clients_taking_part(spec: registry.Spec, config: dict[str, Any], dataset) -> int:
+  return config["clients_per_round"] if spec.sampling == "clients" else dataset.num_clients
+
+
+def bits_per_round(spec: registry.Spec, round_metrics: dict, num_params: int, clients: int,
+                   num_clients: int) -> Any:
+  """`[R]` bits sent in each round: every message counted once, when sent (a broadcast is one message)."""
+  import numpy as np
+
+  def member0(values):
+    values = np.asarray(values, np.float64)
+    return values[0] if values.ndim == 2 else values
+
+  rounds = len(member0(next(iter(round_metrics.values()))))
+  if spec.communication == "bits":
+    return member0(round_metrics["bits"])
+  if spec.communication == "communicated":
+    return member0(round_metrics["communicated"]) * (num_clients + 1) * FLOAT_BITS * num_params
+  uploads, broadcasts = spec.messages
+  return np.full(rounds, (clients * uploads + broadcasts) * FLOAT_BITS * num_params, np.float64)
+
+
+def _initial_state(algo, model, config: dict[str, Any]):
+  """(algorithm, initial state, data seed(s)): one run, or a sweep over `--seeds` seeds."""
+  import jax
+  import jax.numpy as jnp
+
+  from fedjax_opt import sweep
+
+  seed, n = config["seed"], config["seeds"]
+  if n == 1:
+    return algo, algo.init(model.init(jax.random.key(seed)), jax.random.key(seed + 1)), seed
+  seeds = [seed + i for i in range(n)]
+  swept = sweep.seeds(algo, n)
+  params = sweep.stack([model.init(jax.random.key(s)) for s in seeds])
+  keys = jnp.stack([jax.random.key(s + 1) for s in seeds])
+  return swept, swept.init(params, keys, params_axis=0), seeds
+
+
+def _members(state, n: int) -> list:
+  """The K members of a swept state (the state itself for a single run)."""
+  import jax
+
+  if n == 1:
+    return [state]
+  return [jax.tree.map(lambda x, i=i: x[i], state) for i in range(n)]
+
+
+def personalized_per_client(spec: registry.Spec, algo, state, dataset, metric_fns,
+                            size: int) -> list[list[float | None]]:
+  """Each client's personalized test accuracy (None: no test example), per sweep member."""
+  import jax
+  import numpy as np
+
+  import fedjax_opt as fo
+  from fedjax_opt import evaluate
+
+  out = []
+  for member in _members(state, size):
+    if spec.evaluation == "table":
+      result = jax.jit(lambda t, d: evaluate.personalized(t, d, metric_fns))(fo.personalized_params(member), dataset)
+    else:
+      result = jax.jit(lambda p, d, adapt=algo.personalize: evaluate.adapted(p, adapt, d, metric_fns))(
+          member.params, dataset)
+    values = np.asarray(result.per_client["accuracy"], np.float64)
+    evaluated = np.asarray(result.evaluated)
+    out.append([float(v) if e else None for v, e in zip(values, evaluated)])
+  return out
+
+
+def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size: int) -> dict[str, Any]:
+  """F at the final model(s), F* from a float64 centralized solve, and the relative gap (F − F*)/|F*|."""
+  import jax
+
+  import fedjax_opt as fo
+  from fedjax_opt import objectives
+  from fedjax_opt.data import client_batches
+
+  loss = registry._ridge(model.loss_fn, hyper.get("l2", 0.0))  # pylint: disable=protected-access
+  batches = client_batches(dataset, dataset.max_train, split="train")
+  params0 = model.init(jax.random.key(0))
+  if spec.objective == "mixture":
+    objective = objectives.mixture(loss, hyper["lam"])
+    start = fo.core.per_client.broadcast(params0, dataset.num_clients)
+    values = [objective(fo.personalized_params(m), batches) for m in _members(state, size)]
+  else:
+    objective = objectives.pooled(loss)
+    start = params0
+    values = [objective(m.params, batches) for m in _members(state, size)]
+  _, f_star = objectives.minimize(objective, start, batches)
+  values = [float(v) for v in values]
+  gaps = [(v - f_star) / max(abs(f_star), 1e-12) for v in values]
+  return {"objective": values[0] if size == 1 else values, "objective_star": f_star,
+          "objective_gap": gaps[0] if size == 1 else gaps}
+
+
+def _summarize(last: dict[str, Any], key: str) -> dict[str, Any]:
+  """`{key: value}`, or for a sweep `{key: mean, key_std: std, key_per_seed: [...]}`."""
+  import numpy as np
+
+  value = last.get(key, float("nan"))
+  if not isinstance(value, list):
+    return {key: value}
+  values = np.asarray(value, np.float64)
+  return {key: float(values.mean()), key + "_std": float(values.std()), key + "_per_seed": value}
+
+
+def _prepared(config: dict[str, Any]):
+  """(dataset, model, [(name, spec, hyper, algorithm)]): everything built and checked before anything runs."""
+  dataset = load_dataset(config)
+  if config["num_clients"] is not None and config["clients_per_round"] > dataset.num_clients:
+    raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds the dataset's "
+                     f"{dataset.num_clients} clients")
+  model = build_model(config, dataset)
+  ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
+                         local_steps=config["local_steps"], rounds=config["rounds"], client_map=config["client_map"])
+  built = []
+  for name in config["algorithms"].split(","):
+    spec = registry.REGISTRY[name]
+    hyper = config_lib.hyper_parameters(config, name)
+    try:
+      algo = registry.build(name, ctx, hyper)
+    except registry.HyperParameterError as e:
+      raise UsageError(str(e)) from None
+    built.append((name, spec, hyper, algo))
+  return dataset, model, built
+
+
+def _notes(built, config) -> list[str]:
+  notes = []
+  for name, spec, _, _ in built:
+    if spec.sampling != "clients":
+      notes.append(f"{name}: every client, its whole train split, every round "
+                   f"(--clients-per-round, --local-steps and --batch-size do not apply)")
+  return notes
+
+
+def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool) -> int:
+  import jax
+
+  train_lib = _train_module()
+  say: Callable[..., None] = (lambda *a: None) if config["quiet"] else print
+  dataset, model, built = _prepared(config)
+  if overwrite and not resume:
+    config_lib.clear_previous(out)
+  os.makedirs(out, exist_ok=True)
+  config_lib.write_json(os.path.join(out, "config.json"), config, indent=1)
+  say(dataset.summary())
+  say(f"model {model.name}; {len(built)} algorithm(s), {config['rounds']} rounds"
+      + (f"; {config['seeds']} seeds per algorithm (one vmapped program)" if config["seeds"] > 1 else ""))
+  for note in _notes(built, config):
+    say(note)
+  metric_fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
+  num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.init(jax.random.key(0))))
+  rows, histories, extras = [], {}, {}
+  for name, spec, hyper, algo in built:
+    algo_run, init_state, data_seed = _initial_state(algo, model, config)
+    hooks = {}
+    if spec.evaluation == "table":
+      import fedjax_opt as fo
+      hooks["personalized_params"] = fo.personalized_params
+    elif spec.evaluation == "adapt":
+      hooks["personalize"] = algo.personalize
+    t0 = time.perf_counter()
+    try:
+      state, history = train_lib.train(
+          algo_run, init_state, dataset, config["rounds"], **sampling(spec, hyper, config, dataset),
+          eval_every=config["eval_every"], metric_fns=metric_fns, seed=data_seed, progress=not config["quiet"],
+          label=name, checkpoint_dir=os.path.join(out, "checkpoints", name),
+          checkpoint_every=config["checkpoint_every"], resume=resume, **hooks)
+    except KeyboardInterrupt:
+      raise report.Interrupted(name) from None
+    except tuple(_train_errors()) as e:
+      raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
+    histories[name] = history
+    last = history.last_eval
+    diverged = getattr(history, "diverged_at_round", None)
+    row = dict(algorithm=name, family=spec.family,
+               status="finished" if diverged is None else f"diverged at round {diverged}",
+               rounds=train_lib.current_round(state))
+    for key in ("test_accuracy", "test_loss", "train_loss"):
+      row.update(_summarize(last, key))
+    if spec.evaluation != "global":
+      for key, short in (("personalized_test_accuracy", "personalized_accuracy"),
+                         ("personalized_test_accuracy_p10", "personalized_accuracy_p10"),
+                         ("personalized_test_accuracy_weighted", "personalized_accuracy_weighted")):
+        row.update({k.replace(key, short): v for k, v in _summarize(last, key).items()})
+      if diverged is None:
+        row["personalized_accuracy_per_client"] = personalized_per_client(
+            spec, algo, state, dataset, {"accuracy": model.accuracy_fn}, config["seeds"])
+    if spec.objective is not None and diverged is None:
+      row.update(objective_gap(spec, hyper, model, state, dataset, config["seeds"]))
+    bits = bits_per_round(spec, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
+                          dataset.num_clients)
+    extras[name] = {"megabytes_sent": (bits.cumsum() / 8e6).tolist()}
+    row["megabytes_sent"] = float(bits.sum() / 8e6)
+    row["hyper_parameters"] = hyper
+    rows.append(dict(row, wall_seconds=time.perf_counter() - t0, rounds_per_second=history.rounds_per_second))
+  config_lib.write_json(os.path.join(out, "history.json"),
+                        {name: dict(h.to_dict(), **extras[name]) for name, h in histories.items()})
+  config_lib.write_json(os.path.join(out, "results.json"), rows, indent=1, default=_json_default)
+  plots = report.plot_all(histories, extras, rows, config, dataset, out)
+  print()
+  print(report.results_table(rows))
+  print(f"\nwrote {out}/: config.json, history.json, results.json, {', '.join(os.path.basename(p) for p in plots)}")
+  return 0
+
+
+def _json_default(value: Any) -> Any:
+  import numpy as np
+
+  if isinstance(value, np.generic):
+    return value.item()
+  raise TypeError(f"not JSON-serializable: {type(value).__name__}")
+
+
+def _train_errors() -> list[type]:
+  """Errors of `fo.train` that are the user's input (too big a round, no test data, no valid checkpoint)."""
+  train_lib = _train_module()
+  return [getattr(train_lib, n) for n in ("RoundTooLargeError", "CheckpointError") if hasattr(train_lib, n)]
+
+
+def _train_module():
+  """The module `fedjax_opt.train` (the package attribute of that name is the function)."""
+  import importlib
+
+  return importlib.import_module("fedjax_opt.train")

@@ -1,0 +1,100 @@
+"""The command line's algorithm registry, in process: every entry builds, hyper-parameters resolve as documented."""
+
+import inspect
+
+import jax
+import numpy as np
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt.cli import config as config_lib
+from fedjax_opt.cli import registry
+from fedjax_opt.cli import run as run_lib
+
+
+def test_the_registry_names_only_factory_parameters():
+  registry.check_registry()
+
+
+def test_every_factory_of_fo_algorithms_is_on_the_command_line_or_named_here():
+  on_cli = {spec.factory.__name__ for spec in registry.REGISTRY.values()}
+  factories = {name for name in fo.algorithms.__all__ if inspect.isfunction(getattr(fo.algorithms, name))
+               and inspect.signature(getattr(fo.algorithms, name)).return_annotation == "FederatedAlgorithm"}
+  # admm_sharing is vertical FL (clients hold feature blocks of the same samples); l2sgd is L2SGD+ without its
+  # variance reduction, a building block for tests.
+  assert factories - on_cli == {"admm_sharing", "l2sgd"}
+
+
+@pytest.fixture(scope="module")
+def digits():
+  return fo.data.load("digits", num_clients=6, seed=0)
+
+
+@pytest.mark.parametrize("name", list(registry.REGISTRY))
+def test_every_entry_builds_and_steps_with_its_defaults(name, digits):
+  """Traced (not compiled) for speed: init and one step of each algorithm on the data the run would give it."""
+  spec = registry.REGISTRY[name]
+  config = config_lib.finish({"algorithms": name, "dataset": "digits", "num_clients": 6, "clients_per_round": 3,
+                              "local_steps": 4, "batch_size": 5, "rounds": 10})
+  model = run_lib.build_model(config, digits)
+  hyper = config_lib.hyper_parameters(config, name)
+  ctx = registry.Context(loss_fn=model.loss_fn, num_clients=6, max_train=digits.max_train, local_steps=4,
+                         rounds=10, client_map="auto")
+  algo = registry.build(name, ctx, hyper)
+  state = jax.eval_shape(algo.init, model.init(jax.random.key(0)), jax.random.key(1))
+  kwargs = run_lib.sampling(spec, hyper, config, digits)
+  batches = jax.eval_shape(lambda k: fo.data.sample_round(k, digits, **kwargs), jax.random.key(2))
+  after = jax.eval_shape(algo.step, state, batches)
+  assert jax.tree.structure(after) == jax.tree.structure(state)
+
+
+def test_client_lr_fills_every_client_step_size_and_an_explicit_one_wins():
+  default = registry.resolve("ditto", {}, None)
+  assert default["eta"] == default["client_lr"] == registry.DEFAULT_CLIENT_LR
+  assert registry.resolve("admm_consensus", {}, None)["client_lr"] == 0.2  # its own default
+  assert registry.resolve("admm_consensus", {}, 0.01)["client_lr"] == 0.01  # an explicit --client-lr is not ignored
+  assert registry.resolve("scaffold", {}, 0.3)["eta_l"] == 0.3
+  assert registry.resolve("scaffold", {"eta_l": 0.1}, 0.3)["eta_l"] == 0.1  # --set wins over --client-lr
+  assert registry.resolve("ditto", {"personal_steps": 3.0}, None)["personal_steps"] == 3
+  with pytest.raises(registry.HyperParameterError, match="must be an integer; got 2.5"):
+    registry.resolve("ditto", {"personal_steps": 2.5}, None)
+  with pytest.raises(registry.HyperParameterError, match="must be true or false"):
+    registry.resolve("admm_consensus", {"residual_balancing": 1}, None)
+
+
+def test_server_lr_goes_to_each_algorithm_s_own_server_step_size():
+  config = config_lib.finish({"algorithms": "fedadam,scaffold,fednova", "dataset": "digits", "server_lr": 0.7})
+  assert config_lib.hyper_parameters(config, "fedadam")["server_lr"] == 0.7
+  assert config_lib.hyper_parameters(config, "scaffold")["eta_g"] == 0.7
+  assert config_lib.hyper_parameters(config, "fednova")["server_lr"] == 0.7
+  config = config_lib.finish({"algorithms": "fedavg", "dataset": "digits"})
+  assert config_lib.hyper_parameters(config, "fedavg")["server_lr"] == 1.0
+
+
+def test_a_setting_overrides_the_wiring_and_none_keeps_it(digits):
+  """`--set l2gd.alpha=…` replaces the α derived from local_lr; unset, α = local_lr · n · (1 − p)."""
+  ctx = registry.Context(loss_fn=lambda p, b: 0.0, num_clients=6, max_train=10, local_steps=4, rounds=10,
+                         client_map="auto")
+  hyper = registry.resolve("l2gd", {}, None)
+  assert registry.REGISTRY["l2gd"].wire(ctx, hyper)["alpha"] == pytest.approx(0.05 * 6 * 0.8)
+  captured = {}
+  spec = registry.REGISTRY["l2gd"]
+  original = spec.factory
+  try:
+    object.__setattr__(spec, "factory", lambda loss, **kw: captured.update(kw))
+    registry.build("l2gd", ctx, registry.resolve("l2gd", {"alpha": 0.7}, None))
+  finally:
+    object.__setattr__(spec, "factory", original)
+  assert captured["alpha"] == 0.7
+
+
+def test_bits_per_round_counts_each_message_once():
+  p = 100
+  metrics = {"client_loss": np.zeros(3), "bits": np.array([5.0, 0.0, 7.0]),
+             "communicated": np.array([0.0, 1.0, 1.0])}
+  r = registry.REGISTRY
+  np.testing.assert_array_equal(run_lib.bits_per_round(r["fedavg"], metrics, p, 10, 50), [11 * 32 * p] * 3)
+  np.testing.assert_array_equal(run_lib.bits_per_round(r["scaffold"], metrics, p, 10, 50), [22 * 32 * p] * 3)
+  np.testing.assert_array_equal(run_lib.bits_per_round(r["fedu"], metrics, p, 10, 50), [10 * 32 * p] * 3)
+  np.testing.assert_array_equal(run_lib.bits_per_round(r["cq_ggadmm"], metrics, p, 50, 50), [5.0, 0.0, 7.0])
+  np.testing.assert_array_equal(run_lib.bits_per_round(r["l2gd"], metrics, p, 50, 50), [0, 51 * 32 * p, 51 * 32 * p])

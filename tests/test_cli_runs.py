@@ -1,0 +1,128 @@
+"""`fedjax-opt run` end to end (subprocesses): every family, resume, safe run folders, Ctrl-C."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.test_cli import run_cli
+
+SMALL = ["--dataset", "digits", "--num-clients", "20", "--clients-per-round", "5", "--local-steps", "3",
+         "--batch-size", "16", "--eval-every", "5", "--quiet"]
+
+
+def snapshot(folder) -> dict[str, str]:
+  """Every file under `folder` (relative path → sha256 of its bytes)."""
+  out = {}
+  for root, _, files in os.walk(folder):
+    for name in files:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+def without_timings(history: dict) -> dict:
+  """history.json without wall-clock numbers (which differ between two runs of the same computation)."""
+  return {name: {"round_metrics": h["round_metrics"],
+                 "evals": [{k: v for k, v in e.items() if k != "seconds"} for e in h["evals"]],
+                 "megabytes_sent": h["megabytes_sent"]}
+          for name, h in history.items()}
+
+
+def test_one_algorithm_of_every_family_runs_and_reports(tmp_path):
+  out = tmp_path / "run"
+  result = run_cli("run", *SMALL, "--algorithms", "fedavg,ditto,per_fedavg,admm_consensus,mixture_admm",
+                   "--rounds", "10", "--out", str(out))
+  assert result.returncode == 0, result.stderr
+  for name in ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
+               "personalized_accuracy.png"):
+    assert (out / name).stat().st_size > 0, name
+  assert "pers. acc" in result.stdout and "obj. gap" in result.stdout and "MB sent" in result.stdout
+  rows = {r["algorithm"]: r for r in json.loads((out / "results.json").read_text())}
+  assert list(rows) == ["fedavg", "ditto", "per_fedavg", "admm_consensus", "mixture_admm"]
+  assert all(r["status"] == "finished" and r["rounds"] == 10 for r in rows.values())
+  # The ADMM family forces logistic regression on everyone: 10 classes × (64 + 1) parameters.
+  num_params = 650
+  # FedAvg: 5 uploads + 1 broadcast of 650 float32 per round, 10 rounds.
+  assert rows["fedavg"]["megabytes_sent"] == pytest.approx(10 * 6 * 32 * num_params / 8e6)
+  # Consensus ADMM: every one of the 20 clients uploads, one broadcast.
+  assert rows["admm_consensus"]["megabytes_sent"] == pytest.approx(10 * 21 * 32 * num_params / 8e6)
+  for name in ("ditto", "per_fedavg", "mixture_admm"):
+    per_client = rows[name]["personalized_accuracy_per_client"][0]
+    assert len(per_client) == 20
+    values = np.array([v for v in per_client if v is not None])
+    # The table's mean and 10th percentile are those of the per-client values written beside them.
+    assert rows[name]["personalized_accuracy"] == pytest.approx(values.mean(), abs=1e-6)
+    assert rows[name]["personalized_accuracy_p10"] == pytest.approx(np.percentile(values, 10), abs=1e-6)
+  assert "personalized_accuracy" not in rows["fedavg"] and "objective_gap" not in rows["fedavg"]
+  for name in ("admm_consensus", "mixture_admm"):
+    r = rows[name]
+    assert r["objective"] >= r["objective_star"] - 1e-6  # F* is the minimum
+    assert r["objective_gap"] == pytest.approx((r["objective"] - r["objective_star"]) / abs(r["objective_star"]))
+  history = json.loads((out / "history.json").read_text())
+  assert history["fedavg"]["megabytes_sent"][-1] == pytest.approx(rows["fedavg"]["megabytes_sent"])
+
+
+def test_resume_with_only_rounds_continues_bit_for_bit(tmp_path):
+  """A run of 20 rounds equals 10 rounds then `--resume --rounds 20` with no other flag (the saved config)."""
+  whole, split = tmp_path / "whole", tmp_path / "split"
+  algorithms = ["--algorithms", "fedavg,ditto"]
+  assert run_cli("run", *SMALL, *algorithms, "--rounds", "20", "--out", str(whole)).returncode == 0
+  assert run_cli("run", *SMALL, *algorithms, "--rounds", "10", "--out", str(split)).returncode == 0
+  again = run_cli("run", "--out", str(split), "--resume", "--rounds", "20")
+  assert again.returncode == 0, again.stderr
+  assert "Traceback" not in again.stderr
+  a = json.loads((whole / "history.json").read_text())
+  b = json.loads((split / "history.json").read_text())
+  assert without_timings(a) == without_timings(b)
+  ra = json.loads((whole / "results.json").read_text())
+  rb = json.loads((split / "results.json").read_text())
+  for x, y in zip(ra, rb):
+    assert x["rounds"] == y["rounds"] == 20
+    for key in ("test_accuracy", "test_loss", "personalized_accuracy", "personalized_accuracy_per_client"):
+      assert x.get(key) == y.get(key)
+  assert json.loads((split / "config.json").read_text())["rounds"] == 20
+
+
+def test_resume_refusals_leave_every_file_byte_identical(tmp_path):
+  out = tmp_path / "run"
+  assert run_cli("run", *SMALL, "--algorithms", "fedavg", "--rounds", "5", "--out", str(out)).returncode == 0
+  before = snapshot(out)
+  cases = [
+      (["--resume", "--dataset", "mnist5k"], "--dataset mnist5k conflicts with the run saved in"),
+      (["--resume", "--client-lr", "0.5"], "--client-lr 0.5 conflicts with the run saved in"),
+      (["--resume", "--algorithms", "fedavg,scaffold"], "--algorithms fedavg,scaffold conflicts with the run saved"),
+      (["--resume", "--rounds", "3"], "--rounds 3 is fewer than the 5 rounds of the run saved in"),
+      (["--rounds", "8"], "already holds a run; continue it with --resume, replace it with --overwrite"),
+  ]
+  for args, needle in cases:
+    result = run_cli("run", "--out", str(out), *args)
+    assert result.returncode == 2, (args, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], (args, result.stderr)
+    assert snapshot(out) == before, args
+  missing = tmp_path / "missing"
+  result = run_cli("run", "--out", str(missing), "--resume")
+  assert result.returncode == 2 and "holds no run to resume" in result.stderr and "Traceback" not in result.stderr
+  assert not missing.exists()
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  for args in (["--resume"], []):
+    result = run_cli("run", *SMALL, "--out", str(a_file), *args)
+    assert result.returncode == 2 and "is a file" in result.stderr
+  assert a_file.read_text() == "x"
+
+
+def test_overwrite_replaces_the_previous_run_and_keeps_other_files(tmp_path):
+  out = tmp_path / "run"
+  assert run_cli("run", *SMALL, "--algorithms", "fedavg,ditto", "--rounds", "5", "--out", str(out)).returncode == 0
+  (out / "notes.txt").write_text("mine")
+  result = run_cli("run", *SMALL, "--algorithms", "scaffold", "--rounds", "5", "--out", str(out), "--overwrite")
+  assert result.returncode == 0, result.stderr
+  assert sorted(os.listdir(out / "checkpoints")) == ["scaffold"]  # nothing of the old run is mixed in
+  assert not (out / "personalized_accuracy.png").exists()
+  assert [r["algorithm"] for r in json.loads((out / "results.json").read_text())] == ["scaffold"]
+  assert (out / "notes.txt").read_text() == "mine"
