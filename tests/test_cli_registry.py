@@ -1,6 +1,8 @@
 """The command line's algorithm registry, in process: every entry builds, hyper-parameters resolve as documented."""
 
 import inspect
+import pathlib
+import re
 
 import jax
 import numpy as np
@@ -98,3 +100,24 @@ def test_bits_per_round_counts_each_message_once():
   np.testing.assert_array_equal(run_lib.bits_per_round(r["fedu"], metrics, p, 10, 50), [10 * 32 * p] * 3)
   np.testing.assert_array_equal(run_lib.bits_per_round(r["cq_ggadmm"], metrics, p, 50, 50), [5.0, 0.0, 7.0])
   np.testing.assert_array_equal(run_lib.bits_per_round(r["l2gd"], metrics, p, 50, 50), [0, 51 * 32 * p, 51 * 32 * p])
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_the_readme_lists_every_flag_as_the_parser_has_it():
+  from fedjax_opt.cli import flag_reference
+
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  listed = re.search(r"<!-- flags:start -->\n(.*?)\n<!-- flags:end -->", readme, flags=re.S).group(1)
+  assert listed == flag_reference()
+
+
+def test_the_toml_example_of_docs_cli_is_a_valid_configuration(tmp_path):
+  block = re.search(r"```toml\n(.*?)```", (ROOT / "docs" / "cli.md").read_text(encoding="utf-8"), flags=re.S).group(1)
+  path = tmp_path / "exp.toml"
+  path.write_text(block)
+  config = config_lib.finish(config_lib._read_toml(str(path)))  # pylint: disable=protected-access
+  assert config["algorithms"] == "ditto,fedprox" and config["rounds"] == 200
+  assert config_lib.hyper_parameters(config, "ditto")["lam"] == 0.5
+  assert config_lib.hyper_parameters(config, "fedprox")["mu"] == 0.1

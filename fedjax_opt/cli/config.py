@@ -82,35 +82,35 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
   run = sub.add_parser("run", help="train and compare algorithms on an embedded dataset")
   add = run.add_argument
-  add("--config", help="TOML file whose keys mirror these flags, [algorithm] sections for hyper-parameters")
-  add("--algorithms", help="comma-separated names from `fedjax-opt list algorithms` (default fedavg,fedadam)")
+  add("--config", metavar="FILE", help="TOML file whose keys mirror these flags, [algorithm] sections for hyper-parameters")
+  add("--algorithms", metavar="A,B,...", help="comma-separated names from `fedjax-opt list algorithms` (default fedavg,fedadam)")
   add("--set", action="append", type=_setting, metavar="ALGO.NAME=VALUE",
       help="an algorithm's hyper-parameter, e.g. ditto.lam=0.1 (repeatable; defaults in `fedjax-opt list algorithms`)")
-  add("--dataset", help="an embedded dataset (`fedjax-opt list datasets`; default mnist5k)")
-  add("--partition", help=f"image datasets: one of {', '.join(PARTITIONS)} (default dirichlet)")
-  add("--alpha", type=_positive("alpha", float, "number"), help="--partition dirichlet: concentration α (default 0.5)")
-  add("--num-clients", type=_positive("num-clients", int, "integer"),
+  add("--dataset", metavar="NAME", help="an embedded dataset (`fedjax-opt list datasets`; default mnist5k)")
+  add("--partition", metavar="NAME", help=f"image datasets: one of {', '.join(PARTITIONS)} (default dirichlet)")
+  add("--alpha", metavar="X", type=_positive("alpha", float, "number"), help="--partition dirichlet: concentration α (default 0.5)")
+  add("--num-clients", metavar="N", type=_positive("num-clients", int, "integer"),
       help="clients to split an image dataset into (default: the dataset's, see `fedjax-opt list datasets`)")
-  add("--clients-per-round", type=_positive("clients-per-round", int, "integer"), help="default 10")
-  add("--local-steps", type=_positive("local-steps", int, "integer"), help="local steps per round (default 10)")
-  add("--batch-size", type=_positive("batch-size", int, "integer"), help="examples per local step (default 20)")
-  add("--client-lr", type=_positive("client-lr", float, "number"), help="every chosen algorithm's client step size (default: each algorithm's own; "
+  add("--clients-per-round", metavar="N", type=_positive("clients-per-round", int, "integer"), help="default 10")
+  add("--local-steps", metavar="N", type=_positive("local-steps", int, "integer"), help="local steps per round (default 10)")
+  add("--batch-size", metavar="N", type=_positive("batch-size", int, "integer"), help="examples per local step (default 20)")
+  add("--client-lr", metavar="X", type=_positive("client-lr", float, "number"), help="every chosen algorithm's client step size (default: each algorithm's own; "
            "0.05 for most, see `fedjax-opt list algorithms`)")
-  add("--server-lr", type=_positive("server-lr", float, "number"),
+  add("--server-lr", metavar="X", type=_positive("server-lr", float, "number"),
       help="the server step size of every chosen algorithm (default: each algorithm's own; an error for one "
            "without a server step size)")
-  add("--rounds", type=_positive("rounds", int, "integer"), help="rounds to train, in all (default 300)")
-  add("--eval-every", type=_positive("eval-every", int, "integer"), help="rounds between evaluations (default 25)")
-  add("--seed", type=int, help="seeds the split, the models and the sampling (default 0)")
-  add("--seeds", type=_positive("seeds", int, "integer"),
+  add("--rounds", metavar="N", type=_positive("rounds", int, "integer"), help="rounds to train, in all (default 300)")
+  add("--eval-every", metavar="N", type=_positive("eval-every", int, "integer"), help="rounds between evaluations (default 25)")
+  add("--seed", metavar="N", type=int, help="seeds the split, the models and the sampling (default 0)")
+  add("--seeds", metavar="N", type=_positive("seeds", int, "integer"),
       help="runs per algorithm, seeds seed … seed+N-1, vmapped into one program (default 1)")
-  add("--client-map", help="how clients run: auto (default), vmap, sequential, chunked[:K], sharded[:<inner>]")
-  add("--model", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
-  add("--out", help="the run folder (default runs/<dataset>-<time>)")
+  add("--client-map", metavar="MODE", help="how clients run: auto (default), vmap, sequential, chunked[:K], sharded[:<inner>]")
+  add("--model", metavar="NAME", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
+  add("--out", metavar="DIR", help="the run folder (default runs/<dataset>-<time>)")
   add("--resume", action="store_true", default=None,
       help="continue the run saved in --out with its saved configuration (only --rounds may grow)")
   add("--overwrite", action="store_true", default=None, help="replace the run already in --out")
-  add("--checkpoint-every", type=_positive("checkpoint-every", int, "integer"),
+  add("--checkpoint-every", metavar="N", type=_positive("checkpoint-every", int, "integer"),
       help="evaluations between checkpoints (default 4)")
   add("--quiet", action="store_true", default=None, help="no progress lines")
   listing = sub.add_parser("list", help="list algorithms (with their hyper-parameters), datasets, partitions, models")
