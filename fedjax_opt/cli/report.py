@@ -63,18 +63,26 @@ def title(config: dict[str, Any], dataset) -> str:
           + (f", client lr {config['client_lr']:g}" if config["client_lr"] is not None else "") + f", {seeds}")
 
 
-def _series(ax, x, values, name: str, **style) -> None:
-  """One line; for a sweep (values [K, ...]) the mean over seeds with a ± std band."""
+def _series(ax, x, values, name: str, **style):
+  """One line; for a sweep (values [K, ...]) the mean over seeds with a ± std band. Returns the line."""
   import numpy as np
 
   values = np.asarray(values, np.float64)
   x = np.asarray(x, np.float64)
   if values.ndim == 1:
-    ax.plot(x, values, label=name, **style)
-    return
+    line, = ax.plot(x, values, label=name, **style)
+    return line
   mean, std = values.mean(0), values.std(0)
   line, = ax.plot(x, mean, label=f"{name} (mean ± std, {values.shape[0]} seeds)", **style)
   ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.25, lw=0)
+  return line
+
+
+def legend_label(row: dict[str, Any]) -> str:
+  """`ditto (lam=0.1, eta=0.05, ...)`: the algorithm and its numeric hyper-parameters."""
+  hyper = row.get("hyper_parameters", {})
+  shown = [f"{k}={v:g}" for k, v in hyper.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+  return f"{row['algorithm']} ({', '.join(shown)})" if shown else row["algorithm"]
 
 
 def _eval_points(history, metric: str):
@@ -104,42 +112,46 @@ def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: 
     plt.close(fig)
     paths.append(path)
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  labels = {r["algorithm"]: legend_label(r) for r in rows}
+  colors = {name: f"C{i % 10}" for i, name in enumerate(histories)}
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
   for name, history in histories.items():
     sent = np.asarray(extras[name]["megabytes_sent"], np.float64)
-    for metric, style in (("test_accuracy", dict(marker="o", ms=3)),
-                          ("personalized_test_accuracy", dict(marker="s", ms=3, ls="--"))):
+    for metric, style in (("test_accuracy", {"marker": "o", "ms": 3}),
+                          ("personalized_test_accuracy", {"marker": "s", "ms": 3, "ls": "--"})):
       points = _eval_points(history, metric)
       if points is None:
         continue
       rounds, values = points
-      label = name if metric == "test_accuracy" else f"{name} (personalized)"
-      _series(axes[0], rounds, values, label, **style)
-      _series(axes[1], sent[np.asarray(rounds) - 1], values, label, **style)
+      label = labels[name] if metric == "test_accuracy" else f"{name}, personalized"
+      _series(axes[0], rounds, values, label, color=colors[name], **style)
+      _series(axes[1], sent[np.asarray(rounds) - 1], values, label, color=colors[name], **style)
   axes[0].set_xlabel("round")
   axes[1].set_xlabel("MB sent (float32 messages, each counted once)")
   axes[1].set_xscale("log")
   for ax in axes:
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=7)
+  axes[0].legend(fontsize=6)
   save(fig, "accuracy.png")
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
   for name, history in histories.items():
     if "client_loss" in history.round_metrics:
       values = history.round_metrics["client_loss"]
-      _series(axes[0], np.arange(1, np.shape(values)[-1] + 1), values, name, lw=1)
+      _series(axes[0], np.arange(1, np.shape(values)[-1] + 1), values, labels[name], lw=1, color=colors[name])
     points = _eval_points(history, "test_loss")
     if points is not None:
-      _series(axes[1], *points, name, marker="o", ms=3)
+      _series(axes[1], *points, labels[name], marker="o", ms=3, color=colors[name])
   axes[0].set_ylabel("train loss (the round's clients, before their steps)")
   axes[1].set_ylabel("test loss (every client's test split)")
   for ax in axes:
     ax.set_xlabel("round")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=7)
+  for ax in axes:
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=6)
   save(fig, "loss.png")
 
   personal = [r for r in rows if r.get("personalized_accuracy_per_client")]
@@ -148,7 +160,7 @@ def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: 
     bins = np.linspace(0, 1, 21)
     for r in personal:
       values = [v for member in r["personalized_accuracy_per_client"] for v in member if v is not None]
-      ax.hist(values, bins=bins, histtype="step", lw=1.5,
+      ax.hist(values, bins=bins, histtype="step", lw=1.5, color=colors.get(r["algorithm"]),
               label=f"{r['algorithm']}: mean {r['personalized_accuracy']:.3f}, p10 "
                     f"{r['personalized_accuracy_p10']:.3f}")
     ax.set_xlabel("personalized test accuracy of a client (its own model, its own test split)")

@@ -244,7 +244,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   say(f"model {model.name}; {len(built)} algorithm(s), {config['rounds']} rounds"
       + (f"; {config['seeds']} seeds per algorithm (one vmapped program)" if config["seeds"] > 1 else ""))
   for note in _notes(built, config):
-    say(note)
+    print(note)  # even with --quiet: it says which flags an algorithm does not use
   metric_fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.init(jax.random.key(0))))
   rows, histories, extras = [], {}, {}
