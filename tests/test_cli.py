@@ -33,7 +33,7 @@ def run_cli(*args, cwd=None):
     (["run", "--set", "fedavg"], "--set takes ALGORITHM.NAME=VALUE, e.g. ditto.lam=0.1; got 'fedavg'"),
     (["run", "--dataset", "synthetic_1_1", "--partition", "iid"], "--partition does not apply to 'synthetic_1_1'"),
     (["run", "--partition", "iid", "--alpha", "0.3"], "--alpha applies to --partition dirichlet only"),
-    (["run", "--dataset", "shakespeare", "--num-clients", "5"], "--num-clients does not apply to 'shakespeare'"),
+    (["run", "--dataset", "shakespeare", "--partition", "iid"], "--partition does not apply to 'shakespeare'"),
     (["run", "--algorithms", "admm_consensus", "--model", "mlp"], "admm_consensus need(s) a convex model"),
     (["run", "--partition", "zipf"], "unknown partition 'zipf'; choose from iid, dirichlet"),
     (["run", "--rounds", "ten"], "--rounds must be a positive integer; got 'ten'"),

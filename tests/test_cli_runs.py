@@ -126,3 +126,14 @@ def test_overwrite_replaces_the_previous_run_and_keeps_other_files(tmp_path):
   assert not (out / "personalized_accuracy.png").exists()
   assert [r["algorithm"] for r in json.loads((out / "results.json").read_text())] == ["scaffold"]
   assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_shakespeare_runs_with_a_character_model(tmp_path):
+  out = tmp_path / "run"
+  result = run_cli("run", "--dataset", "shakespeare", "--num-clients", "6", "--clients-per-round", "3",
+                   "--local-steps", "2", "--batch-size", "4", "--rounds", "2", "--eval-every", "2",
+                   "--algorithms", "fedavg", "--quiet", "--out", str(out))
+  assert result.returncode == 0, result.stderr
+  row = json.loads((out / "results.json").read_text())[0]
+  assert row["model"] == "char_rnn" and row["status"] == "finished" and 0 <= row["test_accuracy"] <= 1
+  assert json.loads((out / "config.json").read_text())["num_clients"] == 6

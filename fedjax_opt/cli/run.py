@@ -25,7 +25,7 @@ def load_dataset(config: dict[str, Any]):
       options = {} if config["num_clients"] is None else {"num_clients": config["num_clients"]}
       return data.load(name, seed=config["seed"], **options)
     if name == "shakespeare":
-      return data.load(name)
+      return data.load(name, sample_roles=config["num_clients"], seed=config["seed"])
     options = dict(partition=config["partition"], num_clients=config["num_clients"], seed=config["seed"])
     if config["partition"] == "dirichlet":
       options["alpha"] = config["alpha"]
@@ -41,15 +41,18 @@ def model_choice(config: dict[str, Any], dataset) -> str:
   names = config["algorithms"].split(",")
   convex = [n for n in names if registry.REGISTRY[n].family == "admm"]
   choice = config["model"]
-  text = dataset.examples["x"].dtype.kind in "iu"
+  text = dataset.sequence_length > 0  # windows of a token stream (Shakespeare)
   if choice == "auto":
-    shape = tuple(dataset.examples["x"].shape[2:])
     if text:
       choice = "rnn"
     elif convex:
       choice = "logreg"
     else:
+      shape = tuple(dataset.examples["x"].shape[2:])
       choice = "mlp" if len(shape) >= 2 and _math.prod(shape) >= 256 else "logreg"
+  if text and convex:
+    raise UsageError(f"{', '.join(convex)} need(s) a convex model, and {config['dataset']!r} holds character "
+                     f"sequences (a recurrent model): choose a dataset of images or feature vectors")
   if convex and choice != "logreg":
     raise UsageError(f"{', '.join(convex)} need(s) a convex model: use --model logreg (got {choice}), "
                      f"or run the ADMM family separately")
@@ -69,7 +72,7 @@ def build_model(config: dict[str, Any], dataset):
   choice = model_choice(config, dataset)
   k = dataset.num_classes
   if choice == "rnn":
-    return models.char_rnn(vocab_size=k)
+    return models.char_rnn(vocab_size=k, sequence_length=dataset.sequence_length)
   shape = tuple(dataset.examples["x"].shape[2:])
   features = _math.prod(shape)
   if choice == "logreg":
@@ -270,7 +273,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
     histories[name] = history
     last = history.last_eval
     diverged = getattr(history, "diverged_at_round", None)
-    row = dict(algorithm=name, family=spec.family,
+    row = dict(algorithm=name, family=spec.family, model=model.name,
                status="finished" if diverged is None else f"diverged at round {diverged}",
                rounds=train_lib.current_round(state))
     for key in ("test_accuracy", "test_loss", "train_loss"):

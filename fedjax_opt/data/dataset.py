@@ -91,6 +91,25 @@ class FederatedDataset:
     return self.zero_index
 
   @property
+  def has_test_examples(self) -> bool:
+    """Whether any client holds a test example (static: `max_test > 0`; works inside jit).
+
+    False for `test_fraction=0` without `test_clients`: evaluate on the train
+    split or on `central_test` then.
+    """
+    return self.max_test > 0
+
+  @property
+  def num_train_examples(self) -> int:
+    """`sum_k train_count[k]` (host only)."""
+    return int(np.asarray(self.train_count, np.int64).sum())
+
+  @property
+  def num_test_examples(self) -> int:
+    """`sum_k test_count[k]` (host only); 0 exactly when `has_test_examples` is False."""
+    return int(np.asarray(self.test_count, np.int64).sum())
+
+  @property
   def nbytes(self) -> int:
     """Bytes the dataset holds on device (examples, counts and central test)."""
     return sum(int(leaf.nbytes) for leaf in jax.tree_util.tree_leaves(self))
@@ -263,10 +282,59 @@ def _client_names(client_names: Sequence[str] | None, n: int) -> tuple[str, ...]
   return names
 
 
+def _check_num_classes(num_classes: Any) -> int | None:
+  if num_classes is None:
+    return None
+  if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+    raise ValueError(f"num_classes must be a positive int or None; got {num_classes!r}.")
+  return int(num_classes)
+
+
+def check_labels(labels: np.ndarray, num_classes: int | None, where: str) -> None:
+  """Raises ValueError unless every label is a class index in `[0, num_classes)`.
+
+  Integer labels are always checked for negatives, and against `num_classes`
+  when it is known. Float labels are checked only when `num_classes` is given
+  (they are then class indices and must be whole numbers); otherwise they are
+  taken for regression targets. A label outside the range would otherwise
+  reach the loss as a silent NaN (or a wrong one-hot), so it is caught here,
+  at load time.
+
+  Args:
+    labels: an array of labels (any shape).
+    num_classes: K, or None when unknown.
+    where: what the labels are, for the message (e.g. "clients[3] ('f_0003') 'y'").
+  """
+  y = np.asarray(labels)
+  if y.size == 0 or y.dtype.kind not in "iuf" or (y.dtype.kind == "f" and num_classes is None):
+    return
+  if y.dtype.kind == "f":
+    bad = ~np.isfinite(y) | (y != np.round(y))
+    if bad.any():
+      raise ValueError(f"{where} holds label {y[bad].flat[0]!r}, not a class index, while num_classes={num_classes} "
+                       "was given: class labels must be whole numbers in [0, num_classes).")
+  low, high = y.min(), y.max()
+  if low < 0:
+    raise ValueError(
+        f"{where} holds label {low.item()!r}, which is negative: class labels must be indices 0..K-1"
+        + (f" with num_classes={num_classes}" if num_classes is not None else "")
+        + ". Remap them first, e.g. np.unique(y, return_inverse=True)[1] (read_svmlight does so with "
+        "labels='index').")
+  if num_classes is not None and high >= num_classes:
+    raise ValueError(
+        f"{where} holds label {high.item()!r}, outside [0, num_classes) with num_classes={num_classes}: "
+        f"pass num_classes={int(high) + 1} or more if the data have that many classes, or remap the labels to "
+        f"0..{num_classes - 1}.")
+
+
+def _check_part_labels(parts: Sequence[Arrays], names: Sequence[str], num_classes: int | None, what: str) -> None:
+  for k, part in enumerate(parts):
+    if "y" in part:
+      check_labels(part["y"], num_classes, f"{what}[{k}] ('{names[k]}') 'y'")
+
+
 def _infer_num_classes(parts: list[Arrays], num_classes: int | None) -> int | None:
   if num_classes is not None:
-    if not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
-      raise ValueError(f"num_classes must be a positive int or None; got {num_classes!r}.")
     return int(num_classes)
   ys = [p["y"] for p in parts if "y" in p and p["y"].size]
   if not ys or ys[0].dtype.kind not in "iu":
@@ -311,6 +379,8 @@ def pack(
     split: "random" (seeded) or "ordered" (the last examples are the test set).
     seed: seed of the random split.
     num_classes: number of labels; inferred from an integer "y" when None.
+      Every integer "y" (train, test and `central_test`) must lie in
+      `[0, num_classes)`, and a float "y" too when num_classes is given.
     client_names: N names (default "client_<k>").
     central_test: optional centralized test set `{feature: [M, ...]}`.
     name: dataset name, kept as static metadata.
@@ -322,13 +392,18 @@ def pack(
     A `FederatedDataset`.
 
   Raises:
-    TypeError, ValueError: malformed clients, bad options, or padding beyond
-      `max_padding_factor` (naming the largest client and how to fix it).
+    TypeError, ValueError: malformed clients, bad options, padding beyond
+      `max_padding_factor` (naming the largest client and how to fix it), a
+      label outside `[0, num_classes)` (naming the client and the label), or
+      `test_fraction > 0` leaving no client a test example (every client
+      holds at most one example).
   """
   train_parts = validate_clients(clients, "clients")
   n = len(train_parts)
   names = _client_names(client_names, n)
   _check_fraction(test_fraction)
+  num_classes = _check_num_classes(num_classes)
+  _check_part_labels(train_parts, names, num_classes, "clients")
   if split not in ("random", "ordered"):
     raise ValueError(f"split must be 'random' or 'ordered'; got {split!r}.")
   if test_clients is not None:
@@ -343,6 +418,7 @@ def pack(
       if test_parts[0][key].shape[1:] != train_parts[0][key].shape[1:]:
         raise ValueError(f"test_clients[0][{key!r}] has example shape {test_parts[0][key].shape[1:]}; "
                          f"clients[0][{key!r}] has {train_parts[0][key].shape[1:]}.")
+    _check_part_labels(test_parts, names, num_classes, "test_clients")
   else:
     train_parts, test_parts = _split_clients(train_parts, test_fraction, split, seed)
   rows = {key: [np.concatenate([tr[key], te[key].astype(tr[key].dtype)]) for tr, te in zip(train_parts, test_parts)]
@@ -354,11 +430,20 @@ def pack(
   _check_padding(sizes, names, max_padding_factor, bytes_per_slot)
   if int(train_count.sum()) == 0:
     raise ValueError("clients hold no train examples (every example went to the test split).")
+  if test_fraction > 0 and int(test_count.sum()) == 0:
+    raise ValueError(
+        f"test_fraction={test_fraction:g} leaves no client a test example: the largest of the {n} clients holds "
+        f"{int(sizes.max())} example(s), and a client of n examples holds out n - floor((1 - test_fraction) n) "
+        f"of them while keeping at least one for training. Use fewer, larger clients (at most "
+        f"{int(sizes.sum()) // 2} for an equal split of these {int(sizes.sum())} "
+        f"examples), or test_fraction=0 to go without per-client test sets.")
   n_max = int(sizes.max())
   examples = {key: _pad_rows(r, n_max + 1) for key, r in rows.items()}
   central = None
   if central_test is not None:
     central = validate_clients([central_test], "central_test")[0]
+    if "y" in central:
+      check_labels(central["y"], num_classes, "central_test 'y'")
   return FederatedDataset(
       examples=_to_device(examples, device),
       train_count=_to_device(train_count, device),
@@ -431,7 +516,8 @@ def pack_sequences(
     token_streams: N integer arrays `[T_k]` (uint8 is kept, saving memory).
     sequence_length: L, the window length (LEAF uses 80).
     test_fraction: f in [0, 1).
-    num_classes: vocabulary size; `max token + 1` when None.
+    num_classes: vocabulary size; `max token + 1` when None. Tokens must lie in
+      `[0, num_classes)`.
     client_names: N names.
     name: dataset name.
     max_padding_factor: bound on `N * T_max / sum_k T_k` (None disables).
@@ -451,6 +537,9 @@ def pack_sequences(
     if s.ndim != 1 or s.dtype.kind not in "iu":
       raise ValueError(f"token_streams[{k}] must be a 1-D integer array; got shape {s.shape}, dtype {s.dtype}.")
   names = _client_names(client_names, len(streams))
+  num_classes = _check_num_classes(num_classes)
+  for k, s in enumerate(streams):
+    check_labels(s, num_classes, f"token_streams[{k}] ('{names[k]}')")
   splits = np.array([sequence_split(len(s), sequence_length, test_fraction) for s in streams], np.int64)
   short = np.flatnonzero(splits[:, 0] < 1)
   if short.size:
