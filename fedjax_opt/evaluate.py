@@ -76,16 +76,21 @@ def per_client_sums(params: PyTree, data: PyTree, mask: jax.Array, metric_fns: M
 
 
 def summarize(sums: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Example-weighted and client-mean summaries of `per_client_sums` output."""
+  """Example-weighted and client-mean summaries of `per_client_sums` output.
+
+  NaN when no client has an example of the split (never a misleading 0).
+  """
   count = sums["count"]
   has = count > 0
   out = {}
   for name, total in sums.items():
     if name == "count":
       continue
-    out[name] = jnp.sum(total) / jnp.maximum(jnp.sum(count), 1)
+    weighted = jnp.sum(total) / jnp.maximum(jnp.sum(count), 1)
+    out[name] = jnp.where(jnp.any(has), weighted, jnp.nan)
     per_client = total / jnp.maximum(count, 1)
-    out[name + "_client_mean"] = jnp.sum(jnp.where(has, per_client, 0)) / jnp.maximum(jnp.sum(has), 1)
+    client_mean = jnp.sum(jnp.where(has, per_client, 0)) / jnp.maximum(jnp.sum(has), 1)
+    out[name + "_client_mean"] = jnp.where(jnp.any(has), client_mean, jnp.nan)
   return out
 
 

@@ -261,3 +261,13 @@ def test_l2sgd_plus_runs_through_train_with_fixed_example_slots(data):
   assert int(state.metrics["num_communications"]) == int(reference.metrics["num_communications"]) > 0
   ref = evaluate.personalized(fo.personalized_params(state), dataset, FNS, client_map="vmap").summary
   np.testing.assert_allclose(history.last_eval["personalized_test_accuracy"], float(ref["accuracy"]), rtol=1e-6)
+
+
+def test_a_split_without_examples_evaluates_to_nan_not_zero():
+  ds = fo.data.pack([{"x": np.ones((3, 2), np.float32), "y": np.zeros(3, np.int32)}] * 2, test_fraction=0.0)
+  params = {"w": jnp.zeros((2, 2)), "b": jnp.zeros(2)}
+  accuracy = lambda p, b: (jnp.argmax(b["x"] @ p["w"] + p["b"], -1) == b["y"]).astype(jnp.float32)
+  out = evaluate.global_model(params, ds, {"accuracy": accuracy}, split="test")
+  assert np.isnan(out["accuracy"]) and np.isnan(out["accuracy_client_mean"])
+  train = evaluate.global_model(params, ds, {"accuracy": accuracy}, split="train")
+  assert float(train["accuracy"]) == 1.0  # argmax of equal logits is class 0, every label is 0
