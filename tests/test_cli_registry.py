@@ -121,3 +121,12 @@ def test_the_toml_example_of_docs_cli_is_a_valid_configuration(tmp_path):
   assert config["algorithms"] == "ditto,fedprox" and config["rounds"] == 200
   assert config_lib.hyper_parameters(config, "ditto")["lam"] == 0.5
   assert config_lib.hyper_parameters(config, "fedprox")["mu"] == 0.1
+
+
+@pytest.mark.parametrize("name", ["digits", "mnist5k", "synthetic_1_1"])
+def test_a_run_uses_the_client_count_that_list_shows(name):
+  info = {i.name: i for i in fo.data.available()}[name]
+  config = config_lib.finish({"dataset": name})
+  dataset = run_lib.load_dataset(config)
+  assert dataset.num_clients == info.default_num_clients
+  assert f"{info.default_num_clients} " in info.clients  # the words `fedjax-opt list datasets` prints

@@ -49,7 +49,10 @@ def command_list(what: str | None = None) -> int:
     sections.append(("server optimizers (--set ALGO.server_optimizer=NAME)", server_optimizers.available()))
   if what in (None, "datasets"):
     sections.append(("datasets (--dataset)", {
-        i.name: f"{i.description}; clients: {i.clients}" + ("" if i.installed else f" [needs {i.requires}]")
+        i.name: f"{i.description}; clients: {i.clients}"
+        + (f"; the command line samples {config_lib.SHAKESPEARE_ROLES} (--num-clients)" if i.name == "shakespeare"
+           else "")
+        + ("" if i.installed else f" [needs {i.requires}]")
         for i in data.available()}))
   if what in (None, "partitions"):
     sections.append(("partitions (--partition, image datasets)", {
