@@ -203,9 +203,10 @@ def test_subprocess_sees_8_devices_and_this_process_one(report):
 
 @pytest.mark.parametrize("server", ["fedavg", "fedadam"])
 def test_every_mode_matches_a_python_loop_over_clients(report, server):
-  """Reference loop, vmap, sequential, chunked and sharded (8 devices, C = 13) give the same new server state."""
+  """Reference loop, vmap, sequential, chunked and sharded (8 devices, C = 13; the library's mesh and one from
+  `jax.make_mesh`) give the same new server state."""
   diffs = report["modes"][server]
-  assert set(diffs) == {"vmap", "chunked:4", "sharded:vmap", "sharded:chunked:2", "sharded:auto"}
+  assert set(diffs) == {"vmap", "chunked:4", "sharded:vmap", "sharded:chunked:2", "sharded:auto", "sharded:make_mesh"}
   for mode, diff in diffs.items():
     assert diff < 2e-6, (mode, diff)
 
@@ -328,7 +329,9 @@ def _worker() -> dict:
 
   report = {"device_count": jax.device_count(), "modes": {}}
   modes = {"vmap": "vmap", "chunked:4": "chunked:4", "sharded:vmap": cm.sharded(mesh, "vmap"),
-           "sharded:chunked:2": cm.sharded(mesh, "chunked:2"), "sharded:auto": "sharded"}
+           "sharded:chunked:2": cm.sharded(mesh, "chunked:2"), "sharded:auto": "sharded",
+           # A mesh built the usual way (Explicit axes by default in JAX 0.7+), not the library's client_mesh().
+           "sharded:make_mesh": cm.sharded(jax.make_mesh((NUM_DEVICES,), ("clients",)), "vmap")}
   results = {name: final_params(mode) for name, mode in modes.items()}
   for server in servers:
     ref = reference(server)

@@ -178,6 +178,21 @@ def client_mesh(devices: Any = None, axis_name: str = CLIENTS_AXIS) -> Mesh:
   return Mesh(devices, (axis_name,), axis_types=(AxisType.Auto,))
 
 
+def _auto_axes(mesh: Mesh) -> Mesh:
+  """`mesh` with every axis of type Auto.
+
+  `jax.make_mesh` gives Explicit axes by default, under which `shard_map`
+  demands inputs already sharded as its `in_specs` say. The round's arrays are
+  built inside the step with no sharding of their own, so the client map lets
+  the compiler place them (Auto axes), as on the library's `client_mesh()`:
+  the same devices, the same axis names, the same program.
+  """
+  types = getattr(mesh, "axis_types", None)
+  if types is None or all(t == AxisType.Auto for t in types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
 def pad_clients(per_client: PyTree, multiple: int) -> tuple[PyTree, int]:
   """Appends all-zero clients (False masks, zero data) so that C is a multiple of `multiple`.
 
@@ -237,6 +252,7 @@ class Sharded:
 
   def __call__(self, fn: Callable, shared: PyTree, per_client: PyTree) -> PyTree:
     mesh = self.mesh if self.mesh is not None else client_mesh(axis_name=self.axis_name)
+    mesh = _auto_axes(mesh)
     padded, c = pad_clients(per_client, mesh.shape[self.axis_name])
     inner = self.inner
     mapped = jax.shard_map(lambda s, pc: inner(fn, s, pc), mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec(
