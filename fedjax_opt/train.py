@@ -29,6 +29,14 @@
   `personalized_test_<name>_p10` (10th percentile over clients) and
   `personalized_num_excluded` (clients without test examples), exactly the
   summary of `fedjax_opt.evaluate.personalized` / `adapted`.
+* Safety. Before the first chunk runs, its memory (from the compiled
+  program's `memory_analysis`) is checked against what the device has
+  (`RoundTooLargeError`, nothing allocated). After each chunk the run is
+  checked for divergence (a non-finite model or client loss, every update
+  non-finite for a whole chunk, or a client loss `divergence_factor` times
+  round 1's): training stops there and `History.diverged_at_round` says when
+  and why. Ctrl-C checkpoints the last completed chunk. The latest checkpoint
+  unreadable (truncated, corrupt): `resume` falls back to the previous one.
 * Proportional sampling. With `client_sampling="proportional"` (C draws
   with replacement, P(k) = n_k / n: Scheme I of Li et al., ICLR 2020,
   arXiv:1907.02189) the expectation of the *plain* mean of the drawn clients'
@@ -51,8 +59,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -81,6 +91,11 @@ class History:
     train_seconds: seconds spent running rounds (compilation excluded).
     compile_seconds: seconds spent compiling chunks and evaluation.
     sweep_size: K for a sweep (`fedjax_opt.sweep`), None for a single run.
+    diverged_at_round: the round after which training stopped because the
+      run diverged (see `train`'s `divergence_factor`), None if it did not.
+    diverged_reason: one line saying why.
+    initial_loss: the initial model's `test_loss` (a list for a sweep), the
+      baseline of the divergence rule; None when not evaluated.
   """
 
   round_metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -88,6 +103,9 @@ class History:
   train_seconds: float = 0.0
   compile_seconds: float = 0.0
   sweep_size: int | None = None
+  diverged_at_round: int | None = None
+  diverged_reason: str | None = None
+  initial_loss: float | list[float] | None = None
 
   @property
   def num_rounds(self) -> int:
@@ -116,6 +134,13 @@ class History:
       old = self.round_metrics.get(name)
       self.round_metrics[name] = values if old is None else np.concatenate([old, values], axis=-1)
 
+  def extended(self, metrics: Mapping[str, np.ndarray], point: dict[str, Any], seconds: float) -> "History":
+    """A new History with one more chunk (its round metrics, its evaluation point, its training time)."""
+    new = dataclasses.replace(self, round_metrics=dict(self.round_metrics), evals=[*self.evals, point],
+                              train_seconds=self.train_seconds + seconds)
+    new.append_rounds(metrics)
+    return new
+
   def to_dict(self) -> dict:
     return {
         "round_metrics": {k: v.tolist() for k, v in self.round_metrics.items()},
@@ -123,6 +148,9 @@ class History:
         "train_seconds": self.train_seconds,
         "compile_seconds": self.compile_seconds,
         "sweep_size": self.sweep_size,
+        "diverged_at_round": self.diverged_at_round,
+        "diverged_reason": self.diverged_reason,
+        "initial_loss": self.initial_loss,
     }
 
   @classmethod
@@ -133,6 +161,9 @@ class History:
         train_seconds=float(d["train_seconds"]),
         compile_seconds=float(d["compile_seconds"]),
         sweep_size=d.get("sweep_size"),
+        diverged_at_round=d.get("diverged_at_round"),
+        diverged_reason=d.get("diverged_reason"),
+        initial_loss=d.get("initial_loss"),
     )
 
   def save_json(self, path: str) -> None:
@@ -162,10 +193,21 @@ def _from_raw(raw: PyTree, template: PyTree) -> PyTree:
       lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_typed_key(t) else r, raw, template)
 
 
+class CheckpointError(RuntimeError):
+  """No checkpoint in the directory can be restored."""
+
+
+class CheckpointWarning(UserWarning):
+  """The latest checkpoint was unreadable; an older one was restored."""
+
+
 class Checkpointer:
   """Saves and restores (state, history) with orbax, keeping the last `max_to_keep` checkpoints.
 
-  Steps are round numbers. Used by `train`; usable on its own.
+  Steps are round numbers. `restore` falls back to an older checkpoint when
+  the latest cannot be read (a truncated or corrupt file: a warning, and the
+  unreadable steps are deleted so that the run can save them again), and
+  raises `CheckpointError` when none can. Used by `train`; usable on its own.
   """
 
   def __init__(self, directory: str, max_to_keep: int = 2):
@@ -173,8 +215,13 @@ class Checkpointer:
 
     self._ocp = ocp
     self.directory = os.path.abspath(directory)
-    self._manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+    self._max_to_keep = max_to_keep
+    self._manager = self._open()
+
+  def _open(self):
+    ocp = self._ocp
+    return ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self._max_to_keep, create=True))
 
   def latest_round(self) -> int | None:
     return self._manager.latest_step()
@@ -188,16 +235,54 @@ class Checkpointer:
         state=ocp.args.StandardSave(_to_raw(state)), history=ocp.args.JsonSave(history.to_dict())))
     self._manager.wait_until_finished()
 
-  def restore(self, template: PyTree) -> tuple[PyTree, History] | None:
-    """The latest (state, history), with `template`'s structure (e.g. `algorithm.init(...)`); None if none."""
+  def _restore_step(self, step: int, template: PyTree) -> tuple[PyTree, History]:
     ocp = self._ocp
-    step = self._manager.latest_step()
-    if step is None:
-      return None
-    raw_template = _to_raw(template)
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(raw_template), history=ocp.args.JsonRestore()))
-    return _from_raw(restored["state"], template), History.from_dict(restored["history"])
+        state=ocp.args.StandardRestore(_to_raw(template)), history=ocp.args.JsonRestore()))
+    state = _from_raw(restored["state"], template)
+    history = History.from_dict(restored["history"])
+    if current_round(state) != step or history.num_rounds not in (0, step):
+      raise ValueError(f"the checkpoint holds round {current_round(state)} and a history of {history.num_rounds} "
+                       f"rounds, not round {step}")
+    return state, history
+
+  def restore(self, template: PyTree) -> tuple[PyTree, History] | None:
+    """The latest readable (state, history), with `template`'s structure (e.g. `algorithm.init(...)`).
+
+    None if the directory holds no checkpoint; `CheckpointError` if it holds
+    some and none can be read.
+    """
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    broken = []
+    for step in steps:
+      try:
+        restored = self._restore_step(step, template)
+      except Exception as e:  # pylint: disable=broad-except  (orbax raises many types for a damaged file)
+        broken.append((step, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+        continue
+      if broken:
+        rounds = ", ".join(str(b) for b, _ in broken)
+        warnings.warn(f"checkpoint of round(s) {rounds} in {self.directory} unreadable ({broken[0][1][:200]}); "
+                      f"resuming from round {step}", CheckpointWarning, stacklevel=2)
+        self._discard([b for b, _ in broken])
+      return restored
+    if broken:
+      rounds = ", ".join(str(b) for b, _ in broken)
+      raise CheckpointError(f"no valid checkpoint in {self.directory} (round(s) {rounds} unreadable: "
+                            f"{broken[0][1][:200]})")
+    return None
+
+  def _discard(self, steps: list[int]) -> None:
+    """Deletes unreadable steps (so later saves of those rounds succeed) and reopens the manager."""
+    for step in steps:
+      try:
+        self._manager.delete(step)
+      except Exception:  # pylint: disable=broad-except
+        path = os.path.join(self.directory, str(step))
+        if os.path.isdir(path):
+          shutil.rmtree(path)
+    self._manager.close()
+    self._manager = self._open()
 
 
 # ---- progress --------------------------------------------------------------------------------------------------
@@ -350,6 +435,99 @@ def _check_seed(seed: Any, algorithm: Any) -> int | tuple[int, ...]:
   return tuple(int(s) for s in seeds)
 
 
+class RoundTooLargeError(MemoryError):
+  """A compiled chunk would need more memory than the device has (raised before it runs)."""
+
+
+def _available_bytes() -> int | None:
+  """Memory the default device can still give: the accelerator's limit, or the host's available RAM (None: unknown)."""
+  device = jax.devices()[0]
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def compiled_bytes(compiled: Any) -> int | None:
+  """New memory a compiled program allocates when it runs: temporaries and outputs (its inputs exist already)."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except  (not every backend reports it)
+    return None
+  if stats is None:
+    return None
+  return int(stats.temp_size_in_bytes) + int(stats.output_size_in_bytes) - int(getattr(stats, "alias_size_in_bytes", 0))
+
+
+def check_fits(compiled: Any, what: str, advice: str) -> None:
+  """Raises `RoundTooLargeError` when `compiled` needs more memory than `_available_bytes()`."""
+  need, have = compiled_bytes(compiled), _available_bytes()
+  if need is None or have is None or need <= have:
+    return
+  raise RoundTooLargeError(f"{what} needs about {need / 2**30:.1f} GiB of memory but the device has "
+                           f"{have / 2**30:.1f} GiB available; {advice}")
+
+
+def divergence(history: History, params: PyTree, length: int, factor: float, swept: bool) -> str | None:
+  """Why the run diverged in its last chunk of `length` rounds, or None (for a sweep: only if every member did).
+
+  Diverged: the model holds NaN/Inf; the chunk's client losses are not
+  finite; every client of every round of the chunk sent a non-finite update;
+  or a loss (the chunk's mean client loss, the last `test_loss`) exceeds
+  `factor` × the baseline, the initial model's test loss
+  (`history.initial_loss`), else round 1's client loss.
+  """
+  metrics = {k: np.asarray(v) for k, v in history.round_metrics.items()}
+  members = 1 if not swept else np.shape(next(iter(metrics.values())))[0]
+  last = history.last_eval
+
+  def member(values, i):
+    values = np.asarray(values, np.float64) if not isinstance(values, np.ndarray) else values
+    return values if not swept else values[i]
+
+  reasons = []
+  for i in range(members):
+    leaves = [np.asarray(x if not swept else x[i]) for x in jax.tree.leaves(params)]
+    loss = member(metrics["client_loss"], i).astype(np.float64) if "client_loss" in metrics else None
+    if history.initial_loss is not None:
+      baseline = float(member(history.initial_loss, i))
+    else:
+      baseline = float(loss[0]) if loss is not None and len(loss) else float("nan")
+    test_loss = float(member(last["test_loss"], i)) if "test_loss" in last else None
+    reason = None
+    if not all(np.all(np.isfinite(x)) for x in leaves if np.issubdtype(x.dtype, np.inexact)):
+      reason = "the model holds NaN or Inf"
+    elif loss is not None and not np.all(np.isfinite(loss[-length:])):
+      reason = "the clients' training loss is NaN or Inf"
+    elif test_loss is not None and not np.isfinite(test_loss):
+      reason = "the test loss is NaN or Inf"
+    elif np.isfinite(baseline) and baseline > 0:
+      for what, value in (("clients' training loss", None if loss is None else float(np.mean(loss[-length:]))),
+                          ("test loss", test_loss)):
+        if value is not None and value > factor * baseline:
+          reason = f"the {what} grew to {value:.3g}, over {factor:g}× the initial {baseline:.3g}"
+          break
+    if reason is None and "round_accepted" in metrics and "num_nonfinite" in metrics:
+      accepted = member(metrics["round_accepted"], i)[-length:]
+      dropped = member(metrics["num_nonfinite"], i)[-length:]
+      if not np.any(accepted) and np.all(dropped > 0):
+        reason = "every client's update was NaN or Inf in every round of the last chunk"
+    reasons.append(reason)
+  if any(r is None for r in reasons):
+    return None
+  return reasons[0] if not swept else f"every member: {reasons[0]}"
+
+
 def train(
     algorithm: FederatedAlgorithm | SweptAlgorithm,
     state: PyTree,
@@ -376,8 +554,10 @@ def train(
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 1,
     resume: bool | str = False,
+    divergence_factor: float | None = 1e3,
+    check_memory: bool = True,
 ) -> tuple[PyTree, History]:
-  """Runs `algorithm` from `state` until `state.round == rounds`.
+  """Runs `algorithm` from `state` until `state.round == rounds` (or until it diverges).
 
   Args:
     algorithm: any `FederatedAlgorithm`, or a `fedjax_opt.sweep.SweptAlgorithm`
@@ -419,13 +599,30 @@ def train(
     checkpoint_every: chunks between checkpoints (and one at the end).
     resume: True to continue from the latest checkpoint in `checkpoint_dir`, or
       a directory to resume from (and keep checkpointing to). Starts from
-      `state` when no checkpoint exists.
+      `state` when no checkpoint exists. An unreadable latest checkpoint falls
+      back to the previous one (`CheckpointWarning`); none readable raises
+      `CheckpointError`.
+    divergence_factor: stop when the run diverges (module docstring): the
+      served model or a chunk's mean client loss is not finite, every client
+      of every round of a chunk sent a non-finite update, or a chunk's mean
+      client loss exceeds `divergence_factor` × round 1's. The history then
+      records `diverged_at_round` and `diverged_reason`, the state is
+      checkpointed, and a resumed run does not train further. None: never stop.
+    check_memory: before running the first chunk, estimate its memory from the
+      compiled program and raise `RoundTooLargeError` if it exceeds what the
+      device has.
+
+  A KeyboardInterrupt (Ctrl-C) checkpoints the last completed chunk (when
+  checkpointing) and is raised again.
 
   Returns:
     (final state, `History`).
   """
   _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, checkpoint_every)
   _check_personalized(personalized_params, personalize, metric_fns)
+  if metric_fns and not dataset.has_test_examples:
+    raise ValueError("metric_fns are evaluated on the clients' test examples, and this dataset has none: load it "
+                     "with test_fraction > 0, or pass metric_fns=None.")
   seed = _check_seed(seed, algorithm)
   swept = isinstance(algorithm, SweptAlgorithm)
   if isinstance(resume, str):
@@ -492,32 +689,58 @@ def train(
   start_round = current_round(state)
   bar = _Progress(progress, rounds, start_round, label)
   chunks_done = 0
+  committed = (state, history)  # (state, history) of the last completed chunk: replaced in one assignment
+  checked_memory = not check_memory
   try:
-    while current_round(state) < rounds:
+    if (divergence_factor is not None and metric_fns and "loss" in metric_fns and history.initial_loss is None
+        and current_round(state) == 0 and rounds > 0):
+      params_fn = (lambda s: (eval_params(s), table_fn(s)))
+      params, table = params_fn(state) if not swept else jax.vmap(params_fn)(state)
+      args = (params, table, dataset, holdout)
+      evaluator = _compiled(("eval", eval_key, _signature(args)), run_eval, args, history)
+      history.initial_loss = _host_value(evaluator(*args)["test_loss"])
+      committed = (state, history)
+    while current_round(state) < rounds and history.diverged_at_round is None:
       current = current_round(state)
       length = min(rounds, (current // eval_every + 1) * eval_every) - current
       chunk = _compiled(("chunk", run_key, length, _signature((state, dataset))), run_chunk,
                         (state, dataset, length), history, static_argnums=2)
+      if not checked_memory:
+        check_fits(chunk, f"a chunk of {length} round(s) ({clients_per_round} clients × "
+                          f"{local_steps or local_epochs} {'steps' if local_steps else 'epochs'} × batch {batch_size})",
+                   "lower batch_size, local_steps or clients_per_round")
+        checked_memory = True
       t0 = time.perf_counter()
-      state, metrics = chunk(state, dataset)
+      new_state, metrics = chunk(state, dataset)
       metrics = jax.device_get(metrics)
       elapsed = time.perf_counter() - t0
-      history.train_seconds += elapsed
-      history.append_rounds(metrics)
-      point = {"round": current_round(state), "seconds": history.train_seconds,
+      point = {"round": current_round(new_state), "seconds": history.train_seconds + elapsed,
                "train_loss": (_host_value(np.mean(metrics["client_loss"], axis=-1)) if "client_loss" in metrics
                               else float("nan"))}
       if metric_fns:
         params_fn = (lambda s: (eval_params(s), table_fn(s)))
-        params, table = params_fn(state) if not swept else jax.vmap(params_fn)(state)
+        params, table = params_fn(new_state) if not swept else jax.vmap(params_fn)(new_state)
         args = (params, table, dataset, holdout)
         evaluator = _compiled(("eval", eval_key, _signature(args)), run_eval, args, history)
         point.update({k: _host_value(v) for k, v in evaluator(*args).items()})
-      history.evals.append(point)
+      new_history = history.extended(metrics, point, elapsed)
+      if divergence_factor is not None:
+        reason = divergence(new_history, eval_params(new_state) if not swept else jax.vmap(eval_params)(new_state),
+                            length, divergence_factor, swept)
+        if reason is not None:
+          new_history.diverged_at_round, new_history.diverged_reason = current_round(new_state), reason
+      committed = (new_state, new_history)
+      state, history = committed
       bar.update(current_round(state), _format(point, length / max(elapsed, 1e-9)))
       chunks_done += 1
-      if checkpointer is not None and (chunks_done % checkpoint_every == 0 or current_round(state) >= rounds):
+      if checkpointer is not None and (chunks_done % checkpoint_every == 0 or current_round(state) >= rounds
+                                       or history.diverged_at_round is not None):
         checkpointer.save(state, history)
+  except KeyboardInterrupt:
+    state, history = committed
+    if checkpointer is not None and current_round(state) > start_round:
+      checkpointer.save(state, history)
+    raise
   finally:
     bar.close()
   return state, history

@@ -2,12 +2,15 @@
 
 import hashlib
 import json
+import math
 import os
+import signal
+import subprocess
 
 import numpy as np
 import pytest
 
-from tests.test_cli import run_cli
+from tests.test_cli import CLI, run_cli
 
 SMALL = ["--dataset", "digits", "--num-clients", "20", "--clients-per-round", "5", "--local-steps", "3",
          "--batch-size", "16", "--eval-every", "5", "--quiet"]
@@ -137,3 +140,72 @@ def test_shakespeare_runs_with_a_character_model(tmp_path):
   row = json.loads((out / "results.json").read_text())[0]
   assert row["model"] == "char_rnn" and row["status"] == "finished" and 0 <= row["test_accuracy"] <= 1
   assert json.loads((out / "config.json").read_text())["num_clients"] == 6
+
+
+def test_ctrl_c_saves_and_resume_finishes_the_same_run(tmp_path):
+  out, whole = tmp_path / "run", tmp_path / "whole"
+  args = [a for a in SMALL if a != "--quiet"] + ["--algorithms", "fedavg", "--rounds", "4000", "--eval-every", "20",
+                                                 "--checkpoint-every", "1000"]
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  proc = subprocess.Popen([*CLI, "run", *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=env)
+  for line in proc.stdout:
+    if "round 100/4000" in line:
+      break
+  proc.send_signal(signal.SIGINT)
+  _, stderr = proc.communicate(timeout=300)
+  if proc.returncode == 0:
+    pytest.fail("the run finished before it could be interrupted")
+  assert proc.returncode == 130, stderr
+  assert "Traceback" not in stderr
+  assert stderr.strip().splitlines()[-1].startswith("fedjax-opt: interrupted while training fedavg")
+  steps = os.listdir(out / "checkpoints" / "fedavg")
+  assert steps, "Ctrl-C saved no checkpoint"
+  saved = max(int(s) for s in steps if s.isdigit())
+  assert saved >= 100 and saved % 20 == 0
+  again = run_cli("run", "--out", str(out), "--resume", "--rounds", str(4000))
+  assert again.returncode == 0, again.stderr
+  assert run_cli("run", *args, "--out", str(whole)).returncode == 0
+  a = without_timings(json.loads((whole / "history.json").read_text()))
+  b = without_timings(json.loads((out / "history.json").read_text()))
+  assert a == b
+  assert math.isfinite(json.loads((out / "results.json").read_text())[0]["test_accuracy"])
+
+
+def test_a_truncated_checkpoint_resumes_from_the_previous_one(tmp_path):
+  whole, out = tmp_path / "whole", tmp_path / "run"
+  args = [*SMALL, "--algorithms", "fedavg", "--checkpoint-every", "1"]
+  assert run_cli("run", *args, "--rounds", "20", "--out", str(whole)).returncode == 0
+  assert run_cli("run", *args, "--rounds", "10", "--out", str(out)).returncode == 0
+  steps = out / "checkpoints" / "fedavg"
+  assert sorted(int(s) for s in os.listdir(steps) if s.isdigit()) == [5, 10]
+  for root, _, files in os.walk(steps / "10"):
+    for name in files:
+      open(os.path.join(root, name), "wb").close()
+  result = run_cli("run", "--out", str(out), "--resume", "--rounds", "20")
+  assert result.returncode == 0, result.stderr
+  warning = [line for line in result.stderr.splitlines() if line.startswith("fedjax-opt: warning:")]
+  assert len(warning) == 1 and "resuming from round 5" in warning[0], result.stderr
+  a = without_timings(json.loads((whole / "history.json").read_text()))
+  b = without_timings(json.loads((out / "history.json").read_text()))
+  assert a == b
+
+
+def test_a_diverging_algorithm_is_stopped_and_marked(tmp_path):
+  out = tmp_path / "run"
+  result = run_cli("run", *SMALL, "--algorithms", "fedavg", "--client-lr", "1e6", "--rounds", "40", "--out", str(out))
+  assert result.returncode == 0, result.stderr
+  row = json.loads((out / "results.json").read_text())[0]
+  assert row["status"].startswith("diverged at round") and row["rounds"] < 40
+  assert "over 1000× the initial" in row["diverged_reason"] or "NaN or Inf" in row["diverged_reason"]
+  assert f"fedavg {row['status']}: " in result.stdout
+
+
+def test_a_round_too_big_for_memory_is_refused_and_leaves_no_folder(tmp_path):
+  out = tmp_path / "run"
+  result = run_cli("run", "--batch-size", "100000", "--rounds", "2", "--algorithms", "fedavg", "--out", str(out),
+                   "--quiet")
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "needs about" in lines[0] and "lower batch_size, local_steps or clients_per_round" in lines[0]
+  assert not out.exists()

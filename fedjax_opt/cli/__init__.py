@@ -88,7 +88,16 @@ def flag_reference() -> str:
   return "\n".join(lines)
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+  del filename, lineno, file, line
+  return f"fedjax-opt: warning: {message}\n" if category.__module__.startswith("fedjax_opt") else \
+      f"{category.__name__}: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+  import warnings
+
+  warnings.formatwarning = _one_line_warning
   out = None
   try:
     args = build_parser().parse_args(argv)

@@ -240,7 +240,7 @@ def _check_hyper(config: dict[str, Any], names: list[str]) -> None:
   hyper = config["hyper"]
   if not isinstance(hyper, dict):
     raise UsageError(f"hyper must be a table of [algorithm] sections; got {hyper!r}")
-  for algo, overrides in hyper.items():
+  for algo in hyper:
     if algo not in registry.REGISTRY:
       raise UsageError(f"--set {algo}.…: unknown algorithm {algo!r}; choose from {', '.join(registry.REGISTRY)}")
     if algo not in names:

@@ -23,6 +23,8 @@ def _cell(row: dict[str, Any], key: str, spec: str = ".4f") -> str:
   if value is None or math.isnan(value):  # absent, or NaN (e.g. no client loss: full-gradient methods)
     return "-"
   std = row.get(key + "_std")
+  if spec == ".4f" and not 1e-3 <= abs(value) < 1e4 and value != 0:
+    spec = ".3e"  # a diverged loss, or a tiny one
   return f"{value:{spec}}" if std is None else f"{value:{spec}} ± {std:{spec}}"
 
 
@@ -47,7 +49,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
                      for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
 
   rule = "-" * len(fmt(header))
-  return "\n".join([fmt(header), rule] + [fmt(line) for line in lines[1:]])
+  notes = [f"{r['algorithm']} {r['status']}: {r['diverged_reason']}" for r in rows if r.get("diverged_reason")]
+  return "\n".join([fmt(header), rule] + [fmt(line) for line in lines[1:]] + ([""] + notes if notes else []))
 
 
 def title(config: dict[str, Any], dataset) -> str:

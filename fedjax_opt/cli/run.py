@@ -241,6 +241,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   dataset, model, built = _prepared(config)
   if overwrite and not resume:
     config_lib.clear_previous(out)
+  created = not os.path.exists(out)
   os.makedirs(out, exist_ok=True)
   config_lib.write_json(os.path.join(out, "config.json"), config, indent=1)
   say(dataset.summary())
@@ -269,12 +270,17 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
     except KeyboardInterrupt:
       raise report.Interrupted(name) from None
     except tuple(_train_errors()) as e:
+      if not resume and not rows:  # nothing trained yet: leave no half-made run behind
+        config_lib.clear_previous(out)
+        if created and not os.listdir(out):
+          os.rmdir(out)
       raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
     histories[name] = history
     last = history.last_eval
     diverged = getattr(history, "diverged_at_round", None)
     row = dict(algorithm=name, family=spec.family, model=model.name,
                status="finished" if diverged is None else f"diverged at round {diverged}",
+               **({} if diverged is None else {"diverged_reason": history.diverged_reason}),
                rounds=train_lib.current_round(state))
     for key in ("test_accuracy", "test_loss", "train_loss"):
       row.update(_summarize(last, key))
