@@ -33,6 +33,11 @@ def _stateless_init(params: PyTree) -> tuple:
   return ()
 
 
+def broadcast_rows(mask: jax.Array, leaf: jax.Array) -> jax.Array:
+  """A `[C]` per-client mask (or weight) reshaped to broadcast against a `[C, ...]` leaf."""
+  return mask.reshape((-1,) + (1,) * (leaf.ndim - 1))
+
+
 def weighted_sum(updates: PyTree, coefficients: jax.Array) -> PyTree:
   """Σ_c a_c u_c over the leading client axis of every leaf of `updates`."""
   return jax.tree.map(lambda u: jnp.tensordot(coefficients.astype(u.dtype), u, axes=1), updates)

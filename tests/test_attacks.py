@@ -1,0 +1,259 @@
+"""Attacks on the stacked client updates and data poisoning, against NumPy transcriptions of the papers' formulas."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import scipy.stats
+from conftest import lsq_loss, pack
+
+import fedjax_opt as fo
+from fedjax_opt import attacks
+
+A = fo.aggregators
+C, D = 9, 6
+ZERO = (2, 6)  # zero-weight rows
+KEY = jax.random.key(3)
+
+# An aggregator that hands back what it was given: the stacked updates after the attack.
+IDENTITY = A.Aggregator(lambda params: (), lambda updates, weights, state, key: (updates, state))
+
+
+def setup(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(C, D)) + 1.0
+  w = rng.uniform(1, 5, size=C)
+  w[list(ZERO)] = 0
+  return x, w
+
+
+def attacked(attack, x, w, attackers, key=KEY, **kwargs):
+  """The rows the wrapped aggregator receives, as float64 NumPy, and the wrapper's state."""
+  agg = attacks.corrupt(IDENTITY, attack, attackers=attackers, **kwargs)
+  with jax.enable_x64(True):
+    out, state = jax.jit(agg.aggregate)({"p": jnp.asarray(x[:, :2]), "q": jnp.asarray(x[:, 2:])}, jnp.asarray(w),
+                                        agg.init(None), key)
+  return np.concatenate([np.asarray(out["p"]), np.asarray(out["q"])], axis=1), state
+
+
+ROWS = (0, 3, 6)  # explicit attacker rows; row 6 has weight 0, so it does not attack
+
+
+def _check_rows(got, x, expected_bad):
+  """Honest and zero-weight rows untouched; the attackers' rows (0 and 3) equal `expected_bad`."""
+  keep = np.ones(C, bool)
+  keep[[0, 3]] = False
+  np.testing.assert_array_equal(got[keep], x[keep])
+  np.testing.assert_allclose(got[[0, 3]], np.broadcast_to(expected_bad, (2, D)), rtol=1e-12, atol=1e-12)
+
+
+def honest_rows(w):
+  mask = w > 0
+  mask[[0, 3]] = False
+  return mask
+
+
+def test_omniscient_sends_minus_factor_times_the_honest_sum():
+  x, w = setup()
+  got, state = attacked(attacks.omniscient(1e4), x, w, ROWS)
+  _check_rows(got, x, -1e4 * x[honest_rows(w)].sum(0))
+  assert int(state.num_attackers) == 2
+
+
+def test_sign_flip_and_ipm():
+  x, w = setup()
+  got, _ = attacked(attacks.sign_flip(3.0), x, w, ROWS)
+  np.testing.assert_allclose(got[[0, 3]], -3.0 * x[[0, 3]], rtol=1e-12)
+  _check_rows(got, x, got[[0, 3]])
+  got, _ = attacked(attacks.ipm(0.5), x, w, ROWS)
+  _check_rows(got, x, -0.5 * x[honest_rows(w)].mean(0))
+
+
+def test_alie_is_mean_minus_z_std_with_the_papers_z():
+  """Baruch et al.: s = ⌊n/2 + 1⌋ − f, z = Φ⁻¹((n − s)/n); here n = 7 taking part, f = 2: s = 2, z = Φ⁻¹(5/7)."""
+  x, w = setup()
+  honest = x[honest_rows(w)]
+  z = scipy.stats.norm.ppf((7 - (math.floor(7 / 2 + 1) - 2)) / 7)
+  got, _ = attacked(attacks.alie(), x, w, ROWS)
+  _check_rows(got, x, honest.mean(0) - z * honest.std(0, ddof=1))
+  got, _ = attacked(attacks.alie(1.5), x, w, ROWS)
+  _check_rows(got, x, honest.mean(0) - 1.5 * honest.std(0, ddof=1))
+  for n, f in ((10, 2), (50, 12), (100, 20)):
+    s = math.floor(n / 2 + 1) - f
+    np.testing.assert_allclose(attacks.alie_z(n, f), scipy.stats.norm.ppf((n - s) / n), rtol=1e-5)
+
+
+def test_gaussian_replaces_attackers_with_noise_of_the_given_scale():
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(4, 5000))
+  w = np.ones(4)
+  agg = attacks.corrupt(IDENTITY, attacks.gaussian(7.0), attackers=[1, 2])
+  out = lambda key: np.asarray(agg.aggregate({"p": jnp.asarray(x, jnp.float32)}, jnp.asarray(w, jnp.float32),
+                                             agg.init(None), key)[0]["p"], np.float64)
+  got = out(KEY)
+  np.testing.assert_array_equal(got[[0, 3]], x[[0, 3]].astype(np.float32))
+  for row in (1, 2):
+    assert abs(got[row].mean()) < 0.5 and abs(got[row].std() - 7.0) < 0.3
+  assert np.corrcoef(got[1], got[2])[0, 1] < 0.05
+  assert not np.array_equal(out(jax.random.key(4))[1], got[1])  # fresh noise each round
+
+
+def test_generalized_byzantine_corrupts_at_most_the_fraction_per_coordinate():
+  """Every row attacks; per coordinate exactly ⌊0.3 · 7⌋ = 2 of the 7 clients taking part are corrupted."""
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(C, 400))
+  w = np.ones(C)
+  w[list(ZERO)] = 0
+  got, _ = attacked(attacks.generalized_byzantine(0.3, 1e6), x, w, 1.0)
+  bad = got == 1e6
+  np.testing.assert_array_equal(got[~bad], x[~bad])
+  np.testing.assert_array_equal(bad.sum(0), 2)
+  assert not bad[list(ZERO)].any()
+  assert bad[w > 0].any(1).all()  # over 400 coordinates every client is hit somewhere
+  # Values from an attack: the corrupted coordinates hold that attack's vector, here −v (sign flip).
+  got, _ = attacked(attacks.generalized_byzantine(0.3, attacks.sign_flip()), x, w, 1.0)
+  flipped = got != x
+  np.testing.assert_array_equal(flipped.sum(0), 2)
+  np.testing.assert_array_equal(got[flipped], -x[flipped])
+  # Only attacker rows are corrupted: with 3 attacker rows, per coordinate min(2, 3) of them.
+  got, _ = attacked(attacks.generalized_byzantine(0.3, 1e6), x, w, [0, 1, 4])
+  bad = got == 1e6
+  assert not bad[[2, 3, 5, 6, 7, 8]].any()
+  np.testing.assert_array_equal(bad.sum(0), 2)
+
+
+def test_attacker_counts_from_a_fraction_or_a_count():
+  x, w = setup()  # 7 clients take part
+  for attackers, expected in ((0.0, 0), (0.3, 2), (0.5, 3), (1.0, 7), (2, 2), (20, 7)):
+    got, state = attacked(attacks.sign_flip(), x, w, attackers)
+    changed = np.any(got != x, axis=1)
+    assert changed.sum() == expected == int(state.num_attackers), attackers
+    assert not changed[list(ZERO)].any()
+
+
+def test_fixed_attackers_stay_put_across_rounds_and_per_round_ones_move():
+  x, w = setup()
+  tree, weights = {"p": jnp.asarray(x, jnp.float32)}, jnp.asarray(w, jnp.float32)
+
+  def rows_of(agg, **kw):
+    run = jax.jit(agg.aggregate)
+    return lambda key, state=None: tuple(np.flatnonzero(np.any(
+        np.asarray(run(tree, weights, agg.init(None) if state is None else state, key)[0]["p"]) != x.astype(
+            np.float32), axis=1)))
+
+  keys = [jax.random.key(i) for i in range(6)]
+  fixed = attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=3)
+  fixed_rows = rows_of(fixed)
+  assert len({fixed_rows(k) for k in keys}) == 1
+  # The set lives in the state: states seeded differently pick different rows through the same compiled round.
+  seeded = {fixed_rows(KEY, attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=3, seed=s).init(None))
+            for s in range(6)}
+  assert len(seeded) > 1 and all(len(r) == 3 for r in seeded)
+  moving = rows_of(attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=3, per_round=True))
+  assert len({moving(k) for k in keys}) > 1
+
+
+def test_corrupt_composes_with_an_aggregator():
+  """corrupt(mean, sign_flip) on rows 0 and 3 is the mean of the rows with those two negated."""
+  x, w = setup()
+  agg = attacks.corrupt(A.weighted_mean(), attacks.sign_flip(), attackers=[0, 3])
+  with jax.enable_x64(True):
+    out, _ = agg.aggregate({"p": jnp.asarray(x)}, jnp.asarray(w), agg.init({"p": jnp.zeros(D)}), KEY)
+  y = x.copy()
+  y[[0, 3]] *= -1
+  np.testing.assert_allclose(out["p"], w @ y / w.sum(), rtol=1e-12)
+
+
+def test_bad_arguments_raise_clear_errors():
+  with pytest.raises(ValueError, match=r"corrupt: attackers as a fraction must be in \[0, 1\]; got 1.5"):
+    attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=1.5)
+  with pytest.raises(ValueError, match="corrupt: attackers as a count must be >= 0; got -1"):
+    attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=-1)
+  with pytest.raises(TypeError, match="corrupt: attackers must be a fraction"):
+    attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=True)
+  with pytest.raises(TypeError, match="attack must be a fedjax_opt.attacks.Attack"):
+    attacks.corrupt(IDENTITY, lambda u: u, attackers=0.1)
+  with pytest.raises(TypeError, match="aggregator must be a fedjax_opt.aggregators.Aggregator"):
+    attacks.corrupt(lambda u: u, attacks.sign_flip(), attackers=0.1)
+  with pytest.raises(ValueError, match=r"generalized_byzantine: fraction must be a float in \(0, 1\]"):
+    attacks.generalized_byzantine(0.0, 1.0)
+  with pytest.raises(ValueError, match="gaussian: scale must be a finite number > 0; got -1.0"):
+    attacks.gaussian(-1.0)
+  with pytest.raises(ValueError, match="omniscient: factor must be a finite number; got inf"):
+    attacks.omniscient(float("inf"))
+  with pytest.raises(ValueError, match="label_flip: num_classes must be a Python int >= 2; got 1"):
+    attacks.label_flip(1)
+  x, w = setup()
+  with pytest.raises(ValueError, match=r"corrupt: attacker rows \(0, 9\) must be < C = 9"):
+    attacked(attacks.sign_flip(), x, w, [0, 9])
+  algo = fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(0.1))
+  with pytest.raises(ValueError, match="poison: a fraction or a count of attackers needs num_clients"):
+    attacks.poison(algo, attacks.label_flip(3), attackers=0.2)
+
+
+# ---- data poisoning ----------------------------------------------------------------------------------------
+
+
+def softmax_loss(params, batch):
+  logits = batch["x"] @ params["w"] + params["b"]
+  return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch["y"][:, None], -1)[:, 0]
+
+
+def _classification_clients(rng, n_clients=6, n=20, d=3, k=4):
+  return [(rng.normal(size=(n, d)), rng.integers(0, k, n).astype(np.int32)) for _ in range(n_clients)]
+
+
+def test_label_flip_poisons_only_the_attacking_clients_step():
+  """poison(algo, label_flip(K), attackers=[1, 4]).step = algo.step on batches whose clients 1 and 4 have y → K−1−y."""
+  rng = np.random.default_rng(0)
+  clients = _classification_clients(rng)
+  batches = pack(clients, steps=4, batch=5)
+  batches = batches.replace(client_id=jnp.asarray([5, 1, 0, 4, 2, 3], jnp.int32))  # rows are not ids
+  algo = fo.algorithms.fedavg(softmax_loss, client_optimizer=optax.sgd(0.3), client_map="vmap")
+  params = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
+  poisoned = attacks.poison(algo, attacks.label_flip(4), attackers=[1, 4])
+  y = np.asarray(batches.data["y"]).copy()
+  y[[1, 3]] = 3 - y[[1, 3]]  # the rows holding clients 1 and 4
+  flipped = batches.replace(data={**batches.data, "y": jnp.asarray(y)})
+  state = algo.init(params, jax.random.key(0))
+  got = jax.jit(poisoned.step)(state, batches)
+  want = jax.jit(algo.step)(state, flipped)
+  jax.tree.map(np.testing.assert_array_equal, got.params, want.params)
+  clean = jax.jit(algo.step)(state, batches)
+  assert not np.allclose(clean.params["w"], got.params["w"])
+
+
+def test_poison_draws_a_fixed_fraction_of_the_dataset_clients():
+  """attackers=0.3 of N = 10: the ⌊0.3 · 10⌋ = 3 ids of the seeded permutation, whatever the rows' order."""
+  seen = {}
+
+  def spy(data, rows):
+    seen["rows"] = rows
+    return data
+
+  algo = fo.FederatedAlgorithm(lambda params, key: None, lambda state, batches: state)
+  batches = pack([(np.ones((2, 2)), np.ones(2))] * 10, steps=1, batch=2)
+  batches = batches.replace(client_id=jnp.asarray([9, 8, 7, 6, 5, 4, 3, 2, 1, 0], jnp.int32))
+  for seed in (0, 1):
+    attacks.poison(algo, attacks.DataAttack(spy), attackers=0.3, num_clients=10, seed=seed).step(None, batches)
+    ids = 9 - np.flatnonzero(np.asarray(seen["rows"]))
+    np.testing.assert_array_equal(np.sort(ids), np.sort(np.random.default_rng(seed).permutation(10)[:3]))
+
+
+def test_poisoned_algorithm_trains_with_fo_train_as_on_flipped_data():
+  """Every client an attacker: fo.train on the poisoned algorithm = fo.train on a dataset with flipped labels."""
+  rng = np.random.default_rng(2)
+  clients = _classification_clients(rng, n_clients=5)
+  data = [{"x": x.astype(np.float32), "y": y} for x, y in clients]
+  dataset = fo.data.pack(data, test_fraction=0.2, num_classes=4)
+  flipped = fo.data.pack([{"x": c["x"], "y": 3 - c["y"]} for c in data], test_fraction=0.2, num_classes=4)
+  algo = fo.algorithms.fedavg(softmax_loss, client_optimizer=optax.sgd(0.3), client_map="vmap")
+  params = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
+  kw = {"clients_per_round": 3, "batch_size": 4, "local_steps": 2, "eval_every": 3, "progress": False}
+  poisoned = attacks.poison(algo, attacks.label_flip(4), attackers=1.0, num_clients=dataset.num_clients)
+  got, _ = fo.train(poisoned, poisoned.init(params, jax.random.key(0)), dataset, 3, **kw)
+  want, _ = fo.train(algo, algo.init(params, jax.random.key(0)), flipped, 3, **kw)
+  jax.tree.map(np.testing.assert_array_equal, got.params, want.params)
