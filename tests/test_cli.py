@@ -41,6 +41,13 @@ def run_cli(*args, cwd=None):
     (["run", "--client-map", "chunked:0"], "bad --client-map 'chunked:0': client_map must be one of"),
     (["run", "--resume"], "--resume needs --out DIR"),
     (["run", "--resume", "--overwrite", "--out", "x"], "--resume continues the run in --out and --overwrite"),
+    (["run", "--aggregator", "median"], "unknown aggregator 'median'; choose from weighted_mean, mean"),
+    (["run", "--attack", "poison"], "unknown attack 'poison'; choose from gaussian, omniscient"),
+    (["run", "--attackers", "0.2"], "--attackers needs --attack NAME"),
+    (["run", "--attack", "omniscient", "--attackers", "1.5"], "--attackers is the fraction of attacking clients"),
+    (["run", "--algorithms", "fedavg,l2gd", "--aggregator", "krum"],
+     "--aggregator krum acts on the aggregation of client updates, which l2gd do(es) not have"),
+    (["run", "--set", "attack.factor=3"], "--set attack.… is given without --attack NAME"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle):
@@ -122,6 +129,14 @@ def test_a_bad_hyper_parameter_value_is_the_factory_s_one_line(tmp_path):
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == ["fedjax-opt: error: ditto: lam must be finite and >= 0; got -1.0."]
   assert not (tmp_path / "out").exists()  # nothing is written before every algorithm is built
+
+
+def test_a_bad_aggregator_parameter_is_one_line(tmp_path):
+  result = run_cli("run", "--dataset", "digits", "--aggregator", "krum", "--set", "aggregator.f=2", "--out",
+                   str(tmp_path / "out"))
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      "fedjax-opt: error: aggregator krum has no parameter 'f'; settable: num_byzantine"]
 
 
 def test_toml_sections_set_hyper_parameters_and_are_checked(tmp_path):

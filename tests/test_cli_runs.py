@@ -209,3 +209,22 @@ def test_a_round_too_big_for_memory_is_refused_and_leaves_no_folder(tmp_path):
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and "needs about" in lines[0] and "lower batch_size, local_steps or clients_per_round" in lines[0]
   assert not out.exists()
+
+
+def test_omniscient_attackers_break_the_mean_but_not_mean_around_median(tmp_path):
+  """The seed's classic Byzantine case from the command line: 30% omniscient attackers, digits, 30 rounds."""
+  attack = ["--attack", "omniscient", "--attackers", "0.3", "--rounds", "30", "--clients-per-round", "10"]
+  base = ["--dataset", "digits", "--num-clients", "20", "--local-steps", "3", "--batch-size", "16", "--eval-every",
+          "10", "--quiet"]
+  plain, robust = tmp_path / "mean", tmp_path / "meamed"
+  assert run_cli("run", *base, "--algorithms", "fedavg", *attack, "--out", str(plain)).returncode == 0
+  result = run_cli("run", *base, "--algorithms", "fedavg", *attack, "--aggregator", "mean_around_median",
+                   "--out", str(robust))
+  assert result.returncode == 0, result.stderr
+  mean_row = json.loads((plain / "results.json").read_text())[0]
+  robust_row = json.loads((robust / "results.json").read_text())[0]
+  assert mean_row["status"].startswith("diverged") or mean_row["test_accuracy"] < 0.3
+  assert robust_row["status"] == "finished" and robust_row["test_accuracy"] > 0.6
+  used = robust_row["hyper_parameters"]
+  assert used["aggregator"] == {"name": "mean_around_median", "num_byzantine": 3}  # ⌊0.3 × 10⌋
+  assert used["attack"] == {"name": "omniscient", "attackers": 0.3, "factor": 10.0}

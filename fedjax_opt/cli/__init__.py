@@ -45,6 +45,15 @@ def command_list(what: str | None = None) -> int:
       entries = {name: f"{spec.description}\n    {registry.describe_defaults(name)}"
                  for name, spec in registry.REGISTRY.items() if spec.family == family}
       sections.append((f"algorithms, {family} family ({doc})", entries))
+  if what in (None, "aggregators", "attacks"):
+    from fedjax_opt.cli import robust
+
+    entries = robust.describe()
+    for kind, flag in (("aggregator", "--aggregator; --set aggregator.NAME=VALUE"),
+                       ("attack", "--attack, --attackers F; --set attack.NAME=VALUE")):
+      if what in (None, kind + "s"):
+        sections.append((f"{kind}s ({flag})", {k.split(" ", 1)[1]: v for k, v in entries.items()
+                                                if k.startswith(kind + " ")}))
   if what in (None, "server-optimizers"):
     sections.append(("server optimizers (--set ALGO.server_optimizer=NAME)", server_optimizers.available()))
   if what in (None, "datasets"):

@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition=None, alpha=None, num_clients=None,
     clients_per_round=10, local_steps=10, batch_size=20, client_lr=None, server_lr=None, rounds=300,
     eval_every=25, seed=0, seeds=1, model="auto", client_map="auto", checkpoint_every=4, quiet=False, hyper={},
+    aggregator=None, attack=None, attackers=None,
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
@@ -103,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
   add("--server-lr", metavar="X", type=_positive("server-lr", float, "number"),
       help="the server step size of every chosen algorithm (default: each algorithm's own; an error for one "
            "without a server step size)")
+  add("--aggregator", metavar="NAME",
+      help="every chosen algorithm's aggregator: weighted_mean, mean, marginal_median, mean_around_median, "
+           "geometric_median, trimmed_mean, krum, multi_krum, bulyan, centered_clipping (--set aggregator.NAME=VALUE "
+           "for its parameters)")
+  add("--attack", metavar="NAME",
+      help="simulated attackers: gaussian, omniscient, sign_flip, ipm, alie, generalized_byzantine (on the updates, "
+           "before aggregation) or label_flip (on their data) (--set attack.NAME=VALUE for its parameters)")
+  add("--attackers", metavar="F", type=_positive("attackers", float, "number"),
+      help="--attack: the fraction of attacking clients, in (0, 1] (default 0.2)")
   add("--rounds", metavar="N", type=_positive("rounds", int, "integer"), help="rounds to train, in all (default 300)")
   add("--eval-every", metavar="N", type=_positive("eval-every", int, "integer"), help="rounds between evaluations (default 25)")
   add("--seed", metavar="N", type=int, help="seeds the split, the models and the sampling (default 0)")
@@ -118,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="evaluations between checkpoints (default 4)")
   add("--quiet", action="store_true", default=None, help="no progress lines")
   listing = sub.add_parser("list", help="list algorithms (with their hyper-parameters), datasets, partitions, models")
-  listing.add_argument("what", nargs="?", choices=("algorithms", "datasets", "partitions", "models",
-                                                   "server-optimizers"), help="one section only")
+  listing.add_argument("what", nargs="?", choices=("algorithms", "aggregators", "attacks", "datasets", "partitions",
+                                                   "models", "server-optimizers"), help="one section only")
   return parser
 
 
@@ -134,6 +144,9 @@ def _read_toml(path: str) -> dict[str, Any]:
   config, hyper = {}, {}
   for key, value in raw.items():
     if isinstance(value, dict):
+      if key in ("aggregator", "attack"):
+        hyper[key] = dict(value)
+        continue
       if key not in registry.REGISTRY:
         raise UsageError(f"config {path!r}: section [{key}] is not an algorithm; "
                          f"choose from {', '.join(registry.REGISTRY)}")
@@ -233,6 +246,12 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   if config["num_clients"] is not None and config["clients_per_round"] > config["num_clients"]:
     raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds num_clients={config['num_clients']}")
   _check_hyper(config, names)
+  from fedjax_opt.cli import robust
+
+  try:
+    robust.check(config, names, registry)
+  except robust.RobustError as e:
+    raise UsageError(str(e)) from None
   return config
 
 
@@ -241,6 +260,8 @@ def _check_hyper(config: dict[str, Any], names: list[str]) -> None:
   if not isinstance(hyper, dict):
     raise UsageError(f"hyper must be a table of [algorithm] sections; got {hyper!r}")
   for algo in hyper:
+    if algo in ("aggregator", "attack"):
+      continue
     if algo not in registry.REGISTRY:
       raise UsageError(f"--set {algo}.…: unknown algorithm {algo!r}; choose from {', '.join(registry.REGISTRY)}")
     if algo not in names:

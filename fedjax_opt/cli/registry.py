@@ -75,6 +75,7 @@ class Context:
   local_steps: int  # the run's --local-steps
   rounds: int  # the run's --rounds
   client_map: str
+  aggregator: Any = None  # --aggregator / --attack: replaces the factory's default aggregator
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,6 +369,8 @@ def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
       kwargs["num_clients"] = ctx.num_clients
     if "client_map" in params:
       kwargs["client_map"] = ctx.client_map
+    if ctx.aggregator is not None and "aggregator" in params:
+      kwargs["aggregator"] = ctx.aggregator
     return spec.factory(loss_fn, **kwargs)
   except (ValueError, TypeError) as e:
     message = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -61,9 +61,15 @@ def title(config: dict[str, Any], dataset) -> str:
     split += ", "
   seeds = f"seeds {config['seed']}…{config['seed'] + config['seeds'] - 1}" if config["seeds"] > 1 else \
       f"seed {config['seed']}"
+  robust = ""
+  if config.get("aggregator"):
+    robust += f", aggregator {config['aggregator']}"
+  if config.get("attack"):
+    robust += f", attack {config['attack']} ({config['attackers']:.0%} of clients)"
   return (f"{config['dataset']}, {split}{dataset.num_clients} clients, {config['clients_per_round']}/round, "
           f"{config['local_steps']} steps × batch {config['batch_size']}"
-          + (f", client lr {config['client_lr']:g}" if config["client_lr"] is not None else "") + f", {seeds}")
+          + (f", client lr {config['client_lr']:g}" if config["client_lr"] is not None else "") + f", {seeds}"
+          + robust)
 
 
 def _series(ax, x, values, name: str, **style):

@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable
 
 from fedjax_opt.cli import config as config_lib
-from fedjax_opt.cli import registry, report
+from fedjax_opt.cli import registry, report, robust
 from fedjax_opt.cli.config import UsageError
 
 FLOAT_BITS = 32
@@ -210,17 +210,26 @@ def _prepared(config: dict[str, Any]):
     raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds the dataset's "
                      f"{dataset.num_clients} clients")
   model = build_model(config, dataset)
+  try:
+    aggregator, poison, robust_used = robust.build(config, config["clients_per_round"], dataset.num_classes)
+  except robust.RobustError as e:
+    raise UsageError(str(e)) from None
   ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
-                         local_steps=config["local_steps"], rounds=config["rounds"], client_map=config["client_map"])
+                         local_steps=config["local_steps"], rounds=config["rounds"], client_map=config["client_map"],
+                         aggregator=aggregator)
   built = []
   for name in config["algorithms"].split(","):
     spec = registry.REGISTRY[name]
     hyper = config_lib.hyper_parameters(config, name)
     try:
       algo = registry.build(name, ctx, hyper)
+      if poison is not None:
+        algo = poison(algo, dataset.num_clients)
     except registry.HyperParameterError as e:
       raise UsageError(str(e)) from None
-    built.append((name, spec, hyper, algo))
+    except ValueError as e:  # the attack's own checks
+      raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
+    built.append((name, spec, dict(hyper, **robust_used), algo))
   return dataset, model, built
 
 

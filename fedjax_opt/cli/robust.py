@@ -1,0 +1,176 @@
+"""`--aggregator`, `--attack` and `--attackers`: robust aggregation and simulated attacks on the command line.
+
+Both are named like their library functions (`fo.aggregators.*`, `fo.attacks.*`)
+and take their parameters from `--set aggregator.NAME=VALUE` and
+`--set attack.NAME=VALUE` (or `[aggregator]` / `[attack]` TOML sections),
+checked against the function's signature like an algorithm's.
+
+* `--aggregator NAME` replaces the aggregator of every chosen algorithm; an
+  algorithm whose factory takes no `aggregator` (L2GD, the ADMM family, ...)
+  is an error.
+* `--attack NAME --attackers F`: a model-update attack wraps the aggregator
+  (`fo.attacks.corrupt`: the attackers' rows of the round's stacked updates are
+  replaced before aggregation; with no `--aggregator`, the weighted mean), and
+  needs the same `aggregator` keyword; `label_flip` poisons the data of a fixed
+  fraction F of the dataset's clients (`fo.attacks.poison`) and works with every
+  algorithm.
+
+Defaults that depend on the run: `num_byzantine` (MeaMed, Krum, Bulyan) is
+the number of attackers per round, ⌊F · C⌋ (at least 1), and `trimmed_mean`'s
+`beta` is F, when an attack is simulated; 1 and 0.1 otherwise.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+
+class _FromRun:
+  """A default filled in from the run (`num_byzantine`, `beta`)."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+BYZANTINE = _FromRun("⌊attackers × clients per round⌋")
+FRACTION = _FromRun("--attackers")
+
+
+def _aggregators() -> dict[str, tuple[Any, dict[str, Any]]]:
+  from fedjax_opt import aggregators as a
+
+  return {
+      "weighted_mean": (a.weighted_mean, {}),
+      "mean": (a.mean, {}),
+      "marginal_median": (a.marginal_median, {}),
+      "mean_around_median": (a.mean_around_median, {"num_byzantine": BYZANTINE}),
+      "geometric_median": (a.geometric_median, {}),
+      "trimmed_mean": (a.trimmed_mean, {"beta": FRACTION}),
+      "krum": (a.krum, {"num_byzantine": BYZANTINE}),
+      "multi_krum": (a.multi_krum, {"num_byzantine": BYZANTINE}),
+      "bulyan": (a.bulyan, {"num_byzantine": BYZANTINE}),
+      "centered_clipping": (a.centered_clipping, {"tau": 1.0}),
+  }
+
+
+def _attacks() -> dict[str, tuple[Any, dict[str, Any]]]:
+  from fedjax_opt import attacks as t
+
+  return {
+      "gaussian": (t.gaussian, {"scale": 10.0}),
+      "omniscient": (t.omniscient, {"factor": 10.0}),
+      "sign_flip": (t.sign_flip, {"scale": 1.0}),
+      "ipm": (t.ipm, {"epsilon": 0.5}),
+      "alie": (t.alie, {"z": None}),
+      "generalized_byzantine": (t.generalized_byzantine, {"fraction": 0.3, "values": 100.0}),
+      "label_flip": (t.label_flip, {}),
+  }
+
+
+AGGREGATOR_NAMES = ("weighted_mean", "mean", "marginal_median", "mean_around_median", "geometric_median",
+                    "trimmed_mean", "krum", "multi_krum", "bulyan", "centered_clipping")
+ATTACK_NAMES = ("gaussian", "omniscient", "sign_flip", "ipm", "alie", "generalized_byzantine", "label_flip")
+
+
+class RobustError(ValueError):
+  """A bad --aggregator / --attack setting (one line)."""
+
+
+def describe() -> dict[str, str]:
+  """`name: defaults` for `fedjax-opt list aggregators` / `attacks`."""
+  out = {}
+  for kind, table in (("aggregator", _aggregators()), ("attack", _attacks())):
+    for name, (fn, defaults) in table.items():
+      params = {k: p.default for k, p in inspect.signature(fn).parameters.items()
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+      params.update(defaults)
+      params.pop("num_classes", None)
+      params.pop("field", None)
+      shown = " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in params.items())
+      out[f"{kind} {name}"] = (inspect.getdoc(fn) or "").splitlines()[0] + (f"\n    {shown}" if shown else "")
+  return out
+
+
+def _resolve(kind: str, name: str, table: dict, overrides: dict[str, Any], fill: dict[str, Any]) -> tuple[Any, dict]:
+  fn, defaults = table[name]
+  params = inspect.signature(fn).parameters
+  settable = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+  settable -= {"num_classes", "field"}
+  for key in overrides:
+    if key not in settable:
+      raise RobustError(f"{kind} {name} has no parameter {key!r}; settable: {', '.join(sorted(settable)) or 'none'}")
+  values = {k: fill.get(k, v) if isinstance(v, _FromRun) else v for k, v in defaults.items()}
+  values.update(overrides)
+  return fn, values
+
+
+def build(config: dict[str, Any], clients_per_round: int, num_classes: int) -> tuple[Any, Any, dict[str, Any]]:
+  """(aggregator or None, data attack (a function of the algorithm) or None, what was used) for this run."""
+  import jax
+
+  from fedjax_opt import aggregators, attacks
+
+  name, attack, fraction = config["aggregator"], config["attack"], config["attackers"]
+  hyper = config["hyper"]
+  per_round = math.floor(fraction * clients_per_round) if attack else 0
+  fill = {"num_byzantine": max(1, per_round), "beta": fraction if attack else 0.1}
+  used: dict[str, Any] = {}
+  aggregator = None
+  if name is not None:
+    fn, values = _resolve("aggregator", name, _aggregators(), hyper.get("aggregator", {}), fill)
+    try:
+      aggregator = fn(**values)
+    except (ValueError, TypeError) as e:
+      raise RobustError(f"aggregator {name}: {str(e).splitlines()[0]}") from None
+    used["aggregator"] = {"name": name, **values}
+  poison = None
+  if attack is not None:
+    fn, values = _resolve("attack", attack, _attacks(), hyper.get("attack", {}), fill)
+    try:
+      if attack == "label_flip":
+        flip = fn(num_classes, **values)
+        seed = config["seed"]
+        poison = lambda algo, n: attacks.poison(algo, flip, attackers=fraction, num_clients=n, seed=seed)
+      else:
+        if attack == "generalized_byzantine" and isinstance(values.get("values"), str):
+          raise RobustError("attack generalized_byzantine: values must be a number")
+        made = fn(**values)
+        aggregator = attacks.corrupt(aggregator or aggregators.weighted_mean(), made, attackers=fraction,
+                                     seed=config["seed"])
+    except (ValueError, TypeError) as e:
+      raise RobustError(f"attack {attack}: {str(e).splitlines()[0]}") from None
+    used["attack"] = {"name": attack, "attackers": fraction, **values}
+  del jax
+  return aggregator, poison, used
+
+
+def check(config: dict[str, Any], names: list[str], registry) -> None:
+  """Flag-level checks: known names, attackers in (0, 1], every chosen algorithm takes an aggregator if needed."""
+  if config["aggregator"] is not None and config["aggregator"] not in AGGREGATOR_NAMES:
+    raise RobustError(f"unknown aggregator {config['aggregator']!r}; choose from {', '.join(AGGREGATOR_NAMES)}")
+  if config["attack"] is not None and config["attack"] not in ATTACK_NAMES:
+    raise RobustError(f"unknown attack {config['attack']!r}; choose from {', '.join(ATTACK_NAMES)}")
+  if config["attack"] is None and config["attackers"] is not None:
+    raise RobustError("--attackers needs --attack NAME (the attack they run)")
+  if config["attack"] is not None:
+    if config["attackers"] is None:
+      config["attackers"] = 0.2
+    f = config["attackers"]
+    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+      raise RobustError(f"--attackers is the fraction of attacking clients, in (0, 1]; got {f!r}")
+  for section, flag in (("aggregator", "--aggregator"), ("attack", "--attack")):
+    if section in config["hyper"] and config[section] is None:
+      raise RobustError(f"--set {section}.… is given without {flag} NAME")
+  needs = config["aggregator"] is not None or config["attack"] not in (None, "label_flip")
+  if needs:
+    without = [n for n in names if "aggregator" not in inspect.signature(registry.REGISTRY[n].factory).parameters]
+    if without:
+      what = f"--aggregator {config['aggregator']}" if config["aggregator"] else f"--attack {config['attack']}"
+      raise RobustError(f"{what} acts on the aggregation of client updates, which {', '.join(without)} do(es) not "
+                        f"have (choose averaging algorithms, ditto, pfedme, per_fedavg or fedavg_ft"
+                        + (", or --attack label_flip" if config["attack"] else "") + ")")
