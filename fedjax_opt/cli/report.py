@@ -38,7 +38,7 @@ def results_table(rows: list[dict[str, Any]]) -> str:
                 ("pers. p10", lambda r: _cell(r, "personalized_accuracy_p10"))]
   if any("objective_gap" in r for r in rows):
     columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
-  columns += [("MB sent", lambda r: f"{r['megabytes_sent']:.3g}"), ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
+  columns += [("MB sent", lambda r: f"{r['megabytes_sent']:,.3f}" if r["megabytes_sent"] < 1 else f"{r['megabytes_sent']:,.1f}"), ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
               ("status", lambda r: r["status"])]
   header = tuple(c[0] for c in columns)
   lines = [header] + [tuple(fn(r) for _, fn in columns) for r in rows]
@@ -108,6 +108,7 @@ def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: 
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  import matplotlib.ticker
   import numpy as np
 
   heading = title(config, dataset)
@@ -138,6 +139,7 @@ def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: 
   axes[0].set_xlabel("round")
   axes[1].set_xlabel("MB sent (float32 messages, each counted once)")
   axes[1].set_xscale("log")
+  axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labelled decades only
   for ax in axes:
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
