@@ -275,14 +275,19 @@ def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
 
   Args:
     fraction: the largest fraction of the n clients corrupted per coordinate,
-      in (0, 1] (dimensional resilience needs < 1/2).
+      in (0, 1] (dimensional resilience needs < 1/2); a 0-d float array may
+      be traced (a swept hyper-parameter; 0 then corrupts nothing).
     values: what a corrupted coordinate holds: a number (every corrupted
       entry is set to it), or an `Attack` whose whole-vector values are used
       at the corrupted coordinates (e.g. `gaussian(100.0)`, `omniscient(1e4)`).
   """
-  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+  if _is_array_fraction(fraction):
+    fraction = _check_fraction_array(fraction, "generalized_byzantine: fraction")
+  elif isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
     raise ValueError(f"generalized_byzantine: fraction must be a float in (0, 1] (the largest share of clients "
                      f"corrupted in one coordinate); got {fraction!r}.")
+  else:
+    fraction = float(fraction)
   if not isinstance(values, Attack):
     _check_number(values, "generalized_byzantine: values (a number or an Attack)")
 
@@ -290,7 +295,7 @@ def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
     value_key, choice_key = jax.random.split(key)
     eligible = attackers & (weights > 0)
     n = jnp.sum(weights > 0)
-    per_coordinate = _count(float(fraction), n)
+    per_coordinate = _count(fraction, n)
     if isinstance(values, Attack):
       sent = values.apply(updates, weights, attackers, value_key)
     else:
@@ -309,11 +314,29 @@ def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
 # ---- who attacks -------------------------------------------------------------------------------------------
 
 
+def _is_array_fraction(value: Any) -> bool:
+  """A 0-d floating array, possibly traced: a fraction given as an array (e.g. a swept hyper-parameter)."""
+  return (isinstance(value, (jax.Array, np.ndarray, np.generic)) and np.ndim(value) == 0
+          and jnp.issubdtype(jnp.result_type(value), jnp.floating))
+
+
+def _check_fraction_array(value: Any, name: str) -> Any:
+  """A 0-d float array fraction: checked to be in [0, 1] when concrete; a traced one passes unchecked."""
+  if not isinstance(value, jax.core.Tracer):
+    v = float(value)
+    if not 0 <= v <= 1:
+      raise ValueError(f"{name} as a fraction must be in [0, 1]; got {v!r}.")
+  return value
+
+
 def _check_attackers(attackers: Any, name: str) -> Any:
-  """A float fraction in [0, 1], an int count >= 0, or a sequence of indices >= 0; returned normalized."""
+  """A float fraction in [0, 1] (a Python float or a 0-d float array, possibly traced), an int count >= 0, or a
+  sequence of indices >= 0; returned normalized (a tuple for indices)."""
   if isinstance(attackers, bool):
     raise TypeError(f"{name} must be a fraction (float in [0, 1]), a count (int >= 0) or a sequence of indices; "
                     f"got {attackers!r}.")
+  if _is_array_fraction(attackers):
+    return _check_fraction_array(attackers, name)
   if isinstance(attackers, float):
     if not 0 <= attackers <= 1:
       raise ValueError(f"{name} as a fraction must be in [0, 1]; got {attackers!r}.")
@@ -331,11 +354,12 @@ def _check_attackers(attackers: Any, name: str) -> Any:
                   f"got {type(attackers).__name__}.")
 
 
-def _count(attackers: float, n: jax.Array) -> jax.Array:
-  """How many of the n clients taking part attack: ⌊f · n⌋ for a fraction f, min(k, n) for a count k."""
-  if isinstance(attackers, float):
-    return jnp.floor(attackers * n.astype(jnp.float32) + 1e-6).astype(jnp.int32)
-  return jnp.minimum(attackers, n).astype(jnp.int32)
+def _count(attackers: Any, n: Any) -> jax.Array:
+  """How many of the n clients attack: ⌊f · n⌋ for a fraction f (a float or a float array), min(k, n) for a count k."""
+  if isinstance(attackers, int):
+    return jnp.minimum(attackers, n).astype(jnp.int32)
+  f = jnp.asarray(attackers, jnp.float32)
+  return jnp.floor(f * jnp.asarray(n, jnp.float32) + 1e-6).astype(jnp.int32)
 
 
 def _attacker_rows(attackers: Any, weights: jax.Array, key: jax.Array) -> jax.Array:
@@ -366,7 +390,9 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
     attack: an `Attack` (`gaussian`, `omniscient`, `sign_flip`,
       `generalized_byzantine`, `alie`, `ipm`, or one of your own).
     attackers: a fraction in [0, 1] or a count of the clients taking part,
-      or a sequence of row indices.
+      or a sequence of row indices. A fraction may be a 0-d float array,
+      also a traced one, so `fo.sweep.vmap_algorithm` can sweep it in one
+      compiled program (checked only when concrete).
     seed: the seed of the fixed priority order of the rows (a count or a
       fraction without `per_round`).
     per_round: draw the attacker rows afresh every round from the round's key.
@@ -438,7 +464,9 @@ def poison(algorithm: FederatedAlgorithm, data_attack: DataAttack, *, attackers:
     algorithm: any `FederatedAlgorithm`.
     data_attack: a `DataAttack`, e.g. `label_flip(num_classes)`.
     attackers: a fraction in [0, 1] or a count of the `num_clients` clients
-      (drawn with `seed`), or a sequence of client ids.
+      (drawn with `seed`), or a sequence of client ids. A fraction may be a
+      0-d float array, also a traced (swept) one: the first ⌊f · N⌋ clients
+      of the same seeded permutation, so nested fractions pick nested sets.
     num_clients: N, the dataset's number of clients (needed for a fraction or
       a count), e.g. `dataset.num_clients`.
     seed: the seed of the draw of a fraction or a count.
@@ -462,9 +490,13 @@ def poison(algorithm: FederatedAlgorithm, data_attack: DataAttack, *, attackers:
     if isinstance(num_clients, bool) or not isinstance(num_clients, int) or num_clients < 1:
       raise ValueError(f"poison: a fraction or a count of attackers needs num_clients (a Python int >= 1, e.g. "
                        f"dataset.num_clients); got {num_clients!r}.")
-    k = math.floor(who * num_clients + 1e-6) if isinstance(who, float) else min(who, num_clients)
-    table = np.zeros(num_clients, bool)
-    table[np.random.default_rng(seed).permutation(num_clients)[:k]] = True
+    rank = np.empty(num_clients, np.int32)  # each client's place in the seeded permutation
+    rank[np.random.default_rng(seed).permutation(num_clients)] = np.arange(num_clients)
+    if isinstance(who, (int, float)):
+      k = math.floor(who * num_clients + 1e-6) if isinstance(who, float) else min(who, num_clients)
+      table = rank < k
+    else:  # a float array, possibly traced: the first ⌊f · N⌋ of the same permutation
+      table = jnp.asarray(rank) < _count(who, num_clients)
 
   def step(state, batches: ClientBatches):
     ids = batches.client_id

@@ -257,3 +257,72 @@ def test_poisoned_algorithm_trains_with_fo_train_as_on_flipped_data():
   got, _ = fo.train(poisoned, poisoned.init(params, jax.random.key(0)), dataset, 3, **kw)
   want, _ = fo.train(algo, algo.init(params, jax.random.key(0)), flipped, 3, **kw)
   jax.tree.map(np.testing.assert_array_equal, got.params, want.params)
+
+
+# ---- swept fractions -----------------------------------------------------------------------------------------
+
+
+def test_a_fraction_array_is_checked_when_concrete():
+  with pytest.raises(ValueError, match=r"corrupt: attackers as a fraction must be in \[0, 1\]; got 1.5"):
+    attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=jnp.asarray(1.5))
+  with pytest.raises(ValueError, match=r"generalized_byzantine: fraction as a fraction must be in \[0, 1\]"):
+    attacks.generalized_byzantine(jnp.asarray(-0.1), 1.0)
+  with pytest.raises(TypeError, match="corrupt: attackers must be a fraction"):
+    attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=jnp.ones(2))  # not a scalar
+
+
+KEYS = jax.random.split(jax.random.key(0), 4)  # member k of a sweep, and its separate run, start from KEYS[k]
+
+
+def _swept_fedavg(make_attacked, fractions, batches, params, rounds=3):
+  """`rounds` FedAvg rounds of each fraction, all fractions in one vmapped program: params [K, ...]."""
+  swept = fo.sweep.vmap_algorithm(make_attacked, {"fraction": np.asarray(fractions, np.float32)})
+  state = swept.init(params, KEYS[:len(fractions)])
+  step = jax.jit(swept.step)
+  for _ in range(rounds):
+    state = step(state, batches)
+  return state
+
+
+def _separate_fedavg(make_attacked, fraction, k, batches, params, rounds=3):
+  algo = make_attacked(fraction)
+  state = algo.init(params, KEYS[k])
+  step = jax.jit(algo.step)
+  for _ in range(rounds):
+    state = step(state, batches)
+  return state
+
+
+@pytest.mark.parametrize("case", ["corrupt", "generalized_byzantine", "poison"])
+def test_a_swept_fraction_equals_separate_runs_with_python_floats(case):
+  """fo.sweep over the attackers' fraction (traced inside one program) = one run per Python float, and the
+  attacker counts are ⌊f · n⌋ for each member."""
+  rng = np.random.default_rng(4)
+  clients = [(rng.normal(size=(8, 3)), rng.normal(size=8)) for _ in range(10)]
+  batches = pack(clients, steps=2, batch=4)
+  params = {"w": jnp.zeros(3, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+  fractions = (0.0, 0.1, 0.3, 0.4)
+
+  def make(fraction):
+    if case == "poison":
+      base = fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(0.1), client_map="vmap")
+      scale = attacks.DataAttack(lambda data, rows: {**data, "y": jnp.where(rows[:, None, None], 50.0, data["y"])})
+      return attacks.poison(base, scale, attackers=fraction, num_clients=10)
+    if case == "corrupt":
+      agg = attacks.corrupt(A.marginal_median(), attacks.omniscient(100.0), attackers=fraction)
+    else:
+      agg = attacks.corrupt(A.mean(), attacks.generalized_byzantine(fraction, -30.0), attackers=1.0)
+    return fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(0.1), aggregator=agg, client_map="vmap")
+
+  swept = _swept_fedavg(make, fractions, batches, params)
+  for k, f in enumerate(fractions):
+    if case == "generalized_byzantine" and f == 0.0:
+      alone = _separate_fedavg(lambda _: make(jnp.float32(0.0)), None, k, batches, params)  # a Python 0.0 is
+    else:                                                                                     # refused: (0, 1]
+      alone = _separate_fedavg(make, f, k, batches, params)
+    jax.tree.map(lambda s, a, k=k: np.testing.assert_allclose(s[k], a, rtol=1e-5, atol=1e-6), swept.params,
+                 alone.params)
+    if case == "corrupt":
+      assert int(swept.aggregator_state.num_attackers[k]) == math.floor(f * 10 + 1e-6)
+  # The members differ: the fraction did reach the attack.
+  assert not np.allclose(swept.params["w"][0], swept.params["w"][-1])
