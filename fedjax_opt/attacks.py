@@ -54,8 +54,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
+from fedjax_opt.aggregators.robust import _position, _sort_rows  # pylint: disable=protected-access
 from fedjax_opt.core.server import check_aggregator
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm
 
@@ -302,9 +304,19 @@ def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
       sent = jax.tree.map(lambda u: jnp.full_like(u, values), updates)
 
     def leaf(u, s, k):
-      priority = jnp.where(_rows(eligible, u), jax.random.uniform(k, u.shape), jnp.inf)
-      rank = jnp.argsort(jnp.argsort(priority, axis=0), axis=0)
-      return jnp.where(_rows(eligible, u) & (rank < per_coordinate), s, u)
+      c = u.shape[0]
+      # Per coordinate, the eligible rows with the ⌊fraction · n⌋ smallest random keys are corrupted. A key is
+      # (24 − b random bits, then the row in the low b bits): unique within a coordinate and exact in float32,
+      # so the count-th smallest, from a sorting network over the rows, is a sharp threshold.
+      b = max(c - 1, 1).bit_length()
+      if b > 23:
+        raise ValueError(f"generalized_byzantine: at most 2**23 clients per round; got C = {c}.")
+      bits = jax.random.randint(k, u.shape, 0, 1 << (24 - b))
+      keys = (bits * (1 << b) + _position(u)).astype(jnp.float32)
+      keys = jnp.where(_rows(eligible, u), keys, jnp.inf)
+      kth = lax.dynamic_index_in_dim(_sort_rows(keys), jnp.clip(per_coordinate - 1, 0, c - 1), keepdims=False)
+      chosen = _rows(eligible, u) & (keys <= kth) & (per_coordinate > 0)
+      return jnp.where(chosen, s, u)
 
     return jax.tree.map(leaf, updates, sent, _leaf_keys(choice_key, updates))
 
