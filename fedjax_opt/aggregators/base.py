@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_opt.core.server import check_aggregator
-from fedjax_opt.core.types import Aggregator
+from fedjax_opt.core.types import Aggregator, StreamingSum
 
 PyTree = Any
 
@@ -54,24 +54,48 @@ def normalized_sum(updates: PyTree, weights: jax.Array) -> PyTree:
   return jax.tree.map(leaf, updates)
 
 
+def _sum_dtype(dtype: Any) -> Any:
+  """The dtype a running sum of `dtype` values is kept in: at least float32."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def _normalized_streaming(coefficient: Callable[[jax.Array], jax.Array]) -> StreamingSum:
+  """Σ_c a_c u_c / Σ_c a_c as a `StreamingSum`, a_c = coefficient(w_c); zeros when Σ a = 0."""
+
+  def term(update, weight, state):
+    del state
+    a = coefficient(weight)
+    return jax.tree.map(lambda u: a.astype(_sum_dtype(u.dtype)) * u.astype(_sum_dtype(u.dtype)), update), a
+
+  def finalize(total, count, state, key):
+    del key
+    out = jax.tree.map(lambda t: jnp.where(count > 0, t / jnp.where(count > 0, count, 1).astype(t.dtype),
+                                           jnp.zeros_like(t)), total)
+    return out, state
+
+  return StreamingSum(term, finalize)
+
+
 def weighted_mean() -> Aggregator:
   """Δ = Σ_k n_k Δ_k / Σ_k n_k: FedAvg's average weighted by client sample counts n_k.
 
-  Returns zeros when every weight is 0.
+  Returns zeros when every weight is 0. A weighted sum: under a sequential or
+  chunked client map it is accumulated client by client (`StreamingSum`).
   """
 
   def aggregate(updates, weights, state, key):
     del key
     return normalized_sum(updates, weights), state
 
-  return Aggregator(_stateless_init, aggregate)
+  return Aggregator(_stateless_init, aggregate, _normalized_streaming(lambda w: w.astype(jnp.float32)))
 
 
 def mean() -> Aggregator:
   """Δ = (1/|S|) Σ_{k∈S} Δ_k: the uniform average over clients taking part (weight > 0).
 
   This is the form of Reddi et al.'s Algorithm 2 (FedOpt). Returns zeros when
-  no client takes part.
+  no client takes part. A sum: under a sequential or chunked client map it is
+  accumulated client by client (`StreamingSum`).
   """
 
   def aggregate(updates, weights, state, key):
@@ -79,7 +103,7 @@ def mean() -> Aggregator:
     taking_part = (weights > 0).astype(weights.dtype)
     return normalized_sum(updates, taking_part), state
 
-  return Aggregator(_stateless_init, aggregate)
+  return Aggregator(_stateless_init, aggregate, _normalized_streaming(lambda w: (w > 0).astype(jnp.float32)))
 
 
 def resolve(aggregator: Aggregator | None, default: Callable[[], Aggregator]) -> Aggregator:

@@ -31,6 +31,15 @@ The rules, the same for every algorithm:
   independently of the round (`rows_follow_round=False`): then a client
   writes when its weight is > 0, its rows are finite and its own condition
   (`ClientOutput.writes`, e.g. "made a personal step") holds.
+* Streaming. When the aggregator is a sum (`Aggregator.streaming`: the mean,
+  the weighted mean) and the client map runs the clients in a loop
+  (sequential, chunked with fewer than C clients per chunk, or `auto`
+  choosing one of them), each client's update is checked, weighted and
+  added to one running sum inside the loop (`client_map.map_clients_and_sum`)
+  instead of being stacked `[C, ...]`: the same rules, the same result to
+  float tolerance, and memory that does not grow with C. `Round.results.delta`
+  is then None (nothing downstream reads it); per-client rows are still
+  stacked for the scatter. `vmap` and `sharded` keep the stacked form.
 * Without an aggregator (EASGD, FedU: the server does not average updates)
   a client is finite when its new rows are, and the round is accepted when
   at least one client wrote.
@@ -46,7 +55,8 @@ import jax.numpy as jnp
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult
-from fedjax_opt.core.server import Aggregated, aggregate_updates, client_is_finite, round_metrics
+from fedjax_opt.core.server import (Aggregated, aggregate_updates, client_is_finite, finish_aggregation, round_metrics,
+                                    zero_nonfinite)
 from fedjax_opt.core.types import Aggregator, ClientBatches, PyTree
 
 
@@ -127,13 +137,22 @@ def client_round(
     A `Round`.
   """
   rows = tuple(per_client.gather(table, batches.client_id, like=like) for table in tables)
-  out = client_map_lib.map_clients(mode, lambda s, client: client_update(s, *client), shared,
-                                   (batches.data, batches.mask) + rows)
-  results = out.result
-  stepped = results.num_steps > 0
-  weights = jnp.where(stepped, batches.weight, jnp.zeros_like(batches.weight))
+  fn = lambda s, client: client_update(s, *client)
+  inputs = (batches.data, batches.mask) + rows
+  loop = None
+  if aggregator is not None and aggregator.streaming is not None:
+    loop = client_map_lib.loop_chunk(mode, fn, shared, inputs)
+  if loop is not None:
+    out, weights, agg = _streamed(loop, fn, shared, inputs, batches.weight, aggregator, aggregator_state, key)
+    results = out.result
+  else:
+    out = client_map_lib.map_clients(mode, fn, shared, inputs)
+    results = out.result
+    weights = jnp.where(results.num_steps > 0, batches.weight, jnp.zeros_like(batches.weight))
   rows_finite = client_is_finite(out.rows) if tables else jnp.ones(weights.shape, bool)
-  if aggregator is not None:
+  if loop is not None:
+    round_ok = agg.finite & agg.accepted
+  elif aggregator is not None:
     update = results.delta if out.update is None else out.update
     agg = aggregate_updates(aggregator, update, weights, aggregator_state, key)
     round_ok = agg.finite & agg.accepted
@@ -151,3 +170,33 @@ def client_round(
     write = (batches.weight > 0) & rows_finite & own
   stored = tuple(per_client.scatter(table, batches.client_id, new, write) for table, new in zip(tables, out.rows))
   return Round(results=results, weights=weights, agg=agg, write=write, stored=stored, extras=out.extras)
+
+
+def _streamed(loop: tuple, fn: Callable[..., ClientOutput], shared: PyTree, inputs: tuple, weight: jax.Array,
+              aggregator: Aggregator, aggregator_state: Any, key: jax.Array) -> tuple[ClientOutput, jax.Array,
+                                                                                       Aggregated]:
+  """The clients in a loop, their updates summed as they go (`aggregator.streaming`): the same rules as the
+  stacked path (no step, no part; a non-finite update is dropped), applied per client inside the loop.
+
+  Returns the clients' outputs without their updates (`result.delta` and `update` are None), the weights
+  after the no-step rule, and the guarded aggregation.
+  """
+  streaming = aggregator.streaming
+
+  def one(s, client_and_weight):
+    client, w = client_and_weight
+    out = fn(s, client)
+    w = jnp.where(out.result.num_steps > 0, w, jnp.zeros_like(w))
+    update = out.result.delta if out.update is None else out.update
+    clean, used, finite = zero_nonfinite(jax.tree.map(lambda u: u[None], update), w[None])
+    term, count = streaming.term(jax.tree.map(lambda u: u[0], clean), used[0], aggregator_state)
+    small = out._replace(result=out.result._replace(delta=None), update=None)
+    return (small, w, used[0], finite[0]), (term, count)
+
+  (out, weights, used, finite), (total, count) = client_map_lib.map_clients_and_sum(
+      loop, one, shared, (inputs, weight))
+  one_update = jax.eval_shape(lambda s, c: (lambda o: o.result.delta if o.update is None else o.update)(fn(s, c)),
+                              shared, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inputs))
+  update, new_state = streaming.finalize(total, count, aggregator_state, key)
+  update = jax.tree.map(lambda u, like: u.astype(like.dtype), update, one_update)
+  return out, weights, finish_aggregation(update, new_state, aggregator_state, used, weights, finite)

@@ -56,23 +56,37 @@ def check_aggregator(aggregator: Any) -> Aggregator:
   return aggregator
 
 
-def aggregate_updates(aggregator: Aggregator, updates: PyTree, weights: jax.Array, state: Any, key: jax.Array) -> Aggregated:
-  """Aggregates stacked client updates `[C, ...]` with the non-finite guard."""
+def zero_nonfinite(updates: PyTree, weights: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:
+  """The guard's first half: `(updates, weights, finite)` with non-finite clients' rows and weights set to 0."""
   finite = client_is_finite(updates)
-  taking_part = weights > 0
   w = jnp.where(finite, weights, jnp.zeros_like(weights))
   clean = jax.tree.map(
       lambda u: jnp.where(finite.reshape((-1,) + (1,) * (u.ndim - 1)), u, jnp.zeros_like(u)), updates)
-  update, new_state = aggregator.aggregate(clean, w, state, key)
-  accepted = jnp.any(w > 0) & jnp.all(client_is_finite(jax.tree.map(lambda u: u[None], update)))
+  return clean, w, finite
+
+
+def finish_aggregation(update: PyTree, new_state: Any, state: Any, used_weights: jax.Array, weights: jax.Array,
+                       finite: jax.Array) -> Aggregated:
+  """The guard's second half: accept the round when a finite client took part and the aggregate is finite.
+
+  `used_weights` are the weights after the non-finite clients were zeroed, `weights` those before.
+  """
+  accepted = jnp.any(used_weights > 0) & jnp.all(client_is_finite(jax.tree.map(lambda u: u[None], update)))
   update = jax.tree.map(lambda u: jnp.where(accepted, u, jnp.zeros_like(u)), update)
   return Aggregated(
       update=update,
       state=select_tree(accepted, new_state, state),
       finite=finite,
-      num_nonfinite=jnp.sum(taking_part & ~finite, dtype=jnp.int32),
+      num_nonfinite=jnp.sum((weights > 0) & ~finite, dtype=jnp.int32),
       accepted=accepted,
   )
+
+
+def aggregate_updates(aggregator: Aggregator, updates: PyTree, weights: jax.Array, state: Any, key: jax.Array) -> Aggregated:
+  """Aggregates stacked client updates `[C, ...]` with the non-finite guard."""
+  clean, w, finite = zero_nonfinite(updates, weights)
+  update, new_state = aggregator.aggregate(clean, w, state, key)
+  return finish_aggregation(update, new_state, state, w, weights, finite)
 
 
 def apply_server_update(optimizer: optax.GradientTransformation, params: PyTree, opt_state: Any, delta: PyTree,

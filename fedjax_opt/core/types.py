@@ -98,12 +98,38 @@ class FederatedAlgorithm(NamedTuple):
   personalize: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None
 
 
+class StreamingSum(NamedTuple):
+  """The form of an aggregator that is a sum over clients, so it can be accumulated one chunk of clients at a time.
+
+      aggregate(updates, weights, state, key)
+          = finalize(Σ_c term(updates[c], weights[c], state)[0],
+                     Σ_c term(updates[c], weights[c], state)[1], state, key)
+
+  Attributes:
+    term: `term(update [...], weight [], state) -> (tree like update, scalar)`:
+      one client's contribution (a zero-weight client must contribute zeros).
+    finalize: `finalize(sum_tree, sum_scalar, state, key) -> (update, state)`.
+      The sums arrive in at least float32.
+  """
+
+  term: Callable[[PyTree, jax.Array, Any], tuple[PyTree, jax.Array]]
+  finalize: Callable[[PyTree, jax.Array, Any, jax.Array], tuple[PyTree, Any]]
+
+
 class Aggregator(NamedTuple):
   """`init(params) -> state`; `aggregate(updates [C, ...], weights [C], state, key) -> (update, state)`.
 
   A weight of 0 marks a client that takes no part (padding clients, clients
   that took no step, clients whose update was not finite).
+
+  `streaming` (optional) is the same rule as a `StreamingSum`: when given,
+  a round whose clients run in a loop (`client_map` sequential or chunked)
+  adds each chunk's contribution to one running sum instead of stacking the
+  C updates (`core.rounds.client_round`), so the round's memory does not grow
+  with C. It must agree with `aggregate`; a rule that needs all the updates
+  at once (medians, Krum, ...) has none.
   """
 
   init: Callable[[PyTree], Any]
   aggregate: Callable[[PyTree, jax.Array, Any, jax.Array], tuple[PyTree, Any]]
+  streaming: StreamingSum | None = None

@@ -27,10 +27,13 @@ its name ("auto", "vmap", "chunked:64", "sequential:canonical_convs",
 as `client_map=`.
 
 The package, one idea a module: `modes` (the modes, their names, `map_clients`),
+`streaming` (`map_clients_and_sum`),
 `heuristics` (what `auto` picks), `rewrites` (the jaxpr rewrites), `memory`
 (the memory rule), `tracing` (the per-client function as a jaxpr). What
 `auto` picks and why, timings, the memory rule's numbers and why there is no
-`pmap` mode: docs/scaling.md.
+`pmap` mode: docs/scaling.md. `streaming`: loop modes that add up one part
+of the clients' outputs as they go (`map_clients_and_sum`), so a round with a
+sum-type aggregator never stacks the C updates.
 """
 
 from fedjax_opt.core.client_map.heuristics import CPU_VMAP_MAX_BYTES, CPU_VMAP_MAX_PARAMS
@@ -40,12 +43,15 @@ from fedjax_opt.core.client_map.modes import (CLIENTS_AXIS, Auto, Chunked, Clien
                                               vmap)
 from fedjax_opt.core.client_map.rewrites import (FUSED_DOT_MAX_CONTRACTION, canonical_conv, has_convolution,
                                                  has_small_batched_dot, rewrite_client_fn, sum_of_products)
+from fedjax_opt.core.client_map.streaming import loop_chunk, map_clients_and_sum
 from fedjax_opt.core.client_map.tracing import trace_client
 
 __all__ = [
     # modes and their names
     "ClientMap", "VMap", "Chunked", "Auto", "Sharded", "vmap", "sequential", "chunked", "auto", "sharded",
     "resolve", "map_clients",
+    # loops that sum as they go
+    "loop_chunk", "map_clients_and_sum",
     # devices
     "CLIENTS_AXIS", "client_mesh", "pad_clients",
     # what auto decides with
