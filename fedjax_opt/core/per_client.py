@@ -169,7 +169,8 @@ class Scattered(NamedTuple):
   change: PyTree
 
 
-def scatter(table: PyTree, client_id: jax.Array, values: PyTree, write: jax.Array) -> Scattered:
+def scatter(table: PyTree, client_id: jax.Array, values: PyTree, write: jax.Array, *,
+            old_rows: PyTree | None = None) -> Scattered:
   """Writes `values[c]` into row `client_id[c]` for the clients with `write[c]`.
 
   Args:
@@ -178,6 +179,10 @@ def scatter(table: PyTree, client_id: jax.Array, values: PyTree, write: jax.Arra
     values: pytree like the table with leaves `[C, ...]` (any float dtype; cast
       to the storage dtype).
     write: `[C]` bool, which clients may write (e.g. `weight > 0` and finite).
+    old_rows: the rows as `gather(table, client_id)` read them (storage
+      dtype), when the caller has them: `change` then needs no second read of
+      the table, which lets XLA update it in place (a late read of the old
+      table makes it copy all N rows every round).
 
   Returns:
     `Scattered(table, written, change)`.
@@ -190,8 +195,8 @@ def scatter(table: PyTree, client_id: jax.Array, values: PyTree, write: jax.Arra
   def put(t, v):
     return t.at[target].set(v.astype(t.dtype), mode="drop")
 
-  def change(t, v):
-    old = jnp.take(t, jnp.where(written, client_id, 0), axis=0).astype(v.dtype)
+  def change(t, v, o):
+    old = (jnp.take(t, jnp.where(written, client_id, 0), axis=0) if o is None else o).astype(v.dtype)
     new = v.astype(t.dtype).astype(v.dtype)
     keep = written.reshape((-1,) + (1,) * (v.ndim - 1))
     return jnp.sum(jnp.where(keep, new - old, jnp.zeros_like(v)), axis=0)
@@ -199,7 +204,8 @@ def scatter(table: PyTree, client_id: jax.Array, values: PyTree, write: jax.Arra
   return Scattered(
       table=jax.tree.map(put, table, values),
       written=written,
-      change=jax.tree.map(change, table, values),
+      change=jax.tree.map(change, table, values, jax.tree.map(lambda _: None, table) if old_rows is None
+                          else old_rows, is_leaf=lambda x: x is None),
   )
 
 

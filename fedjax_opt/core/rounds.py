@@ -136,7 +136,9 @@ def client_round(
   Returns:
     A `Round`.
   """
-  rows = tuple(per_client.gather(table, batches.client_id, like=like) for table in tables)
+  stored_rows = tuple(per_client.gather(table, batches.client_id) for table in tables)
+  rows = stored_rows if like is None else tuple(
+      jax.tree.map(lambda r, p: r.astype(jnp.result_type(p)), r, like) for r in stored_rows)
   fn = lambda s, client: client_update(s, *client)
   inputs = (batches.data, batches.mask) + rows
   loop = None
@@ -168,7 +170,8 @@ def client_round(
     write = (weights > 0) & round_ok & rows_finite & own
   else:
     write = (batches.weight > 0) & rows_finite & own
-  stored = tuple(per_client.scatter(table, batches.client_id, new, write) for table, new in zip(tables, out.rows))
+  stored = tuple(per_client.scatter(table, batches.client_id, new, write, old_rows=old)
+                 for table, new, old in zip(tables, out.rows, stored_rows))
   return Round(results=results, weights=weights, agg=agg, write=write, stored=stored, extras=out.extras)
 
 
