@@ -48,11 +48,28 @@ TESTS_OF = {
     "mixture": ["tests/test_mixture.py"], "admm_consensus": ["tests/test_admm.py"],
     "admm_sharing": ["tests/test_admm.py"], "gadmm": ["tests/test_gadmm.py"],
     "mixture_admm": ["tests/test_mixture_admm.py"],
+    # Outside fedjax_opt/algorithms/: the robust aggregators and the attacks.
+    "robust": ["tests/test_robust_aggregators.py"],
+    "attacks": ["tests/test_attacks.py", "tests/test_robust_aggregators.py"],
 }
+PATH_OF = {"robust": "fedjax_opt/aggregators/robust.py", "attacks": "fedjax_opt/attacks.py"}
+"""Module files not under fedjax_opt/algorithms/ (the others are fedjax_opt/algorithms/<name>.py)."""
+
+
+def _path(module: str) -> str:
+  return PATH_OF.get(module, f"fedjax_opt/algorithms/{module}.py")
+
+
+def _module_of(mutant: str) -> str:
+  """The module key of a mutant's name, e.g. fedjax_opt.aggregators.robust.x_krum__mutmut_3 -> robust."""
+  for module in TESTS_OF:
+    if mutant.startswith(_path(module)[:-3].replace("/", ".") + "."):
+      return module
+  return mutant
 
 
 def _config(modules: list[str], timeout: float) -> str:
-  targets = {f"fedjax_opt/algorithms/{m}.py" for m in modules}
+  targets = {_path(m) for m in modules}
   skip = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "fedjax_opt").rglob("*.py")
                 if str(p.relative_to(ROOT)) not in targets)
   tests = sorted(t for t in {t for m in modules for t in TESTS_OF[m]} | set(SHARED_TESTS) if (ROOT / t).exists())
@@ -67,7 +84,8 @@ def _config(modules: list[str], timeout: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("modules", nargs="+", choices=sorted(TESTS_OF), help="modules of fedjax_opt/algorithms/")
+  parser.add_argument("modules", nargs="+", choices=sorted(TESTS_OF),
+                      help="modules of fedjax_opt/algorithms/, or robust (aggregators/robust.py) or attacks")
   parser.add_argument("--out", default=None, help="JSON file for the table and the survivors")
   parser.add_argument("--timeout", type=float, default=60.0, help="seconds added to every mutant's allowance")
   parser.add_argument("--workdir", default=None, help="where to copy the repository (default: a new temp dir)")
@@ -107,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     name, status = (s.strip() for s in line.rsplit(":", 1))
     if only and name not in only:
       continue
-    module = name.split(".")[2] if name.startswith("fedjax_opt.algorithms.") else name
+    module = _module_of(name)
     counts[module][status] += 1
     if status == "survived":
       survivors[module].append(name)
