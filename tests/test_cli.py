@@ -147,3 +147,14 @@ def test_toml_sections_set_hyper_parameters_and_are_checked(tmp_path):
   bad.write_text('algorithms = "ditto"\ndataset = "digits"\n[ditto]\nlam = "big"\n')
   result = run_cli("run", "--config", str(bad))
   assert result.returncode == 2 and "ditto.lam must be a finite number; got 'big'" in result.stderr
+
+
+def test_the_compile_cache_folder_from_the_flag_the_environment_or_the_home(monkeypatch, tmp_path):
+  from fedjax_opt.cli.run import compile_cache_dir  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("FEDJAX_OPT_COMPILE_CACHE", raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert compile_cache_dir(None) == str(tmp_path / "xdg" / "fedjax_opt" / "xla")
+  monkeypatch.setenv("FEDJAX_OPT_COMPILE_CACHE", str(tmp_path / "env"))
+  assert compile_cache_dir(None) == str(tmp_path / "env")
+  assert compile_cache_dir(str(tmp_path / "flag")) == str(tmp_path / "flag")
+  assert compile_cache_dir("off") is None

@@ -37,9 +37,12 @@ def without_timings(history: dict) -> dict:
 
 def test_one_algorithm_of_every_family_runs_and_reports(tmp_path):
   out = tmp_path / "run"
+  cache = tmp_path / "xla"
   result = run_cli("run", *SMALL, "--algorithms", "fedavg,ditto,per_fedavg,admm_consensus,mixture_admm",
-                   "--rounds", "10", "--out", str(out))
+                   "--rounds", "10", "--out", str(out), "--compile-cache", str(cache))
   assert result.returncode == 0, result.stderr
+  assert len(os.listdir(cache)) > 0  # the compiled programs were kept for the next run
+  assert "compile s" in result.stdout
   for name in ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
                "personalized_accuracy.png"):
     assert (out / name).stat().st_size > 0, name
@@ -47,6 +50,7 @@ def test_one_algorithm_of_every_family_runs_and_reports(tmp_path):
   rows = {r["algorithm"]: r for r in json.loads((out / "results.json").read_text())}
   assert list(rows) == ["fedavg", "ditto", "per_fedavg", "admm_consensus", "mixture_admm"]
   assert all(r["status"] == "finished" and r["rounds"] == 10 for r in rows.values())
+  assert all(0 < r["compile_seconds"] < r["wall_seconds"] for r in rows.values())
   # The ADMM family forces logistic regression on everyone: 10 classes × (64 + 1) parameters.
   num_params = 650
   # FedAvg: 5 uploads + 1 broadcast of 650 float32 per round, 10 rounds.

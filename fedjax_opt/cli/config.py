@@ -27,11 +27,11 @@ DEFAULTS: dict[str, Any] = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition=None, alpha=None, num_clients=None,
     clients_per_round=10, local_steps=10, batch_size=20, client_lr=None, server_lr=None, rounds=300,
     eval_every=25, seed=0, seeds=1, model="auto", client_map="auto", checkpoint_every=4, quiet=False, hyper={},
-    aggregator=None, attack=None, attackers=None,
+    aggregator=None, attack=None, attackers=None, compile_cache=None,
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
-MAY_CHANGE_ON_RESUME = ("rounds", "checkpoint_every", "quiet")
+MAY_CHANGE_ON_RESUME = ("rounds", "checkpoint_every", "quiet", "compile_cache")
 
 OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
                 "personalized_accuracy.png", "checkpoints")
@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
   add("--checkpoint-every", metavar="N", type=_positive("checkpoint-every", int, "integer"),
       help="evaluations between checkpoints (default 4)")
   add("--quiet", action="store_true", default=None, help="no progress lines")
+  add("--compile-cache", metavar="DIR|off",
+      help="where compiled programs are kept between runs, so a second run starts faster (default "
+           "$FEDJAX_OPT_COMPILE_CACHE or ~/.cache/fedjax_opt/xla; off: compile every time)")
   listing = sub.add_parser("list", help="list algorithms (with their hyper-parameters), datasets, partitions, models")
   listing.add_argument("what", nargs="?", choices=("algorithms", "aggregators", "attacks", "datasets", "partitions",
                                                    "models", "server-optimizers"), help="one section only")

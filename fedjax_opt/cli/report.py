@@ -38,7 +38,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
                 ("pers. p10", lambda r: _cell(r, "personalized_accuracy_p10"))]
   if any("objective_gap" in r for r in rows):
     columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
-  columns += [("MB sent", lambda r: f"{r['megabytes_sent']:,.3f}" if r["megabytes_sent"] < 1 else f"{r['megabytes_sent']:,.1f}"), ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
+  columns += [("MB sent", lambda r: f"{r['megabytes_sent']:,.3f}" if r["megabytes_sent"] < 1 else f"{r['megabytes_sent']:,.1f}"), ("compile s", lambda r: f"{r.get('compile_seconds', float('nan')):.1f}"),
+              ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
               ("status", lambda r: r["status"])]
   header = tuple(c[0] for c in columns)
   lines = [header] + [tuple(fn(r) for _, fn in columns) for r in rows]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -242,9 +243,43 @@ def _notes(built, config) -> list[str]:
   return notes
 
 
+def compile_cache_dir(setting: str | None) -> str | None:
+  """The folder of JAX's persistent compilation cache for `--compile-cache` (None: off)."""
+  if setting == "off":
+    return None
+  if setting:
+    return os.path.expanduser(setting)
+  if os.environ.get("FEDJAX_OPT_COMPILE_CACHE"):
+    return os.path.expanduser(os.environ["FEDJAX_OPT_COMPILE_CACHE"])
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "fedjax_opt", "xla")
+
+
+def enable_compile_cache(setting: str | None) -> str | None:
+  """Turns on JAX's persistent compilation cache in the folder `--compile-cache` names; returns it (None: off).
+
+  A folder that cannot be made is one warning line, and the run goes on compiling as usual.
+  """
+  import jax
+
+  path = compile_cache_dir(setting)
+  if path is None:
+    return None
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    print(f"warning: no compilation cache ({path}: {e.strerror}); pass --compile-cache DIR or off", file=sys.stderr)
+    return None
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  return path
+
+
 def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool) -> int:
   import jax
 
+  enable_compile_cache(config.get("compile_cache"))
   train_lib = _train_module()
   say: Callable[..., None] = (lambda *a: None) if config["quiet"] else print
   dataset, model, built = _prepared(config)
@@ -308,7 +343,8 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
     extras[name] = {"megabytes_sent": (bits.cumsum() / 8e6).tolist()}
     row["megabytes_sent"] = float(bits.sum() / 8e6)
     row["hyper_parameters"] = hyper
-    rows.append(dict(row, wall_seconds=time.perf_counter() - t0, rounds_per_second=history.rounds_per_second))
+    rows.append(dict(row, wall_seconds=time.perf_counter() - t0, compile_seconds=history.compile_seconds,
+                     rounds_per_second=history.rounds_per_second))
   config_lib.write_json(os.path.join(out, "history.json"),
                         {name: dict(h.to_dict(), **extras[name]) for name, h in histories.items()})
   config_lib.write_json(os.path.join(out, "results.json"), rows, indent=1, default=_json_default)
