@@ -354,9 +354,13 @@ _COMPILED_MAX = 32
 
 
 def _signature(tree: PyTree) -> tuple:
-  """Hashable abstract signature: tree structure (static fields included), shapes and dtypes."""
+  """Hashable abstract signature: tree structure (static fields included), shapes, dtypes and shardings.
+
+  The sharding is part of it because a program compiled ahead of time accepts only the placements it was
+  compiled for: a state that comes back from a sharded round spread over a mesh gets its own program.
+  """
   leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+  return treedef, tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves)
 
 
 def _compiled(key: Any, fn: Callable, args: tuple, history: "History", static_argnums=()) -> Any:

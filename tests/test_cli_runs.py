@@ -232,3 +232,16 @@ def test_omniscient_attackers_break_the_mean_but_not_mean_around_median(tmp_path
   used = robust_row["hyper_parameters"]
   assert used["aggregator"] == {"name": "mean_around_median", "num_byzantine": 3}  # ⌊0.3 × 10⌋
   assert used["attack"] == {"name": "omniscient", "attackers": 0.3, "factor": 10.0}
+
+
+def test_devices_splits_the_cpu_and_shards_the_clients_with_the_same_result(tmp_path):
+  runs = {}
+  for n in (1, 2):
+    out = tmp_path / f"devices{n}"
+    result = run_cli("run", *SMALL, "--algorithms", "fedavg", "--rounds", "10", "--devices", str(n),
+                     "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "config.json").read_text())["devices"] == n
+    runs[n] = json.loads((out / "history.json").read_text())["fedavg"]
+  one, two = runs[1]["round_metrics"]["client_loss"], runs[2]["round_metrics"]["client_loss"]
+  np.testing.assert_allclose(two, one, rtol=1e-4)  # the same rounds; sums over two devices round differently

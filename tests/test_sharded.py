@@ -251,6 +251,12 @@ def test_auto_shards_larger_dense_models_over_several_devices(report):
   assert report["auto"]["diff"] < 2e-6
 
 
+def test_fo_train_runs_every_chunk_of_a_sharded_algorithm(report):
+  """The state a sharded round returns lives on the mesh: the driver compiles for that placement and goes on."""
+  assert report["train_chunks"]["rounds"] == 6
+  assert report["train_chunks"]["diff"] < 2e-6
+
+
 def test_sweep_of_a_sharded_algorithm(report):
   """jax.vmap over seeds composes with shard_map: a sweep of sharded FedAvg equals a sweep of vmapped FedAvg."""
   assert report["sweep_diff"] < 2e-6
@@ -438,6 +444,24 @@ def _worker() -> dict:
     out = stateful(mode)
     for name in factories:
       report["stateful"][name][mode_name] = max_diff(out[name], reference_states[name])
+
+  # fo.train over several compiled chunks with a sharded client map: the state that comes back from the first
+  # chunk lives on the mesh, and the driver must still evaluate it (its evaluator was first compiled for the
+  # initial, single-device model) and run the next chunks, and agree with vmap.
+  dataset = fo.data.pack([{"x": rng.normal(size=(20, D)).astype(np.float32), "y": rng.integers(0, K, 20)}
+                          for _ in range(C)], test_fraction=0.2, num_classes=K)
+
+  def trained(mode):
+    algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(CLIENT_LR), client_map=mode)
+    state, history = fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 6, clients_per_round=C,
+                              batch_size=B, local_steps=S, eval_every=2, progress=False,
+                              metric_fns={"loss": loss_fn})
+    return state.params, history
+
+  sharded_params, sharded_history = trained(cm.sharded(mesh, "vmap"))
+  vmap_params, _ = trained("vmap")
+  report["train_chunks"] = {"rounds": len(sharded_history.round_metrics["client_loss"]),
+                            "diff": max_diff(sharded_params, vmap_params)}
   return report
 
 

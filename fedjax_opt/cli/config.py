@@ -27,11 +27,11 @@ DEFAULTS: dict[str, Any] = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition=None, alpha=None, num_clients=None,
     clients_per_round=10, local_steps=10, batch_size=20, client_lr=None, server_lr=None, rounds=300,
     eval_every=25, seed=0, seeds=1, model="auto", client_map="auto", checkpoint_every=4, quiet=False, hyper={},
-    aggregator=None, attack=None, attackers=None, compile_cache=None,
+    aggregator=None, attack=None, attackers=None, compile_cache=None, devices=1,
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
-MAY_CHANGE_ON_RESUME = ("rounds", "checkpoint_every", "quiet", "compile_cache")
+MAY_CHANGE_ON_RESUME = ("rounds", "checkpoint_every", "quiet", "compile_cache", "devices")
 
 OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
                 "personalized_accuracy.png", "checkpoints")
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
   add("--seeds", metavar="N", type=_positive("seeds", int, "integer"),
       help="runs per algorithm, seeds seed … seed+N-1, vmapped into one program (default 1)")
   add("--client-map", metavar="MODE", help="how clients run: auto (default), vmap, sequential, chunked[:K], sharded[:<inner>]")
+  add("--devices", metavar="N", type=_positive("devices", int, "integer"),
+      help="split the CPU into N devices and shard the clients over them (default 1; accelerators: all are used)")
   add("--model", metavar="NAME", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
   add("--out", metavar="DIR", help="the run folder (default runs/<dataset>-<time>)")
   add("--resume", action="store_true", default=None,

@@ -216,7 +216,7 @@ def _prepared(config: dict[str, Any]):
   except robust.RobustError as e:
     raise UsageError(str(e)) from None
   ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
-                         local_steps=config["local_steps"], rounds=config["rounds"], client_map=config["client_map"],
+                         local_steps=config["local_steps"], rounds=config["rounds"], client_map=effective_client_map(config),
                          aggregator=aggregator)
   built = []
   for name in config["algorithms"].split(","):
@@ -276,10 +276,30 @@ def enable_compile_cache(setting: str | None) -> str | None:
   return path
 
 
+def use_cpu_devices(n: int) -> None:
+  """`--devices N`: the CPU as N devices (JAX's `jax_num_cpu_devices`, before its first computation)."""
+  if n > 1:
+    import jax
+
+    try:
+      jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError as e:  # the backend already started (main called from a program that computed)
+      raise UsageError(f"--devices {n}: JAX has already started in this process; pass it on a fresh start "
+                       f"({str(e).splitlines()[0]})") from None
+
+
+def effective_client_map(config: dict[str, Any]) -> str:
+  """--client-map, except that `auto` with --devices N > 1 shards the clients over the N devices."""
+  if config.get("devices", 1) > 1 and config["client_map"] == "auto":
+    return "sharded"
+  return config["client_map"]
+
+
 def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool) -> int:
   import jax
 
   enable_compile_cache(config.get("compile_cache"))
+  use_cpu_devices(config.get("devices", 1))
   train_lib = _train_module()
   say: Callable[..., None] = (lambda *a: None) if config["quiet"] else print
   dataset, model, built = _prepared(config)
