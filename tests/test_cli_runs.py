@@ -151,8 +151,10 @@ def test_ctrl_c_saves_and_resume_finishes_the_same_run(tmp_path):
   args = [a for a in SMALL if a != "--quiet"] + ["--algorithms", "fedavg", "--rounds", "4000", "--eval-every", "20",
                                                  "--checkpoint-every", "1000"]
   env = dict(os.environ, PYTHONUNBUFFERED="1")
+  # As from a terminal: SIGINT at its default in the child even when these tests run in a background job (which
+  # starts with SIGINT ignored, and Python then never turns it into KeyboardInterrupt).
   proc = subprocess.Popen([*CLI, "run", *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env)
+                          text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
   for line in proc.stdout:
     if "round 100/4000" in line:
       break
