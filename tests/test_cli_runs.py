@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +15,13 @@ from tests.test_cli import CLI, run_cli
 
 SMALL = ["--dataset", "digits", "--num-clients", "20", "--clients-per-round", "5", "--local-steps", "3",
          "--batch-size", "16", "--eval-every", "5", "--quiet"]
+
+
+# The CLI as from a terminal: Ctrl-C raises KeyboardInterrupt even when these tests run in a background job, which
+# starts with SIGINT ignored (Python then installs no handler). Set in the child itself, so no fork is needed.
+INTERRUPTIBLE_CLI = [sys.executable, "-c",
+                     "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                     "sys.argv[0] = 'fedjax-opt'; runpy.run_module('fedjax_opt.cli', run_name='__main__')"]
 
 
 def snapshot(folder) -> dict[str, str]:
@@ -151,10 +159,8 @@ def test_ctrl_c_saves_and_resume_finishes_the_same_run(tmp_path):
   args = [a for a in SMALL if a != "--quiet"] + ["--algorithms", "fedavg", "--rounds", "4000", "--eval-every", "20",
                                                  "--checkpoint-every", "1000"]
   env = dict(os.environ, PYTHONUNBUFFERED="1")
-  # As from a terminal: SIGINT at its default in the child even when these tests run in a background job (which
-  # starts with SIGINT ignored, and Python then never turns it into KeyboardInterrupt).
-  proc = subprocess.Popen([*CLI, "run", *args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  proc = subprocess.Popen([*INTERRUPTIBLE_CLI, "run", *args, "--out", str(out)], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
   for line in proc.stdout:
     if "round 100/4000" in line:
       break
