@@ -59,7 +59,7 @@ from jax import lax
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.aggregators.robust import _position, _sort_rows  # pylint: disable=protected-access
 from fedjax_opt.core.server import check_aggregator
-from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm
+from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, FederatedAlgorithm
 
 PyTree = Any
 
@@ -461,6 +461,24 @@ def label_flip(num_classes: int, *, field: str = "y") -> DataAttack:
   return DataAttack(apply)
 
 
+def _poisoned(data_attack: DataAttack, data: Any, attackers: jax.Array) -> Any:
+  """`data_attack.apply(data, attackers)`; deferred data stays deferred (each chunk of clients is poisoned as it
+  is gathered), and `apply` always receives a leading clients axis."""
+  if not isinstance(data, DeferredData):
+    return data_attack.apply(data, attackers)
+  take = data.take
+
+  def poisoned_take(source, refs):
+    inner, rows = refs
+    clean = take(source, inner)
+    if rows.ndim == 0:  # one client
+      one = data_attack.apply(jax.tree.map(lambda a: a[None], clean), rows[None])
+      return jax.tree.map(lambda a: a[0], one)
+    return data_attack.apply(clean, rows)
+
+  return DeferredData(data.source, (data.refs, attackers), poisoned_take)
+
+
 def poison(algorithm: FederatedAlgorithm, data_attack: DataAttack, *, attackers: float | Sequence[int],
            num_clients: int | None = None, seed: int = 0) -> FederatedAlgorithm:
   """`algorithm` whose attacking clients train on poisoned data: `step` applies `data_attack` first.
@@ -514,6 +532,6 @@ def poison(algorithm: FederatedAlgorithm, data_attack: DataAttack, *, attackers:
     ids = batches.client_id
     known = (ids >= 0) & (ids < table.size)
     rows = known & jnp.asarray(table)[jnp.clip(ids, 0, max(table.size - 1, 0))] if table.size else known
-    return algorithm.step(state, batches.replace(data=data_attack.apply(batches.data, rows)))
+    return algorithm.step(state, batches.replace(data=_poisoned(data_attack, batches.data, rows)))
 
   return algorithm._replace(step=step)

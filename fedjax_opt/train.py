@@ -4,7 +4,10 @@
 
 * Rounds run in chunks of `eval_every`: one jitted `lax.scan` per chunk, whose
   body draws the round's clients and batches with `fedjax_opt.data.sample_round`
-  and applies `algorithm.step`. Nothing returns to Python inside a chunk.
+  and applies `algorithm.step`. Nothing returns to Python inside a chunk. The
+  batches are drawn `deferred`: a round whose clients run in a loop gathers
+  each chunk's examples from the packed dataset inside the loop, so its memory
+  does not grow with the clients per round (`core.rounds`).
   Chunks end on multiples of `eval_every` (counted from round 0), so a resumed
   run executes exactly the same chunks as an uninterrupted one.
 * The data of round r are drawn with the key `fold_in(key(seed), r)`, and the
@@ -646,7 +649,7 @@ def train(
   reweight = proportional_weights if client_sampling == "proportional" else (lambda batches: batches)
 
   def sample(key, dataset):
-    return reweight(sample_round(key, dataset, **sample_kwargs))
+    return reweight(sample_round(key, dataset, deferred=True, **sample_kwargs))
 
   def draw(s, dataset):
     if per_member_data:  # a sweep with one data stream per member

@@ -40,6 +40,11 @@ The rules, the same for every algorithm:
   float tolerance, and memory that does not grow with C. `Round.results.delta`
   is then None (nothing downstream reads it); per-client rows are still
   stacked for the scatter. `vmap` and `sharded` keep the stacked form.
+* Data where it is used. When `batches.data` is a `DeferredData` (as
+  `fedjax_opt.train` samples it) and the clients run in a loop, each chunk
+  gathers its own clients' examples from the shared store inside the loop,
+  so the round never holds the `[C, S, B, ...]` batch; otherwise the data is
+  gathered once, before the map, as any other data.
 * Without an aggregator (EASGD, FedU: the server does not average updates)
   a client is finite when its new rows are, and the round is accepted when
   at least one client wrote.
@@ -57,7 +62,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.server import (Aggregated, aggregate_updates, client_is_finite, finish_aggregation, round_metrics,
                                     zero_nonfinite)
-from fedjax_opt.core.types import Aggregator, ClientBatches, PyTree
+from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, PyTree
 
 
 class ClientOutput(NamedTuple):
@@ -140,19 +145,32 @@ def client_round(
   rows = stored_rows if like is None else tuple(
       jax.tree.map(lambda r, p: r.astype(jnp.result_type(p)), r, like) for r in stored_rows)
   fn = lambda s, client: client_update(s, *client)
-  inputs = (batches.data, batches.mask) + rows
+  data = batches.data
+  deferred = isinstance(data, DeferredData)
+  # The loop decision is the one the materialized data would get (the same footprint, the same `auto` choice).
+  inputs = ((jax.eval_shape(data.materialize) if deferred else data), batches.mask) + rows
   loop = None
-  if aggregator is not None and aggregator.streaming is not None:
+  if deferred or (aggregator is not None and aggregator.streaming is not None):
     loop = client_map_lib.loop_chunk(mode, fn, shared, inputs)
-  if loop is not None:
+  streams = loop is not None and aggregator is not None and aggregator.streaming is not None
+  if loop is not None and deferred:  # gather each chunk's examples inside the loop
+    fn = lambda s, client: client_update(s[0], data.take(s[1], client[0]), *client[1:])
+    shared = (shared, data.source)
+    inputs = (data.refs,) + inputs[1:]
+  elif deferred:
+    inputs = (data.materialize(),) + inputs[1:]
+  if streams:
     out, weights, agg = _streamed(loop, fn, shared, inputs, batches.weight, aggregator, aggregator_state, key)
     results = out.result
   else:
-    out = client_map_lib.map_clients(mode, fn, shared, inputs)
+    if loop is not None and deferred:
+      out, _ = client_map_lib.map_clients_and_sum(loop, lambda s, c: (fn(s, c), ()), shared, inputs)
+    else:
+      out = client_map_lib.map_clients(mode, fn, shared, inputs)
     results = out.result
     weights = jnp.where(results.num_steps > 0, batches.weight, jnp.zeros_like(batches.weight))
   rows_finite = client_is_finite(out.rows) if tables else jnp.ones(weights.shape, bool)
-  if loop is not None:
+  if streams:
     round_ok = agg.finite & agg.accepted
   elif aggregator is not None:
     update = results.delta if out.update is None else out.update

@@ -21,6 +21,15 @@ evaluation time (Per-FedAvg, FedAvg + fine-tuning) also carry
 models keep them in `state.local_params` (read with
 `fedjax_opt.personalized_params`).
 
+`ClientBatches.data` may also be a `DeferredData`: the same `[C, S, B, ...]`
+arrays described by where they live (per-client slot indices into a shared
+example store) instead of as arrays. `fedjax_opt.train` samples rounds this
+way, so that a round whose clients run in a loop gathers each chunk's
+examples inside the loop (`core.rounds.client_round`) and never holds the
+whole `[C, S, B, ...]` batch. Everything else sees ordinary arrays: reading
+its keys, flattening it as a pytree (`jax.tree.map`, `vmap`, `jit`
+arguments) or `materialize(data)` gathers the full batch.
+
 `Aggregator(init, aggregate)` is the seam between stacked client updates and
 the server step (`fedjax_opt.aggregators` builds them); it is a contract of
 the core, so the core never imports the aggregators.
@@ -28,7 +37,7 @@ the core, so the core never imports the aggregators.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import flax.struct
 import jax
@@ -38,12 +47,72 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 """Per-example loss: `loss_fn(params, batch) -> [B]`. The library masks and averages."""
 
 
+class DeferredData:
+  """A round's client data, `[C, S, B, ...]`, gathered where it is used.
+
+  `take(source, refs)` makes the data: `source` is shared by every client
+  (the packed dataset's example arrays), `refs` has a leading `[C]` axis
+  (each client's id and slot indices). `take` must work for refs with any
+  leading axes (all C clients, a chunk of k, one client), so that
+  `take(source, refs)[c] == take(source, refs[c])`.
+
+  It behaves as the data it stands for, so code that does not know about it
+  stays correct: reading a key (`data["x"]`), iterating, or flattening it as
+  a pytree (which every `jax.tree.map`, `vmap` and `jit` argument does)
+  gathers the whole batch and sees a plain pytree of arrays. Only
+  `core.rounds.client_round` looks inside, to gather per client in a loop.
+  """
+
+  def __init__(self, source: PyTree, refs: PyTree, take: Callable[[PyTree, PyTree], PyTree]):
+    self.source = source
+    self.refs = refs
+    self.take = take
+
+  def materialize(self) -> PyTree:
+    """The data as arrays `[C, S, B, ...]`."""
+    return self.take(self.source, self.refs)
+
+  def __getitem__(self, key: Any) -> Any:
+    return self.materialize()[key]
+
+  def __iter__(self) -> Iterator[Any]:
+    return iter(self.materialize())
+
+  def __len__(self) -> int:
+    return len(self.materialize())
+
+  def __contains__(self, key: Any) -> bool:
+    return key in self.materialize()
+
+  def keys(self):
+    return self.materialize().keys()
+
+  def items(self):
+    return self.materialize().items()
+
+  def values(self):
+    return self.materialize().values()
+
+  def __repr__(self) -> str:
+    return f"DeferredData(refs={jax.tree.map(lambda a: getattr(a, 'shape', a), self.refs)})"
+
+
+# Flattening gathers: every pytree consumer sees the arrays, and rebuilding gives them back as a plain pytree.
+jax.tree_util.register_pytree_node(DeferredData, lambda d: ((d.materialize(),), None), lambda _, children: children[0])
+
+
+def materialize(data: PyTree) -> PyTree:
+  """`data` as arrays: a `DeferredData` gathered, anything else unchanged."""
+  return data.materialize() if isinstance(data, DeferredData) else data
+
+
 @flax.struct.dataclass
 class ClientBatches:
   """One round's participating clients, packed into arrays.
 
   Attributes:
-    data: pytree of arrays shaped `[C, S, B, ...]`, e.g. `{"x": ..., "y": ...}`.
+    data: pytree of arrays shaped `[C, S, B, ...]`, e.g. `{"x": ..., "y": ...}`,
+      or a `DeferredData` standing for one.
     mask: `[C, S, B]` bool, True on real examples, False on padding.
     weight: `[C]` float, the client's aggregation weight (n_k); 0 = not taking part.
     client_id: `[C]` int32, index of each client in per-client state.

@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_opt.core.types import ClientBatches
+from fedjax_opt.core.types import ClientBatches, DeferredData
 from fedjax_opt.data.dataset import FederatedDataset
 
 CLIENT_SAMPLING = ("uniform", "proportional", "all")
@@ -219,6 +219,32 @@ def _client_indices(bits: jax.Array, n: jax.Array, local_steps: int, batch_size:
   return jnp.where(valid, index, 0), valid
 
 
+def _take(examples: dict, refs: tuple[jax.Array, jax.Array], sequence_length: int) -> dict:
+  """Examples of clients `refs[0] [...]` at slots `refs[1] [..., S, B]` (any leading axes, masked slots already
+  pointing at the all-zero slot)."""
+  client_ids, index = refs
+  rows = client_ids[..., None, None]
+  if sequence_length:
+    tokens = examples["tokens"]
+    offsets = jnp.arange(sequence_length, dtype=jnp.int32)
+    x = tokens[rows[..., None], index[..., None] + offsets]
+    y = tokens[rows, index + sequence_length]
+    return {"x": x.astype(jnp.int32), "y": y.astype(jnp.int32)}
+
+  def take(leaf):
+    # A gather of flat rows is faster on CPU than one with several trailing axes.
+    flat = leaf.reshape(leaf.shape[:2] + (-1,))
+    return flat[rows, index].reshape(index.shape + leaf.shape[2:])
+
+  return {k: take(v) for k, v in examples.items()}
+
+
+def _refs(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array,
+          mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(client_ids, index)` with masked slots reading the dataset's all-zero slot (`zero_index`)."""
+  return client_ids, jnp.where(mask, index, dataset.zero_index)
+
+
 def gather(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array, mask: jax.Array) -> dict:
   """Examples at slots `index [C, S, B]` of clients `client_ids [C]`, zero where `mask` is False.
 
@@ -228,21 +254,14 @@ def gather(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array, m
   Returns:
     dict of arrays `[C, S, B, ...]`; for token windows `{"x": [C, S, B, L], "y": [C, S, B]}` int32.
   """
-  rows = client_ids[:, None, None]
-  index = jnp.where(mask, index, dataset.zero_index)
-  if dataset.sequence_length:
-    tokens = dataset.examples["tokens"]
-    offsets = jnp.arange(dataset.sequence_length, dtype=jnp.int32)
-    x = tokens[rows[..., None], index[..., None] + offsets]
-    y = tokens[rows, index + dataset.sequence_length]
-    return {"x": x.astype(jnp.int32), "y": y.astype(jnp.int32)}
+  return _take(dataset.examples, _refs(dataset, client_ids, index, mask), dataset.sequence_length)
 
-  def take(leaf):
-    # A gather of flat rows is faster on CPU than one with several trailing axes.
-    flat = leaf.reshape(leaf.shape[:2] + (-1,))
-    return flat[rows, index].reshape(index.shape + leaf.shape[2:])
 
-  return {k: take(v) for k, v in dataset.examples.items()}
+def deferred_gather(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array,
+                    mask: jax.Array) -> DeferredData:
+  """`gather(dataset, client_ids, index, mask)` as a `DeferredData`: nothing is gathered until the data is used."""
+  return DeferredData(dataset.examples, _refs(dataset, client_ids, index, mask),
+                      functools.partial(_take, sequence_length=dataset.sequence_length))
 
 
 def sample_round(
@@ -255,6 +274,7 @@ def sample_round(
     local_epochs: int | None = None,
     client_sampling: str = "uniform",
     example_order: str = "shuffled",
+    deferred: bool = False,
 ) -> ClientBatches:
   """Draws one round's clients and local mini-batches (jit-able; sizes static).
 
@@ -285,6 +305,11 @@ def sample_round(
       `local_epochs=1` gives every client's whole train split in the same
       slots every round, which methods that keep per-example state need
       (L2SGD+'s gradient table).
+    deferred: return the data as a `DeferredData` (`fedjax_opt.core.types`):
+      the same values, gathered only where they are used, so that a round
+      whose clients run in a loop gathers one chunk of clients at a time
+      instead of the whole `[C, S, B, ...]` batch. `fedjax_opt.train` samples
+      this way.
 
   Returns:
     `ClientBatches` with data `[C, S, B, ...]`, mask `[C, S, B]` (True on real
@@ -297,6 +322,8 @@ def sample_round(
     raise ValueError(f"client_sampling must be one of {CLIENT_SAMPLING}; got {client_sampling!r}.")
   if example_order not in EXAMPLE_ORDERS:
     raise ValueError(f"example_order must be one of {EXAMPLE_ORDERS}; got {example_order!r}.")
+  if not isinstance(deferred, bool):
+    raise TypeError(f"deferred must be a bool; got {type(deferred).__name__}.")
   _check_static_int(clients_per_round, "clients_per_round")
   _check_static_int(batch_size, "batch_size")
   if (local_steps is None) == (local_epochs is None):
@@ -333,7 +360,7 @@ def sample_round(
       fixed=example_order == "fixed")
   index, mask = jax.vmap(per_client)(words[head:].reshape(c, stream_length + 2), counts)
   return ClientBatches(
-      data=gather(dataset, client_ids, index, mask),
+      data=(deferred_gather if deferred else gather)(dataset, client_ids, index, mask),
       mask=mask,
       weight=counts.astype(jnp.float32),
       client_id=client_ids,
