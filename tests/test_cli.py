@@ -39,6 +39,9 @@ def run_cli(*args, cwd=None):
     (["run", "--rounds", "ten"], "--rounds must be a positive integer; got 'ten'"),
     (["run", "--config", "/nonexistent/exp.toml"], "cannot read config '/nonexistent/exp.toml'"),
     (["run", "--client-map", "chunked:0"], "bad --client-map 'chunked:0': client_map must be one of"),
+    (["run", "--devices", "2", "--client-map", "vmap"],
+     "--devices 2 shards the clients over 2 devices, but --client-map vmap runs them on one; use --client-map auto "
+     "or sharded:vmap"),
     (["run", "--resume"], "--resume needs --out DIR"),
     (["run", "--resume", "--overwrite", "--out", "x"], "--resume continues the run in --out and --overwrite"),
     (["run", "--aggregator", "median"], "unknown aggregator 'median'; choose from weighted_mean, mean"),

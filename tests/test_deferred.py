@@ -149,3 +149,21 @@ def test_label_flip_poisoning_stays_deferred_and_flips_the_same_rows():
   poisoned = jax.jit(lambda s, k: algo.step(s, sample_round(k, dataset, 8, 3, 4, deferred=True)))(
       state, jax.random.key(5))
   assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(clean.params), jax.tree.leaves(poisoned.params)))
+
+
+def test_the_round_memory_benchmark_measures_a_small_cell(monkeypatch):
+  """benchmarks/round_memory.py's cell, shrunk: it trains every client and reports the deferred round leaner."""
+  import importlib.util
+  import os
+
+  path = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "round_memory.py")
+  spec = importlib.util.spec_from_file_location("round_memory", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  monkeypatch.setitem(bench.WORKLOADS, "W-MLP", (2, 4, 5, 300))
+  eager, lazy = bench.child("W-MLP:200:eager"), bench.child("W-MLP:200:deferred")
+  assert eager["num_clients_trained"] == lazy["num_clients_trained"] == 200
+  assert eager["auto_chose"] == lazy["auto_chose"] == "sequential"
+  assert eager["batch_bytes"] == 200 * 2 * 4 * (784 * 4 + 4)
+  assert lazy["xla_temp_bytes"] < 0.5 * eager["batch_bytes"] <= eager["xla_temp_bytes"]
+  assert lazy["peak_rss_round_bytes"] > 0 and lazy["rss_data_bytes"] > 0

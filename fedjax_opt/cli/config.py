@@ -239,6 +239,7 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
     client_map.resolve(config["client_map"])
   except ValueError as e:
     raise UsageError(f"bad --client-map {config['client_map']!r}: {e}") from None
+  check_devices(config)
   if config["model"] not in MODELS:
     raise UsageError(f"unknown model {config['model']!r}; choose from {', '.join(MODELS)}")
   for key in [k for k in ("client_lr", "alpha", "server_lr") if config[k] is not None]:
@@ -258,6 +259,14 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   except robust.RobustError as e:
     raise UsageError(str(e)) from None
   return config
+
+
+def check_devices(config: dict[str, Any]) -> None:
+  """--devices N > 1 shards the clients: the client map must be `auto` or `sharded[:<inner>]`."""
+  devices, mode = config.get("devices", 1), config["client_map"]
+  if devices > 1 and mode != "auto" and not mode.startswith("sharded"):
+    raise UsageError(f"--devices {devices} shards the clients over {devices} devices, but --client-map {mode} runs "
+                     f"them on one; use --client-map auto or sharded:{mode}")
 
 
 def _check_hyper(config: dict[str, Any], names: list[str]) -> None:
@@ -346,6 +355,7 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
                      f"--resume can only extend a run")
   config = dict(saved)
   config.update({k: given[k] for k in MAY_CHANGE_ON_RESUME if k in given})
+  check_devices(config)
   return config
 
 
