@@ -251,6 +251,13 @@ def test_auto_shards_larger_dense_models_over_several_devices(report):
   assert report["auto"]["diff"] < 2e-6
 
 
+def test_auto_inside_a_user_s_shard_map_does_not_shard_again(report):
+  """Inside a shard_map the clients are already split: `auto` maps its block on the device (it used to shard
+  again and fail on the context mesh) and the psum of the blocks equals the one-device sum."""
+  assert not report["auto_inside_shard_map"]["chosen"].startswith("Sharded("), report["auto_inside_shard_map"]
+  assert report["auto_inside_shard_map"]["diff"] < 2e-5
+
+
 def test_fo_train_runs_every_chunk_of_a_sharded_algorithm(report):
   """The state a sharded round returns lives on the mesh: the driver compiles for that placement and goes on."""
   assert report["train_chunks"]["rounds"] == 6
@@ -269,6 +276,7 @@ def _worker() -> dict:
   import jax
   import jax.numpy as jnp
   import optax
+  from jax.sharding import PartitionSpec
 
   import fedjax_opt as fo
   from fedjax_opt import distributed, sweep
@@ -402,6 +410,23 @@ def _worker() -> dict:
   report["auto"] = {"big": repr(cm.auto().resolve(update, big_params, per_big)),
                     "small": repr(cm.auto().resolve(update, params, per_small)),
                     "diff": max_diff(big_final(None), big_final("sequential"))}
+
+  # `auto` inside a user's own shard_map (each device maps its block of clients, then one psum): the clients are
+  # already split, so `auto` picks a one-device mode instead of sharding again. (check_vma=False, as in `sharded`:
+  # the local scan starts from the replicated model.)
+  user_mesh = jax.make_mesh((NUM_DEVICES,), ("clients",), axis_types=(jax.sharding.AxisType.Auto,))
+  padded_big, _ = cm.pad_clients(per_big, NUM_DEVICES)
+
+  def per_device(p, block):
+    chosen.append(repr(cm.auto().resolve(update, p, block)))
+    deltas = cm.map_clients("auto", update, p, block)
+    return jax.tree.map(lambda d: jax.lax.psum(jnp.sum(d, axis=0), "clients"), deltas)
+
+  chosen = []
+  summed = jax.jit(jax.shard_map(per_device, mesh=user_mesh, in_specs=(PartitionSpec(), PartitionSpec("clients")),
+                                 out_specs=PartitionSpec(), check_vma=False))(big_params, padded_big)
+  looped = jax.tree.map(lambda d: jnp.sum(d, axis=0), cm.map_clients("sequential", update, big_params, per_big))
+  report["auto_inside_shard_map"] = {"chosen": chosen[0], "diff": max_diff(summed, looped)}
 
   # Stateful algorithms: two rounds of each under every mode, one compiled program per mode.
   n = 16

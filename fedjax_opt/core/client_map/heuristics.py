@@ -48,11 +48,19 @@ def _num_params(shared: PyTree) -> int:
   return sum(int(np.prod(jnp.shape(x))) for x in jax.tree.leaves(shared))
 
 
+def inside_shard_map() -> bool:
+  """True while tracing inside a `shard_map` (the context mesh has a manual axis): the clients are already
+  split over the devices, and `auto` must not split them again."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return bool(getattr(mesh, "manual_axes", ()))
+
+
 def choose(fn: Callable | None, shared: PyTree, per_client: PyTree, memory_budget: int | None,
            shard: bool) -> Choice:
   """The mode `auto` runs `fn` over the clients of `per_client` with.
 
-  * several devices (`shard` allowed, C > 1): sharded over all of them, on
+  * several devices (`shard` allowed, C > 1, not already inside a
+    `shard_map`): sharded over all of them, on
     accelerators and, on CPU, for dense models above `CPU_VMAP_MAX_PARAMS`
     parameters (small dense models ran slower sharded on CPU; convolutions
     were not measured sharded on CPU);
@@ -74,7 +82,7 @@ def choose(fn: Callable | None, shared: PyTree, per_client: PyTree, memory_budge
   jaxpr = trace_client(fn, shared, per_client)
   convolves = has_convolution(jaxpr)
   big_dense = not convolves and _num_params(shared) > CPU_VMAP_MAX_PARAMS
-  if shard and jax.device_count() > 1 and c > 1 and (accelerator or big_dense):
+  if shard and jax.device_count() > 1 and c > 1 and (accelerator or big_dense) and not inside_shard_map():
     return Choice(shard=True)
   if not accelerator and convolves:
     return Choice(chunk_size=1, canonical_convs=True)
