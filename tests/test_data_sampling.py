@@ -2,6 +2,7 @@
 
 import functools
 import math
+import re
 
 import hypothesis
 import hypothesis.strategies as st
@@ -132,18 +133,50 @@ def test_more_steps_than_an_epoch_start_a_fresh_permutation():
   assert len(orders) > 20  # fresh permutations, not one repeated
 
 
-def test_uniform_sampling_visits_clients_at_rate_c_over_n():
-  ds, _ = _id_dataset([3] * 40)
+@pytest.mark.parametrize("large_population", [False, True], ids=["top_k", "permutation"])
+def test_uniform_sampling_visits_clients_and_pairs_at_their_rates(monkeypatch, large_population):
+  """Each client at rate C/N and each pair of clients at rate C(C-1)/(N(N-1)), with C distinct clients a round.
+
+  `large_population` lowers the population size above which sampling switches from `top_k` over N random
+  words to C positions of a keyed permutation, so that path runs on the same 40 clients.
+  """
+  if large_population:
+    monkeypatch.setattr(sampling, "_TOP_K_MAX_CLIENTS", 16)
+  n = 40
+  ds, _ = _id_dataset([3] * n)
   rounds, c = 2000, 5
   keys = jax.random.split(jax.random.key(0), rounds)
   ids = jax.jit(jax.vmap(lambda k: data.sample_round(k, ds, c, 1, 1).client_id))(keys)
   ids = np.asarray(ids)
   assert all(len(set(row)) == c for row in ids)
-  counts = np.bincount(ids.ravel(), minlength=40)
+  counts = np.bincount(ids.ravel(), minlength=n)
   # Without replacement the counts are slightly negatively correlated: chi-square is conservative.
   assert stats.chisquare(counts).pvalue > 1e-3
-  lo, hi = stats.binom.ppf([1e-4, 1 - 1e-4], rounds, c / 40)
+  lo, hi = stats.binom.ppf([1e-4, 1 - 1e-4], rounds, c / n)
   assert np.all((counts >= lo) & (counts <= hi))
+  pairs = np.zeros((n, n), int)
+  for row in ids:
+    for i in range(c):
+      for j in range(i + 1, c):
+        pairs[min(row[i], row[j]), max(row[i], row[j])] += 1
+  assert stats.chisquare(pairs[np.triu_indices(n, 1)]).pvalue > 1e-3
+
+
+def test_uniform_sampling_from_a_large_population_costs_o_of_c():
+  """Above `_TOP_K_MAX_CLIENTS` clients a round draws C distinct clients from C positions of a permutation: the
+  program holds no [N] array of random words or sort."""
+  n = sampling._TOP_K_MAX_CLIENTS + 4_465
+  ds = data.pack([{"x": np.full((1, 1), k, np.float32), "y": np.zeros(1, np.int32)} for k in range(n)],
+                 max_padding_factor=None)
+  draw = jax.jit(lambda k, d: data.sample_round(k, d, 300, 1, 1))
+  batches = draw(jax.random.key(3), ds)
+  ids = np.asarray(batches.client_id)
+  assert len(set(ids.tolist())) == 300 and ids.min() >= 0 and ids.max() < n
+  np.testing.assert_array_equal(np.asarray(batches.data["x"])[:, 0, 0, 0], ids)  # each client's own example
+  text = draw.lower(jax.random.key(3), ds).as_text().lower()
+  assert "topk" not in text and "top_k" not in text
+  random_words = [int(d) for d in re.findall(r"tensor<(\d+)xui32>", text)]
+  assert random_words and max(random_words) < n  # no [N] array of random words
 
 
 def test_proportional_sampling_matches_size_proportional_rates():

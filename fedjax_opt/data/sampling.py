@@ -9,7 +9,11 @@ Zhang: "On the Convergence of FedAvg on Non-IID Data" (ICLR 2020,
 arXiv:1907.02189):
 
 * "uniform": C distinct clients, uniformly without replacement (their
-  Scheme II; McMahan et al. 2017, arXiv:1602.05629);
+  Scheme II; McMahan et al. 2017, arXiv:1602.05629). Up to 65,536 clients
+  the C largest of N random words (`top_k`: exactly uniform, O(N) per
+  round); beyond, the first C positions of a keyed pseudorandom permutation
+  of the N clients (the Feistel network below), O(C) per round, so a round
+  drawn from a million clients costs what one drawn from a thousand does;
 * "proportional": C draws with replacement, client k with probability
   n_k / n (their Scheme I; FedProx, Li et al. 2020, arXiv:1812.06127). The
   plain mean of the sampled clients' updates is then unbiased for the
@@ -80,15 +84,24 @@ def steps_for_epochs(dataset: FederatedDataset, local_epochs: int, batch_size: i
   return local_epochs * max(1, math.ceil(dataset.max_train / batch_size))
 
 
+_TOP_K_MAX_CLIENTS = 1 << 16
+"""Uniform sampling from at most this many clients takes the C largest of N random words (exact, O(N));
+from more, C positions of a keyed pseudorandom permutation of the N clients (`_index_shuffle`, O(C))."""
+
+
 def _choose_clients(bits: jax.Array, dataset: FederatedDataset, clients_per_round: int,
                     client_sampling: str) -> jax.Array:
   """`[C]` client indices from random words (`[N]` for uniform, `[C]` for proportional)."""
   n = dataset.num_clients
   if client_sampling == "all":
     return jnp.arange(n, dtype=jnp.int32)
-  if client_sampling == "uniform":
+  if client_sampling == "uniform" and n <= _TOP_K_MAX_CLIENTS:
     # The C largest of N random words: a uniformly random C-subset, in random order.
     return jax.lax.top_k(bits[:n], clients_per_round)[1].astype(jnp.int32)
+  if client_sampling == "uniform":
+    # Positions 0 … C-1 of a keyed pseudorandom permutation of the N clients: C distinct clients in O(C).
+    positions = jnp.arange(clients_per_round, dtype=jnp.uint32)
+    return _index_shuffle(bits[:_FEISTEL_ROUNDS], positions, jnp.int32(n))
   # Inverse-CDF draws with replacement, P(k) = n_k / n (24-bit uniforms).
   cumulative = jnp.cumsum(dataset.train_count.astype(jnp.float32))
   u = (bits[:clients_per_round] >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
@@ -350,7 +363,7 @@ def sample_round(
   c = n if client_sampling == "all" else clients_per_round
   # One PRNG call for the whole round (every threefry call adds compile time):
   # words for choosing clients, then stream_length + 2 words per client.
-  head = {"uniform": n, "proportional": c, "all": 0}[client_sampling]
+  head = {"uniform": n if n <= _TOP_K_MAX_CLIENTS else _FEISTEL_ROUNDS, "proportional": c, "all": 0}[client_sampling]
   words = jax.random.bits(key, (head + c * (stream_length + 2),), jnp.uint32)
   client_ids = _choose_clients(words[:head], dataset, clients_per_round, client_sampling)
   counts = dataset.train_count[client_ids]
