@@ -191,6 +191,14 @@ def _to_raw(state: PyTree) -> PyTree:
   return jax.tree.map(lambda x: jax.random.key_data(x) if _is_typed_key(x) else x, state)
 
 
+def _placed_like(restored: Any, template: Any) -> Any:
+  """A restored array placed as its template: uncommitted when the template is (a fresh `init`), so that the
+  first chunk may place it (one device, or a mesh for a sharded client map); as restored otherwise."""
+  if isinstance(restored, jax.Array) and isinstance(template, jax.Array) and not getattr(template, "_committed", True):
+    return jax.device_put(np.asarray(restored))
+  return restored
+
+
 def _from_raw(raw: PyTree, template: PyTree) -> PyTree:
   return jax.tree.map(
       lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_typed_key(t) else r, raw, template)
@@ -242,7 +250,8 @@ class Checkpointer:
     ocp = self._ocp
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(_to_raw(template)), history=ocp.args.JsonRestore()))
-    state = _from_raw(restored["state"], template)
+    raw = jax.tree.map(_placed_like, restored["state"], _to_raw(template))
+    state = _from_raw(raw, template)
     history = History.from_dict(restored["history"])
     if current_round(state) != step or history.num_rounds not in (0, step):
       raise ValueError(f"the checkpoint holds round {current_round(state)} and a history of {history.num_rounds} "

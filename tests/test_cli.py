@@ -42,6 +42,7 @@ def run_cli(*args, cwd=None):
     (["run", "--devices", "2", "--client-map", "vmap"],
      "--devices 2 shards the clients over 2 devices, but --client-map vmap runs them on one; use --client-map auto "
      "or sharded:vmap"),
+    (["run", "--devices", "0"], "--devices must be a positive integer or auto; got '0'"),
     (["run", "--resume"], "--resume needs --out DIR"),
     (["run", "--resume", "--overwrite", "--out", "x"], "--resume continues the run in --out and --overwrite"),
     (["run", "--aggregator", "median"], "unknown aggregator 'median'; choose from weighted_mean, mean"),
@@ -74,6 +75,12 @@ def test_bad_config_values_exit_2(tmp_path):
   negative.write_text("alpha = -0.5\n")
   result = run_cli("run", "--config", str(negative))
   assert result.returncode == 2 and "alpha must be a positive number; got -0.5" in result.stderr
+  for value, shown in (("0", "0"), ('"many"', "'many'")):
+    devices = tmp_path / "devices.toml"
+    devices.write_text(f"devices = {value}\n")
+    result = run_cli("run", "--config", str(devices), "--out", str(tmp_path / "never"))
+    assert result.returncode == 2 and f"devices must be a positive integer or auto; got {shown}" in result.stderr
+    assert not (tmp_path / "never").exists()
 
 
 def test_list_names_every_choice():

@@ -253,3 +253,12 @@ def test_devices_splits_the_cpu_and_shards_the_clients_with_the_same_result(tmp_
     runs[n] = json.loads((out / "history.json").read_text())["fedavg"]
   one, two = runs[1]["round_metrics"]["client_loss"], runs[2]["round_metrics"]["client_loss"]
   np.testing.assert_allclose(two, one, rtol=1e-4)  # the same rounds; sums over two devices round differently
+  # The default, --devices auto: one device per available core (os.sched_getaffinity), the same rounds.
+  out = tmp_path / "devices_auto"
+  result = run_cli("run", *SMALL, "--algorithms", "fedavg", "--rounds", "10", "--out", str(out))
+  assert result.returncode == 0, result.stderr
+  assert json.loads((out / "config.json").read_text())["devices"] == "auto"
+  row = json.loads((out / "results.json").read_text())[0]
+  assert row["devices"] == len(os.sched_getaffinity(0))
+  auto = json.loads((out / "history.json").read_text())["fedavg"]["round_metrics"]["client_loss"]
+  np.testing.assert_allclose(auto, one, rtol=1e-4)

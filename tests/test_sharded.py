@@ -264,6 +264,13 @@ def test_fo_train_runs_every_chunk_of_a_sharded_algorithm(report):
   assert report["train_chunks"]["diff"] < 2e-6
 
 
+def test_a_sharded_run_resumes_from_its_checkpoint(report):
+  """The restored state is placed as a fresh one (uncommitted), so the sharded chunks and the evaluation after
+  a resume run, and the resumed run ends where the uninterrupted one does."""
+  assert report["resume_sharded"]["rounds"] == 6
+  assert report["resume_sharded"]["diff"] < 1e-6
+
+
 def test_sweep_of_a_sharded_algorithm(report):
   """jax.vmap over seeds composes with shard_map: a sweep of sharded FedAvg equals a sweep of vmapped FedAvg."""
   assert report["sweep_diff"] < 2e-6
@@ -487,6 +494,19 @@ def _worker() -> dict:
   vmap_params, _ = trained("vmap")
   report["train_chunks"] = {"rounds": len(sharded_history.round_metrics["client_loss"]),
                             "diff": max_diff(sharded_params, vmap_params)}
+
+  # Resume a sharded run from its checkpoint: the restored state comes back on one device, and the next chunk
+  # (sharded) and the evaluation must still run and give the uninterrupted run's model.
+  import tempfile
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(CLIENT_LR), client_map=cm.sharded(mesh, "vmap"))
+  kw = dict(clients_per_round=C, batch_size=B, local_steps=S, eval_every=2, progress=False,
+            metric_fns={"loss": loss_fn})
+  with tempfile.TemporaryDirectory() as folder:
+    fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 4, checkpoint_dir=folder, **kw)
+    resumed, resumed_history = fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 6, resume=folder,
+                                        **kw)
+  report["resume_sharded"] = {"rounds": len(resumed_history.round_metrics["client_loss"]),
+                              "diff": max_diff(resumed.params, sharded_params)}
   return report
 
 

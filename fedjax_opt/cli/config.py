@@ -27,7 +27,7 @@ DEFAULTS: dict[str, Any] = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition=None, alpha=None, num_clients=None,
     clients_per_round=10, local_steps=10, batch_size=20, client_lr=None, server_lr=None, rounds=300,
     eval_every=25, seed=0, seeds=1, model="auto", client_map="auto", checkpoint_every=4, quiet=False, hyper={},
-    aggregator=None, attack=None, attackers=None, compile_cache=None, devices=1,
+    aggregator=None, attack=None, attackers=None, compile_cache=None, devices="auto",
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
@@ -66,6 +66,13 @@ def _positive(name: str, convert, what: str):
       raise argparse.ArgumentTypeError(f"--{name} must be a positive {what}; got {text!r}")
     return value
   return parse
+
+
+def _devices(text: str) -> int | str:
+  """An argparse type for --devices: "auto" or a positive integer."""
+  if text == "auto":
+    return text
+  return _positive("devices", int, "integer or auto")(text)
 
 
 def _setting(text: str) -> tuple[str, str, Any]:
@@ -119,8 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
   add("--seeds", metavar="N", type=_positive("seeds", int, "integer"),
       help="runs per algorithm, seeds seed … seed+N-1, vmapped into one program (default 1)")
   add("--client-map", metavar="MODE", help="how clients run: auto (default), vmap, sequential, chunked[:K], sharded[:<inner>]")
-  add("--devices", metavar="N", type=_positive("devices", int, "integer"),
-      help="split the CPU into N devices and shard the clients over them (default 1; accelerators: all are used)")
+  add("--devices", metavar="N|auto", type=_devices,
+      help="split the CPU into N devices and shard the clients over them; auto (default): one device per core, "
+           "clients sharded where that was measured to help (dense models above 16,384 parameters); accelerators: "
+           "all are used")
   add("--model", metavar="NAME", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
   add("--out", metavar="DIR", help="the run folder (default runs/<dataset>-<time>)")
   add("--resume", action="store_true", default=None,
@@ -262,9 +271,11 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_devices(config: dict[str, Any]) -> None:
-  """--devices N > 1 shards the clients: the client map must be `auto` or `sharded[:<inner>]`."""
+  """An explicit --devices N > 1 shards the clients: the client map must be `auto` or `sharded[:<inner>]`."""
   devices, mode = config.get("devices", 1), config["client_map"]
-  if devices > 1 and mode != "auto" and not mode.startswith("sharded"):
+  if devices != "auto" and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
+    raise UsageError(f"devices must be a positive integer or auto; got {devices!r}")
+  if devices != "auto" and devices > 1 and mode != "auto" and not mode.startswith("sharded"):
     raise UsageError(f"--devices {devices} shards the clients over {devices} devices, but --client-map {mode} runs "
                      f"them on one; use --client-map auto or sharded:{mode}")
 

@@ -276,21 +276,42 @@ def enable_compile_cache(setting: str | None) -> str | None:
   return path
 
 
-def use_cpu_devices(n: int) -> None:
-  """`--devices N`: the CPU as N devices (JAX's `jax_num_cpu_devices`, before its first computation)."""
+def available_cores() -> int:
+  """The CPU cores this process may run on."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):
+    return os.cpu_count() or 1
+
+
+def use_cpu_devices(devices: int | str) -> None:
+  """`--devices N|auto`: the CPU as N devices (JAX's `jax_num_cpu_devices`, before its first computation).
+
+  `auto` takes one device per available core, and does nothing when JAX has
+  already started in this process (`main` called from a program that
+  computed); an explicit N then is an error.
+  """
+  n = available_cores() if devices == "auto" else devices
   if n > 1:
     import jax
 
     try:
       jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError as e:  # the backend already started (main called from a program that computed)
+      if devices == "auto":
+        return
       raise UsageError(f"--devices {n}: JAX has already started in this process; pass it on a fresh start "
                        f"({str(e).splitlines()[0]})") from None
 
 
 def effective_client_map(config: dict[str, Any]) -> str:
-  """--client-map, except that `auto` with --devices N > 1 shards the clients over the N devices."""
-  if config.get("devices", 1) > 1 and config["client_map"] == "auto":
+  """--client-map, except that `auto` with an explicit --devices N > 1 shards the clients over the N devices.
+
+  With --devices auto the client map stays `auto`, which shards over the
+  devices only the models measured to gain from it (docs/scaling.md).
+  """
+  devices = config.get("devices", 1)
+  if devices != "auto" and devices > 1 and config["client_map"] == "auto":
     return "sharded"
   return config["client_map"]
 
@@ -364,7 +385,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
     row["megabytes_sent"] = float(bits.sum() / 8e6)
     row["hyper_parameters"] = hyper
     rows.append(dict(row, wall_seconds=time.perf_counter() - t0, compile_seconds=history.compile_seconds,
-                     rounds_per_second=history.rounds_per_second))
+                     rounds_per_second=history.rounds_per_second, devices=jax.device_count()))
   config_lib.write_json(os.path.join(out, "history.json"),
                         {name: dict(h.to_dict(), **extras[name]) for name, h in histories.items()})
   config_lib.write_json(os.path.join(out, "results.json"), rows, indent=1, default=_json_default)
