@@ -14,8 +14,11 @@ the table's bytes, for N = 10³ … 10⁶ and float32 / bfloat16 storage.
 
     python benchmarks/population.py             # N = 1e3, 1e4, 1e5, 1e6
     python benchmarks/population.py --quick     # N = 1e3, 1e5; 3 rounds
+    python benchmarks/population.py --devices 2 --algorithms scaffold --storage float32
+        # the CPU as 2 devices: clients sharded, each table split on its rows over the devices
 
-Writes benchmarks/results/population.json (`population_quick.json`).
+Writes benchmarks/results/population.json (`population_quick.json`; with --devices D
+`population_<D>dev.json`).
 """
 
 from __future__ import annotations
@@ -27,11 +30,27 @@ import platform
 import statistics
 import time
 
-import jax
-import jax.numpy as jnp
-import optax
 
-import fedjax_opt as fo
+def _devices_from_argv(argv) -> int | None:
+  """--devices D, read before JAX starts (XLA's device count is fixed then)."""
+  for i, a in enumerate(argv):
+    if a == "--devices" and i + 1 < len(argv):
+      return int(argv[i + 1])
+    if a.startswith("--devices="):
+      return int(a.split("=", 1)[1])
+  return None
+
+
+if __name__ == "__main__" and (_devices_from_argv(__import__("sys").argv) or 1) > 1:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
+                             f"{_devices_from_argv(__import__('sys').argv)}").strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import fedjax_opt as fo  # noqa: E402
+from fedjax_opt import distributed  # noqa: E402
 
 P_FEATURES, K_CLASSES, S, B = 60, 10, 5, 10
 
@@ -41,15 +60,15 @@ def loss_fn(params, batch):
   return jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, batch["y"][:, None], -1)[:, 0]
 
 
-def make(name: str, n: int, storage_dtype):
+def make(name: str, n: int, storage_dtype, client_map=None):
   sgd = optax.sgd(0.05)
+  kw = dict(storage_dtype=storage_dtype, client_map=client_map)
   if name == "scaffold":
-    return fo.algorithms.scaffold(loss_fn, 0.05, 1.0, num_clients=n, storage_dtype=storage_dtype)
+    return fo.algorithms.scaffold(loss_fn, 0.05, 1.0, num_clients=n, **kw)
   if name == "feddyn":
-    return fo.algorithms.feddyn(loss_fn, 0.01, num_clients=n, client_optimizer=sgd, storage_dtype=storage_dtype)
+    return fo.algorithms.feddyn(loss_fn, 0.01, num_clients=n, client_optimizer=sgd, **kw)
   if name == "ditto":
-    return fo.algorithms.ditto(loss_fn, 0.1, 0.05, num_clients=n, personal_steps=S, client_optimizer=sgd,
-                               storage_dtype=storage_dtype)
+    return fo.algorithms.ditto(loss_fn, 0.1, 0.05, num_clients=n, personal_steps=S, client_optimizer=sgd, **kw)
   raise ValueError(name)
 
 
@@ -69,9 +88,13 @@ def round_batches(key, n: int, c: int):
 
 
 def time_cell(name: str, n: int, c: int, rounds: int, repeats: int, storage_dtype) -> dict:
-  algo = make(name, n, storage_dtype)
+  several = jax.device_count() > 1
+  mesh = fo.client_map.client_mesh() if several else None
+  algo = make(name, n, storage_dtype, fo.client_map.sharded(mesh) if several else None)
   params = {"w": jnp.zeros((P_FEATURES, K_CLASSES)), "b": jnp.zeros(K_CLASSES)}
   state = algo.init(params, jax.random.key(0))
+  if several:  # every [N, ...] table split on its rows over the devices, the rest replicated
+    state = distributed.shard_per_client_state(state, n, mesh)
   table_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state) if leaf.ndim and leaf.shape[0] == n)
 
   def run(state, key):
@@ -89,7 +112,9 @@ def time_cell(name: str, n: int, c: int, rounds: int, repeats: int, storage_dtyp
     t0 = time.perf_counter()
     state = jax.block_until_ready(step(state, jax.random.key(2 + r)))
     times.append((time.perf_counter() - t0) / rounds)
+  tables = [leaf for leaf in jax.tree.leaves(state) if getattr(leaf, "ndim", 0) and leaf.shape[0] == n]
   return {"algorithm": name, "N": n, "C": c, "storage": jnp.dtype(storage_dtype or jnp.float32).name,
+          "devices": jax.device_count(), "table_sharding": str(getattr(tables[0].sharding, "spec", "single device")),
           "table_bytes": int(table_bytes), "ms_per_round": 1e3 * statistics.median(times),
           "first_call_seconds": compile_and_first}
 
@@ -99,6 +124,9 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true")
   parser.add_argument("--algorithms", default="scaffold,feddyn,ditto")
   parser.add_argument("--clients", type=int, default=1000, help="C, clients per round")
+  parser.add_argument("--storage", default="float32,bfloat16", help="table dtypes to measure")
+  parser.add_argument("--devices", type=int, default=None,
+                      help="simulate D CPU devices: clients sharded, tables split on their rows")
   parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args(argv)
   populations = [1_000, 100_000] if args.quick else [1_000, 10_000, 100_000, 1_000_000]
@@ -106,18 +134,19 @@ def main(argv=None):
   rows = []
   print(f"{'algorithm':<10} {'storage':<9} {'N':>9} {'table MiB':>10} {'ms/round':>9}")
   for name in args.algorithms.split(","):
-    for storage in (None, jnp.bfloat16):
+    for storage in [None if d == "float32" else jnp.dtype(d) for d in args.storage.split(",")]:
       for n in populations:
         row = time_cell(name, n, args.clients, rounds, repeats, storage)
         rows.append(row)
         print(f"{name:<10} {row['storage']:<9} {n:>9,} {row['table_bytes'] / 2**20:>10.1f} "
-              f"{row['ms_per_round']:>9.1f}", flush=True)
+              f"{row['ms_per_round']:>9.1f}  {row['table_sharding']}", flush=True)
   out = {"settings": {"P": P_FEATURES * K_CLASSES + K_CLASSES, "S": S, "B": B, "C": args.clients, "rounds": rounds,
                       "repeats": repeats, "jax": jax.__version__, "backend": jax.default_backend(),
                       "machine": platform.machine(), "cpu_count": os.cpu_count()},
          "rows": rows}
   os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, f"population{'_quick' if args.quick else ''}.json")
+  suffix = ("_quick" if args.quick else "") + (f"_{args.devices}dev" if args.devices else "")
+  path = os.path.join(args.out_dir, f"population{suffix}.json")
   with open(path, "w") as f:
     json.dump(out, f, indent=1)
   print(f"wrote {path}")
