@@ -31,19 +31,22 @@ import statistics
 import time
 
 
-def _devices_from_argv(argv) -> int | None:
-  """--devices D, read before JAX starts (XLA's device count is fixed then)."""
-  for i, a in enumerate(argv):
-    if a == "--devices" and i + 1 < len(argv):
-      return int(argv[i + 1])
-    if a.startswith("--devices="):
-      return int(a.split("=", 1)[1])
-  return None
+def _parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--algorithms", default="scaffold,feddyn,ditto")
+  parser.add_argument("--clients", type=int, default=1000, help="C, clients per round")
+  parser.add_argument("--storage", default="float32,bfloat16", help="table dtypes to measure")
+  parser.add_argument("--devices", type=int, default=None,
+                      help="simulate D CPU devices: clients sharded, tables split on their rows")
+  parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+  return parser.parse_args(argv)
 
 
-if __name__ == "__main__" and (_devices_from_argv(__import__("sys").argv) or 1) > 1:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
-                             f"{_devices_from_argv(__import__('sys').argv)}").strip()
+ARGS = _parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.devices:  # before JAX starts: XLA's device count is fixed then
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import jax.numpy as jnp  # noqa: E402
@@ -119,16 +122,7 @@ def time_cell(name: str, n: int, c: int, rounds: int, repeats: int, storage_dtyp
           "first_call_seconds": compile_and_first}
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true")
-  parser.add_argument("--algorithms", default="scaffold,feddyn,ditto")
-  parser.add_argument("--clients", type=int, default=1000, help="C, clients per round")
-  parser.add_argument("--storage", default="float32,bfloat16", help="table dtypes to measure")
-  parser.add_argument("--devices", type=int, default=None,
-                      help="simulate D CPU devices: clients sharded, tables split on their rows")
-  parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
-  args = parser.parse_args(argv)
+def main(args: argparse.Namespace) -> dict:
   populations = [1_000, 100_000] if args.quick else [1_000, 10_000, 100_000, 1_000_000]
   rounds, repeats = (3, 2) if args.quick else (10, 3)
   rows = []
@@ -154,4 +148,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  main(ARGS)

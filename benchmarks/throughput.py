@@ -388,14 +388,10 @@ def _resolved(name: str, c: int, workload: Workload, params, batches) -> str:
 
 
 def _label(name: str, c: int, workload: Workload, params, batches) -> str:
-  """What a mode resolves to for this workload (auto's choice spelled out)."""
+  """What a mode resolves to for this workload (auto's choice spelled out); sharded ones with their collectives."""
   if name in ("sharded", "sharded+psum"):
     return f"{jax.device_count()} devices; collectives: {COLLECTIVES.get(name, '?')}"
-  mode = _mode(name, c)
-  if isinstance(mode, cm.Auto):
-    fn = lambda p, client: local_train(workload.model.loss_fn, optax.sgd(CLIENT_LR), p, *client)
-    mode = mode.resolve(fn, params, (batches.data, batches.mask))
-  return repr(mode)
+  return _resolved(name, c, workload, params, batches)
 
 
 def _print_cell(name: str, c: int, rows: list[dict], flops: float) -> None:

@@ -194,7 +194,7 @@ def _to_raw(state: PyTree) -> PyTree:
 def _placed_like(restored: Any, template: Any) -> Any:
   """A restored array placed as its template: uncommitted when the template is (a fresh `init`), so that the
   first chunk may place it (one device, or a mesh for a sharded client map); as restored otherwise."""
-  if isinstance(restored, jax.Array) and isinstance(template, jax.Array) and not getattr(template, "_committed", True):
+  if isinstance(restored, jax.Array) and isinstance(template, jax.Array) and not template.committed:
     return jax.device_put(np.asarray(restored))
   return restored
 

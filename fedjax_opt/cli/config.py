@@ -272,10 +272,12 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
 
 def check_devices(config: dict[str, Any]) -> None:
   """An explicit --devices N > 1 shards the clients: the client map must be `auto` or `sharded[:<inner>]`."""
-  devices, mode = config.get("devices", 1), config["client_map"]
-  if devices != "auto" and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
+  devices, mode = config["devices"], config["client_map"]
+  if devices == "auto":
+    return
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
     raise UsageError(f"devices must be a positive integer or auto; got {devices!r}")
-  if devices != "auto" and devices > 1 and mode != "auto" and not mode.startswith("sharded"):
+  if devices > 1 and mode != "auto" and not mode.startswith("sharded"):
     raise UsageError(f"--devices {devices} shards the clients over {devices} devices, but --client-map {mode} runs "
                      f"them on one; use --client-map auto or sharded:{mode}")
 

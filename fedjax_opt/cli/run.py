@@ -310,8 +310,7 @@ def effective_client_map(config: dict[str, Any]) -> str:
   With --devices auto the client map stays `auto`, which shards over the
   devices only the models measured to gain from it (docs/scaling.md).
   """
-  devices = config.get("devices", 1)
-  if devices != "auto" and devices > 1 and config["client_map"] == "auto":
+  if config["devices"] not in ("auto", 1) and config["client_map"] == "auto":
     return "sharded"
   return config["client_map"]
 
@@ -320,7 +319,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   import jax
 
   enable_compile_cache(config.get("compile_cache"))
-  use_cpu_devices(config.get("devices", 1))
+  use_cpu_devices(config["devices"])
   train_lib = _train_module()
   say: Callable[..., None] = (lambda *a: None) if config["quiet"] else print
   dataset, model, built = _prepared(config)
