@@ -8,9 +8,13 @@ measures that: W-LR (multinomial logistic regression, 60 features, 10
 classes: P = 610), C = 1,000 clients per round, S = 5 local steps of B = 10
 random examples; the round's client ids are drawn uniformly from the N
 clients inside the compiled program. Each cell runs R rounds as one jitted
-`lax.scan` with the state donated (as `fo.train` does), after one warm-up
-call, and reports the median over `--repeats` calls of time per round, with
-the table's bytes, for N = 10³ … 10⁶ and float32 / bfloat16 storage.
+scan with the state donated (`fo.core.per_client.scan_rounds`, as `fo.train`
+runs a chunk of rounds), after one warm-up call, and reports the median over
+`--repeats` calls of time per round, with the table's bytes, for N = 10³ …
+10⁶ and float32 / bfloat16 storage. Scans of R and 4R rounds, interleaved,
+split that time into the cost of one more round inside the scan (the slope,
+`ms_per_round_in_scan`) and a fixed cost per call (`ms_per_scan_call`: for
+16-bit tables, one pass over the table to and from its uint16 bits).
 
     python benchmarks/population.py             # N = 1e3, 1e4, 1e5, 1e6
     python benchmarks/population.py --quick     # N = 1e3, 1e5; 3 rounds
@@ -56,6 +60,7 @@ import fedjax_opt as fo  # noqa: E402
 from fedjax_opt import distributed  # noqa: E402
 
 P_FEATURES, K_CLASSES, S, B = 60, 10, 5, 10
+LONG = 4  # the long scan runs LONG × rounds rounds: the slope between the two is the cost of a round inside it
 
 
 def loss_fn(params, batch):
@@ -100,25 +105,30 @@ def time_cell(name: str, n: int, c: int, rounds: int, repeats: int, storage_dtyp
     state = distributed.shard_per_client_state(state, n, mesh)
   table_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state) if leaf.ndim and leaf.shape[0] == n)
 
-  def run(state, key):
+  def run(state, key, rounds):
     def one(state, k):
       return algo.step(state, round_batches(k, n, c)), None
-    state, _ = jax.lax.scan(one, state, jax.random.split(key, rounds))
+    state, _ = fo.core.per_client.scan_rounds(one, state, jax.random.split(key, rounds))
     return state
 
-  step = jax.jit(run, donate_argnums=0)
+  step = jax.jit(run, donate_argnums=0, static_argnums=2)
   t0 = time.perf_counter()
-  state = jax.block_until_ready(step(state, jax.random.key(1)))
+  state = jax.block_until_ready(step(state, jax.random.key(1), rounds))
   compile_and_first = time.perf_counter() - t0
-  times = []
-  for r in range(repeats):
-    t0 = time.perf_counter()
-    state = jax.block_until_ready(step(state, jax.random.key(2 + r)))
-    times.append((time.perf_counter() - t0) / rounds)
+  state = jax.block_until_ready(step(state, jax.random.key(1), LONG * rounds))  # compiles the long scan
+  short, long = [], []
+  for r in range(repeats):  # interleaved: a short and a long scan per repeat
+    for length, times in ((rounds, short), (LONG * rounds, long)):
+      t0 = time.perf_counter()
+      state = jax.block_until_ready(step(state, jax.random.key(2 + r), length))
+      times.append(time.perf_counter() - t0)
+  t_short, t_long = statistics.median(short), statistics.median(long)
+  marginal = (t_long - t_short) / ((LONG - 1) * rounds)  # the slope: one more round inside the scan
   tables = [leaf for leaf in jax.tree.leaves(state) if getattr(leaf, "ndim", 0) and leaf.shape[0] == n]
   return {"algorithm": name, "N": n, "C": c, "storage": jnp.dtype(storage_dtype or jnp.float32).name,
           "devices": jax.device_count(), "table_sharding": str(getattr(tables[0].sharding, "spec", "single device")),
-          "table_bytes": int(table_bytes), "ms_per_round": 1e3 * statistics.median(times),
+          "table_bytes": int(table_bytes), "ms_per_round": 1e3 * t_short / rounds,
+          "ms_per_round_in_scan": 1e3 * marginal, "ms_per_scan_call": 1e3 * (t_short - rounds * marginal),
           "first_call_seconds": compile_and_first}
 
 
@@ -126,14 +136,15 @@ def main(args: argparse.Namespace) -> dict:
   populations = [1_000, 100_000] if args.quick else [1_000, 10_000, 100_000, 1_000_000]
   rounds, repeats = (3, 2) if args.quick else (10, 3)
   rows = []
-  print(f"{'algorithm':<10} {'storage':<9} {'N':>9} {'table MiB':>10} {'ms/round':>9}")
+  print(f"{'algorithm':<10} {'storage':<9} {'N':>9} {'table MiB':>10} {'ms/round':>9} {'in scan':>8} {'per call':>9}")
   for name in args.algorithms.split(","):
     for storage in [None if d == "float32" else jnp.dtype(d) for d in args.storage.split(",")]:
       for n in populations:
         row = time_cell(name, n, args.clients, rounds, repeats, storage)
         rows.append(row)
         print(f"{name:<10} {row['storage']:<9} {n:>9,} {row['table_bytes'] / 2**20:>10.1f} "
-              f"{row['ms_per_round']:>9.1f}  {row['table_sharding']}", flush=True)
+              f"{row['ms_per_round']:>9.1f} {row['ms_per_round_in_scan']:>8.1f} {row['ms_per_scan_call']:>9.1f}  "
+              f"{row['table_sharding']}", flush=True)
   out = {"settings": {"P": P_FEATURES * K_CLASSES + K_CLASSES, "S": S, "B": B, "C": args.clients, "rounds": rounds,
                       "repeats": repeats, "jax": jax.__version__, "backend": jax.default_backend(),
                       "machine": platform.machine(), "cpu_count": os.cpu_count()},

@@ -73,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt import evaluate as evaluate_lib
+from fedjax_opt.core import per_client
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm
 from fedjax_opt.core.validation import check_int
 from fedjax_opt.data.dataset import FederatedDataset
@@ -672,7 +673,7 @@ def train(
       s = algorithm.step(s, draw(s, dataset))
       return s, s.metrics
 
-    state, metrics = jax.lax.scan(body, state, None, length=length)
+    state, metrics = per_client.scan_rounds(body, state, None, length=length)  # 16-bit tables in place
     if swept:  # [R, K] -> [K, R]: the sweep axis leads
       metrics = jax.tree.map(lambda m: jnp.moveaxis(m, 0, -1), metrics)
     return state, metrics

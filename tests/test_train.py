@@ -156,17 +156,22 @@ def test_central_test_set_and_holdout_clients_are_evaluated(tmp_path):
   assert "test_accuracy" in last and "test_accuracy_client_mean" in last
 
 
-def test_stateful_algorithm_trains_and_resumes_bit_for_bit(setup, tmp_path):
-  """SCAFFOLD's state (server and per-client control variates) goes through chunks and checkpoints intact."""
+@pytest.mark.parametrize("storage_dtype", [None, jnp.bfloat16])
+def test_stateful_algorithm_trains_and_resumes_bit_for_bit(setup, tmp_path, storage_dtype):
+  """SCAFFOLD's state (server and per-client control variates, float32 or bfloat16, which the chunks carry as
+  bits) goes through chunks and checkpoints intact."""
   dataset, model, _, params = setup
-  algo = fo.algorithms.scaffold(model.loss_fn, 0.05, 1.0, num_clients=dataset.num_clients)
+  algo = fo.algorithms.scaffold(model.loss_fn, 0.05, 1.0, num_clients=dataset.num_clients,
+                                storage_dtype=storage_dtype)
   init = algo.init(params, jax.random.key(1))
   full, _ = train(algo, init, dataset, 8, eval_every=4, progress=False, **KW)
   train(algo, init, dataset, 4, eval_every=4, progress=False, checkpoint_dir=str(tmp_path), **KW)
   resumed, _ = train(algo, init, dataset, 8, eval_every=4, progress=False, resume=str(tmp_path), **KW)
   _assert_same_state(full, resumed)
   # Only the sampled clients' control variates moved: 5 clients per round, 8 rounds, 30 clients.
-  moved = np.any(np.asarray(full.client_control_variates["linear"]["kernel"]) != 0, axis=(1, 2))
+  table = full.client_control_variates["linear"]["kernel"]
+  assert table.dtype == (storage_dtype or jnp.float32)
+  moved = np.any(np.asarray(table, np.float32) != 0, axis=(1, 2))
   assert 5 <= moved.sum() <= min(30, 5 * 8)
 
 

@@ -35,7 +35,9 @@ bytes per entry` — for a 1.2 M-parameter CNN and 3,400 clients in float32,
 about 16 GiB per table. `storage_dtype=jnp.bfloat16` halves that; values are
 rounded when stored and read back in the model's dtype (a control variate
 needs far less precision than the model). `nbytes(params, num_clients,
-storage_dtype)` gives the cost before allocating.
+storage_dtype)` gives the cost before allocating. Run rounds over a 16-bit
+table with `scan_rounds` (as `fo.train` does): XLA:CPU updates such a table
+in place only when the scan carries it as its uint16 bits.
 """
 
 from __future__ import annotations
@@ -135,6 +137,43 @@ def _bits(t: jax.Array) -> jax.Array:
 
 def _unbits(b: jax.Array, dtype: Any) -> jax.Array:
   return jax.lax.bitcast_convert_type(b, dtype) if jnp.dtype(dtype) in _HALF_FLOATS else b
+
+
+def _is_half(x: Any) -> bool:
+  return hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) and x.dtype in _HALF_FLOATS
+
+
+def to_bits(tree: PyTree) -> PyTree:
+  """Every 16-bit float leaf of `tree` as its uint16 bit pattern; other leaves as they are.
+
+  For the carry of a `lax.scan` over rounds: XLA:CPU cannot update a 16-bit
+  float table in place (every view or scatter of it copies all N rows), but it
+  updates a uint16 one in place. Converting the state once before the scan
+  and back once after it (`from_bits`), with `from_bits`/`to_bits` around the
+  step inside the body (they cancel there), makes each round O(C) instead of
+  O(N); the two conversions cost one pass over the table per scan. `fo.train`
+  does this for every chunk of rounds.
+  """
+  return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if _is_half(x) else x, tree)
+
+
+def from_bits(bits: PyTree, like: PyTree) -> PyTree:
+  """Inverse of `to_bits`: the leaves whose `like` leaf is a 16-bit float read back in that dtype."""
+  return jax.tree.map(lambda b, l: jax.lax.bitcast_convert_type(b, l.dtype) if _is_half(l) else b, bits, like)
+
+
+def scan_rounds(body: Any, state: PyTree, xs: Any = None, length: int | None = None) -> tuple[PyTree, Any]:
+  """`jax.lax.scan(body, state, xs, length)` with 16-bit float leaves of the carry kept as bits.
+
+  Same result as the plain scan, bit for bit; per-client tables stored in
+  bfloat16/float16 are then updated in place on every backend (see `to_bits`).
+  """
+  def bits_body(carry, x):
+    new, out = body(from_bits(carry, state), x)
+    return to_bits(new), out
+
+  carry, out = jax.lax.scan(bits_body, to_bits(state), xs, length=length)
+  return from_bits(carry, state), out
 
 
 def _take_rows(t: jax.Array, row: jax.Array) -> jax.Array:
