@@ -318,7 +318,7 @@ def test_bad_arguments_raise_clear_errors():
     A.trimmed_mean(0.5)
   with pytest.raises(ValueError, match="mean_around_median: num_byzantine must be a Python int >= 0; got -1"):
     A.mean_around_median(-1)
-  with pytest.raises(ValueError, match="krum: num_byzantine must be a Python int >= 0; got 1.5"):
+  with pytest.raises(TypeError, match="krum: num_byzantine must be a Python int >= 0; got float 1.5"):
     A.krum(1.5)
   with pytest.raises(ValueError, match="multi_krum: m must be a Python int >= 1; got 0"):
     A.multi_krum(1, 0)

@@ -60,6 +60,7 @@ from jax import lax
 from fedjax_opt.aggregators.base import _stateless_init  # pylint: disable=protected-access
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.types import Aggregator
+from fedjax_opt.core.validation import check_int
 
 PyTree = Any
 
@@ -70,12 +71,6 @@ __all__ = [
 
 
 # ---- shared pieces -----------------------------------------------------------------------------------------
-
-
-def _check_int(value: Any, name: str, minimum: int = 0) -> int:
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f"{name} must be a Python int >= {minimum}; got {value!r}.")
-  return value
 
 
 def _num_rows(updates: PyTree, weights: jax.Array) -> int:
@@ -259,7 +254,7 @@ def mean_around_median(num_byzantine: int) -> Aggregator:
     num_byzantine: q, the number of Byzantine values per coordinate to
       discard; a Python int with 0 ≤ q < C (checked when the round is traced).
   """
-  q = _check_int(num_byzantine, "mean_around_median: num_byzantine")
+  q = check_int(num_byzantine, "mean_around_median: num_byzantine", 0)
 
   def aggregate(updates, weights, state, key):
     del key
@@ -364,7 +359,7 @@ def geometric_median(tol: float = 1e-6, max_iterations: int = 100, smoothing: fl
   """
   if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
     raise ValueError(f"geometric_median: tol must be a float >= 0; got {tol!r}.")
-  iterations = _check_int(max_iterations, "geometric_median: max_iterations", 1)
+  iterations = check_int(max_iterations, "geometric_median: max_iterations", 1)
   if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not smoothing > 0:
     raise ValueError(f"geometric_median: smoothing must be a float > 0 (the ν of the smoothed Weiszfeld step); "
                      f"got {smoothing!r}.")
@@ -465,7 +460,7 @@ def krum(num_byzantine: int) -> Aggregator:
     num_byzantine: f, a Python int ≥ 0; the round needs C > 2f + 2 rows
       (checked when traced).
   """
-  f = _check_int(num_byzantine, "krum: num_byzantine")
+  f = check_int(num_byzantine, "krum: num_byzantine", 0)
 
   def aggregate(updates, weights, state, key):
     del key
@@ -496,9 +491,9 @@ def multi_krum(num_byzantine: int, m: int | None = None) -> Aggregator:
       (the default): m = n − f, the count of clients presumed correct.
       When fewer than m clients take part, all of them are averaged.
   """
-  f = _check_int(num_byzantine, "multi_krum: num_byzantine")
+  f = check_int(num_byzantine, "multi_krum: num_byzantine", 0)
   if m is not None:
-    _check_int(m, "multi_krum: m", 1)
+    check_int(m, "multi_krum: m", 1)
 
   def aggregate(updates, weights, state, key):
     del key
@@ -543,7 +538,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
   Args:
     num_byzantine: f, a Python int ≥ 0; the round needs C ≥ 4f + 3 rows.
   """
-  f = _check_int(num_byzantine, "bulyan: num_byzantine")
+  f = check_int(num_byzantine, "bulyan: num_byzantine", 0)
 
   def aggregate(updates, weights, state, key):
     del key
@@ -611,7 +606,7 @@ def centered_clipping(tau: float, iterations: int = 1, momentum: float = 0.0) ->
   """
   if isinstance(tau, (int, float)) and (isinstance(tau, bool) or not tau > 0):
     raise ValueError(f"centered_clipping: tau must be > 0 (the clipping radius); got {tau!r}.")
-  steps = _check_int(iterations, "centered_clipping: iterations", 1)
+  steps = check_int(iterations, "centered_clipping: iterations", 1)
   if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
     raise ValueError(f"centered_clipping: momentum must be a float in [0, 1); got {momentum!r}.")
 
