@@ -26,6 +26,10 @@ def _sgd():
   return optax.sgd(0.01)
 
 
+def _every_client_arrives():
+  return fo.core.asynchrony.wall_clock(fo.core.asynchrony.exponential(1.0), arrivals_per_step=N)
+
+
 EXAMPLES = {
     "fedavg": lambda **kw: fo.algorithms.fedavg(loss_fn, client_optimizer=_sgd(), **kw),
     "fedsgd": lambda **kw: fo.algorithms.fedsgd(loss_fn, server_optimizer=_sgd(), **kw),
@@ -57,6 +61,27 @@ EXAMPLES = {
                                                       client_optimizer=_sgd(), **kw),
     "mixture_admm": lambda **kw: fo.algorithms.mixture_admm(loss_fn, 0.1, 1.0, num_clients=N,
                                                        client_optimizer=_sgd(), **kw),
+    "gossip": lambda **kw: fo.algorithms.gossip(loss_fn, 0.01, mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
+                                                **kw),
+    "dpsgd": lambda **kw: fo.algorithms.dpsgd(loss_fn, 0.01, mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
+                                              **kw),
+    "gradient_tracking": lambda **kw: fo.algorithms.gradient_tracking(
+        loss_fn, 0.01, mixing=fo.graphs.random_matchings(fo.graphs.complete(N), 6, seed=0), **kw),
+    "p2p_bayes": lambda **kw: fo.algorithms.p2p_bayes(
+        loss_fn, hypotheses={"w": jnp.asarray(np.arange(3 * D).reshape(3, D) / 10.0, jnp.float32),
+                             "b": jnp.zeros(3, jnp.float32)},
+        mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)), **kw),
+    # asynchronous: every event handles all N in-flight clients (each arrives once), so every client computes
+    "fedbuff": lambda **kw: fo.algorithms.fedbuff(loss_fn, buffer_size=2, num_clients=N, client_optimizer=_sgd(),
+                                                  schedule=_every_client_arrives(), **kw),
+    "fedasync": lambda **kw: fo.algorithms.fedasync(loss_fn, 0.5, num_clients=N, client_optimizer=_sgd(),
+                                                    staleness_weight="polynomial", schedule=_every_client_arrives(),
+                                                    **kw),
+    "co_op": lambda **kw: fo.algorithms.co_op(loss_fn, 0.5, max_age=2, num_clients=N, client_optimizer=_sgd(),
+                                              schedule=_every_client_arrives(), **kw),
+    "zeno_plus_plus": lambda **kw: fo.algorithms.zeno_plus_plus(
+        loss_fn, 0.01, 0.001, 0.1, validation_data={"x": jnp.ones((B, D), jnp.float32), "y": jnp.zeros(B, jnp.float32)},
+        num_clients=N, schedule=_every_client_arrives(), **kw),
 }
 """Factory name → a call building it (small hyper-parameters, every step stable); keywords are passed on."""
 

@@ -23,8 +23,12 @@ def test_every_factory_of_fo_algorithms_is_on_the_command_line_or_named_here():
   factories = {name for name in fo.algorithms.__all__ if inspect.isfunction(getattr(fo.algorithms, name))
                and inspect.signature(getattr(fo.algorithms, name)).return_annotation == "FederatedAlgorithm"}
   # admm_sharing is vertical FL (clients hold feature blocks of the same samples); l2sgd is L2SGD+ without its
-  # variance reduction, a building block for tests.
-  assert factories - on_cli == {"admm_sharing", "l2sgd"}
+  # variance reduction, a building block for tests. The decentralized methods (gossip, dpsgd, gradient_tracking,
+  # p2p_bayes) need a mixing matrix over all N nodes every round, which the command line does not build yet.
+  # The asynchronous methods (fedbuff, fedasync, co_op, zeno_plus_plus) take a simulated schedule and their steps are
+  # server events, not rounds; the command line's round-based runs and tables do not fit them yet.
+  assert factories - on_cli == {"admm_sharing", "l2sgd", "gossip", "dpsgd", "gradient_tracking", "p2p_bayes",
+                                "fedbuff", "fedasync", "co_op", "zeno_plus_plus"}
 
 
 @pytest.fixture(scope="module")

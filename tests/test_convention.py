@@ -43,7 +43,8 @@ SYNONYMS = {
 }
 """Names that must not appear: the concept already has a name."""
 
-PAPER_SYMBOLS = {"mu", "alpha", "beta", "lam", "rho", "eta", "eta_l", "eta_g", "p", "delta", "tau0", "xi"}
+PAPER_SYMBOLS = {"mu", "alpha", "beta", "lam", "rho", "eta", "eta_l", "eta_g", "p", "delta", "tau0", "xi", "gamma",
+                 "eps"}
 """The positional hyper-parameters: a paper's symbols spelled in ASCII."""
 
 NO_LOSS_FN = {"admm_sharing"}
@@ -52,11 +53,12 @@ NO_LOSS_FN = {"admm_sharing"}
 HELPERS = {
     "hessian_vector_product", "meta_gradient", "l2gd_max_step_size", "l2sgd_plus_step_size", "optimal_p",
     "laplacian_penalty", "prox_least_squares", "prox_quadratic", "stochastic_quantize", "personalized_params",
+    "consensus_distance",
 }
 """Public functions of `fo.algorithms` that are not factories."""
 
 WITH_LOCAL_MODELS = {"ditto", "pfedme", "easgd", "fedu", "l2gd", "l2sgd", "l2sgd_plus", "mixture_admm",
-                     "admm_consensus", "gadmm", "cq_ggadmm"}
+                     "admm_consensus", "gadmm", "cq_ggadmm", "gossip", "dpsgd", "gradient_tracking", "p2p_bayes"}
 WITH_PERSONALIZE = {"per_fedavg", "fedavg_finetune"}
 TABLES = {"scaffold": "client_control_variates", "feddyn": "client_gradients", "ditto": "local_params",
           "pfedme": "local_params", "easgd": "local_params", "fedu": "local_params"}

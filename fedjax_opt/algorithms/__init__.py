@@ -8,6 +8,9 @@ client_map=..., storage_dtype=...)`; tests/test_convention.py checks it.
 
 from fedjax_opt.algorithms.admm_consensus import ADMMConsensusState, admm_consensus
 from fedjax_opt.algorithms.admm_sharing import ADMMSharingState, admm_sharing
+from fedjax_opt.algorithms.asynchronous import AsyncState, co_op, fedasync, fedbuff, zeno_plus_plus
+from fedjax_opt.algorithms.decentralized import (DecentralizedState, consensus_distance, dpsgd, gossip,
+                                                 gradient_tracking)
 from fedjax_opt.algorithms.ditto import DittoState, ditto
 from fedjax_opt.algorithms.easgd import EASGDState, easgd
 from fedjax_opt.algorithms.fedavg import FedAvgState, fedavg, fedsgd
@@ -20,6 +23,7 @@ from fedjax_opt.algorithms.gadmm import GADMMState, cq_ggadmm, gadmm, stochastic
 from fedjax_opt.algorithms.mixture import (L2GDState, L2SGDPlusState, l2gd, l2gd_max_step_size, l2sgd, l2sgd_plus,
                                            l2sgd_plus_step_size, optimal_p)
 from fedjax_opt.algorithms.mixture_admm import MixtureADMMState, mixture_admm
+from fedjax_opt.algorithms.p2p_bayes import P2PBayesState, p2p_bayes
 from fedjax_opt.algorithms.per_fedavg import hessian_vector_product, meta_gradient, per_fedavg
 from fedjax_opt.algorithms.pfedme import PFedMeState, pfedme
 from fedjax_opt.algorithms.scaffold import ScaffoldState, scaffold
@@ -38,4 +42,8 @@ __all__ = [
     "admm_consensus", "ADMMConsensusState", "admm_sharing", "ADMMSharingState", "gadmm", "cq_ggadmm",
     "GADMMState", "stochastic_quantize", "mixture_admm", "MixtureADMMState", "prox_least_squares",
     "prox_quadratic",
+    # decentralized (a mixing matrix over the nodes, no server)
+    "gossip", "dpsgd", "gradient_tracking", "DecentralizedState", "consensus_distance", "p2p_bayes", "P2PBayesState",
+    # asynchronous aggregation (simulated exactly: fedjax_opt.core.asynchrony)
+    "fedbuff", "fedasync", "co_op", "zeno_plus_plus", "AsyncState",
 ]

@@ -1,0 +1,372 @@
+"""Decentralized optimization over a graph: gossip averaging, D-PSGD and gradient tracking (DIGing).
+
+Lian, Zhang, Zhang, Hsieh, Zhang, Liu. "Can Decentralized Algorithms
+Outperform Centralized Algorithms? A Case Study for Decentralized Parallel
+Stochastic Gradient Descent." NeurIPS 2017. arXiv:1705.09056.
+
+Nedić, Olshevsky, Shi. "Achieving Geometric Convergence for Distributed
+Optimization over Time-Varying Graphs." SIAM J. Optim. 27(4), 2017.
+arXiv:1607.03218 (DIGing).
+
+Boyd, Ghosh, Prabhakar, Shah. "Randomized Gossip Algorithms." IEEE Trans.
+Inf. Theory 52(6), 2006 (gossip averaging x ← W x and its rate, the
+spectral gap of W).
+
+Problem. N nodes, node i holding f_i (the mean loss over its real examples of
+the round), sit on a connected graph and cooperate to minimise
+(1/N) Σ_i f_i(x) without a server: node i keeps its own model x_i and talks
+only to its neighbours, through a mixing matrix W `[N, N]` (symmetric,
+nonnegative, doubly stochastic, W_ij > 0 only on edges and the diagonal;
+`fedjax_opt.graphs.metropolis_hastings`, `uniform_degree`), or a time-varying
+sequence `[T, N, N]` used as W^(k) = W[k mod T] in round k
+(`fedjax_opt.graphs.random_matchings`). Nodes are the client axis: `step`
+takes every node's data (C = N, `client_id = arange(N)`), computes the local
+work of all nodes through `core.client_map` (so it shards over devices like
+every other algorithm), and gossips with one matmul over the node axis
+(`core.mixing.mix`). Writing x `[N, ...]` for the stacked models, one round k:
+
+* `gossip` (adapt, then combine; decentralized FedAvg):
+  x^{k+1} = W^(k) (x^k + Δ^k), Δ_i^k = the change of R local SGD(η) steps of
+  node i from x_i^k. With η = 0, Δ = 0 and x^k = W^(k−1) ⋯ W^(0) x^0 (W^k x^0
+  for one W): pure gossip averaging, the loss-free consensus baseline, whose
+  disagreement contracts by (1 − gap) per round, the consensus distance by
+  (1 − gap)² (`fedjax_opt.graphs.spectral_gap`).
+* `dpsgd` (D-PSGD, Lian et al. 2017; combine and adapt from the same point):
+  x_i^{k+1} = Σ_j W_ij^(k) x_j^k + Δ_i^k; with R = 1, Δ_i^k = −η ∇f_i(x_i^k; ξ_i^k),
+  the paper's update. R > 1 local steps between gossip rounds run from x_i^k,
+  in parallel with the gossip. With a constant η and heterogeneous f_i its
+  fixed point is biased: at a consensus x the update is −η ∇f_i(x), which
+  vanishes for every node only when every ∇f_i(x) = 0, so the nodes settle
+  O(η) away from the minimiser of Σ_i f_i (and from each other).
+* `gradient_tracking` (DIGing, Nedić et al. 2017): each node also tracks the
+  network's average gradient in y_i,
+
+      y^k     = W^(k−1) y^{k−1} + ∇f(x^k) − ∇f(x^{k−1}),     y^{−1} = ∇f(x^{−1}) = 0,
+      x^{k+1} = W^(k) x^k − η y^k,
+
+  with ∇f(x^k) `[N, ...]` the nodes' gradients ∇f_i(x_i^k) on their round's
+  data (all S·B examples as one batch). This is the paper's iteration
+  x^{k+1} = W(k) x^k − α y^k, y^{k+1} = W(k) y^k + ∇f(x^{k+1}) − ∇f(x^k),
+  y^0 = ∇f(x^0), written with one gradient per round: round k computes
+  ∇f(x^k), finishes y^k, and takes the x-step. Since 1ᵀW = 1ᵀ, Σ_i y_i^k =
+  Σ_i ∇f_i(x_i^k) every round, so at a fixed point every x_i is equal and
+  Σ_i ∇f_i(x) = 0: with a small enough constant η the nodes reach the exact
+  minimiser of Σ_i f_i, also under heterogeneous data. A node with no real
+  example in a round keeps its previous gradient (no new information).
+
+A non-finite node (our rule; the papers do not treat it). A node whose local
+work of the round is not finite (Δ_i or ∇f_i(x_i^k) or its loss holds a NaN or
+Inf) keeps its stored rows (x_i, and y_i and its last gradient for gradient
+tracking) bit for bit, and is cut out of the graph for the round
+(`core.mixing.exclude`): its edges are removed and their weight moves onto
+the diagonal of its neighbours' rows, W̃_ii = W_ii + Σ_{j failed} W_ij. W̃ is
+still symmetric and doubly stochastic, so the finite nodes average among
+themselves and nothing of the failed node spreads; for gradient tracking the
+invariant Σ_i y_i = Σ_i ∇f_i(x_i) still holds (the failed node's y_i and
+gradient both stay). It is counted in `metrics["num_nonfinite"]`. A node that
+fails every round is a node removed from the graph: the others solve the
+problem without it (if they stay connected).
+
+State (`DecentralizedState`): `params` = x̄ = (1/N) Σ_i x_i (what `fo.train`
+and evaluation read), `local_params` = the x_i (`[N, ...]`,
+`fo.personalized_params(state, i)`), `tracker` = y (`[N, ...]`, gradient
+tracking; None otherwise), `gradients` = ∇f(x^{k−1}) (`[N, ...]`, gradient
+tracking; None otherwise). Metrics (`DECENTRALIZED_METRICS`): `client_loss`
+(the mean over finite nodes with data of f_i(x_i^k) on the round's data,
+before the round's update; for R local steps the mean loss along the
+steps), `consensus_distance` ((1/N) Σ_i ‖x_i − x̄‖² after the round),
+`bytes_sent` (per node, averaged over the nodes: the models a node sends to
+its neighbours, #{i ≠ j : W̃_ij ≠ 0} × the model's bytes; gradient tracking
+sends two vectors, x through W^(k) and y through W^(k−1)), `num_nonfinite`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import mixing as mixing_lib
+from fedjax_opt.core import per_client
+from fedjax_opt.core.local import cycle_steps, local_train, masked_mean_loss
+from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.validation import (check_full_participation, check_key, check_loss_fn, check_optional_int,
+                                        check_positive, check_scalar)
+
+__all__ = ["DecentralizedState", "DECENTRALIZED_METRICS", "consensus_distance", "dpsgd", "gossip",
+           "gradient_tracking"]
+
+DECENTRALIZED_METRICS = {
+    "client_loss": jnp.float32,
+    "consensus_distance": jnp.float32,
+    "bytes_sent": jnp.float32,
+    "num_nonfinite": jnp.int32,
+}
+"""The diagnostics of a decentralized round (module docstring)."""
+
+
+@flax.struct.dataclass
+class DecentralizedState:
+  """State of `gossip`, `dpsgd` and `gradient_tracking`.
+
+  Attributes:
+    params: x̄ = (1/N) Σ_i x_i, the nodes' average model.
+    local_params: the x_i, a per-node table (leaves `[N, ...]`).
+    tracker: y_i, the gradient trackers `[N, ...]` (gradient tracking; None otherwise).
+    gradients: ∇f_i(x_i) of the previous round `[N, ...]` (gradient tracking; None otherwise).
+    round: k, rounds applied, int32 (indexes a time-varying mixing sequence).
+    key: PRNG key (nothing is drawn; kept for the common state contract).
+    metrics: `DECENTRALIZED_METRICS`.
+  """
+
+  params: PyTree
+  local_params: PyTree
+  tracker: PyTree | None
+  gradients: PyTree | None
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+def consensus_distance(table: PyTree) -> jax.Array:
+  """(1/N) Σ_i ‖x_i − x̄‖² of a per-node table (leaves `[N, ...]`), a scalar."""
+  return mixing_lib.consensus_distance(table)
+
+
+def _rows_where(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+  """Row i of `new` where ok_i, else row i of `old` (bit for bit), leaf-wise."""
+  return jax.tree.map(lambda a, b: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, b.astype(a.dtype)), new, old)
+
+
+def _metrics(loss: jax.Array, count: jax.Array, ok: jax.Array, table: PyTree, sent: jax.Array) -> dict[str, jax.Array]:
+  used = ok & (count > 0)
+  values = {
+      "client_loss": jnp.sum(jnp.where(used, loss, 0)) / jnp.maximum(jnp.sum(used), 1),
+      "consensus_distance": mixing_lib.consensus_distance(table),
+      "bytes_sent": sent,
+      "num_nonfinite": jnp.sum(~ok),
+  }
+  return {name: jnp.asarray(values[name]).astype(dtype) for name, dtype in DECENTRALIZED_METRICS.items()}
+
+
+def _average(table: PyTree, like: PyTree) -> PyTree:
+  return jax.tree.map(lambda t, p: jnp.mean(t, axis=0).astype(jnp.result_type(p)), table, like)
+
+
+def _check_step(name: str, batches: ClientBatches, n: int) -> None:
+  if isinstance(batches, ClientBatches) and batches.mask.ndim == 3 and batches.num_clients != n:
+    raise ValueError(f"{name}: the mixing matrix has N = {n} nodes, so batches must hold every node's data, "
+                     f"C = N = {n} (row i = node i); got C = {batches.num_clients}.")
+  check_full_participation(batches, n, ordered=True)
+
+
+def _local_sgd(name: str, loss_fn: LossFn, eta: Any, mixing: Any, local_steps: int | None, client_map: Any,
+               adapt_then_combine: bool, allow_zero_eta: bool) -> FederatedAlgorithm:
+  """`gossip` (adapt, then combine) and `dpsgd` (combine and adapt from x^k)."""
+  check_loss_fn(loss_fn)
+  check_scalar(eta, "eta (η, the local step size)")
+  check_positive(eta, "eta (η, the local step size)", allow_zero=allow_zero_eta)
+  local_steps = check_optional_int(local_steps, "local_steps")
+  mix = mixing_lib.prepare(mixing)
+  n = mix.num_nodes
+  mode = client_map_lib.resolve(client_map)
+  optimizer = optax.sgd(eta)
+
+  def node_update(_, node):
+    data, mask, x = node
+    if local_steps is not None:
+      data, mask = cycle_steps(data, mask, local_steps)
+    result = local_train(loss_fn, optimizer, x, data, mask)
+    return result.delta, result.loss, result.num_examples
+
+  def init(params: PyTree, key: jax.Array) -> DecentralizedState:
+    check_key(key)
+    return DecentralizedState(
+        params=params,
+        local_params=per_client.broadcast(params, n),
+        tracker=None,
+        gradients=None,
+        round=jnp.zeros((), jnp.int32),
+        key=key,
+        metrics={m: jnp.zeros((), dt) for m, dt in DECENTRALIZED_METRICS.items()},
+    )
+
+  def step(state: DecentralizedState, batches: ClientBatches) -> DecentralizedState:
+    _check_step(name, batches, n)
+    x = state.local_params
+    dtype = jnp.result_type(*jax.tree.leaves(x))
+    delta, loss, count = client_map_lib.map_clients(mode, node_update, None, (batches.data, batches.mask, x))
+    ok = client_is_finite(delta) & jnp.isfinite(loss)
+    delta = _rows_where(ok, delta, jax.tree.map(jnp.zeros_like, delta))  # a NaN times a zero weight is still NaN
+    w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
+    if adapt_then_combine:
+      new = mixing_lib.mix(w, jax.tree.map(jnp.add, x, delta))
+    else:
+      new = jax.tree.map(jnp.add, mixing_lib.mix(w, x), delta)
+    table = _rows_where(ok, new, x)
+    sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * mixing_lib.model_bytes(state.params)
+    return state.replace(params=_average(table, state.params), local_params=table, round=state.round + 1,
+                         metrics=_metrics(loss, count, ok, table, sent))
+
+  return FederatedAlgorithm(init, step)
+
+
+def gossip(
+    loss_fn: LossFn,
+    eta: Any = 0.0,
+    *,
+    mixing: Any,
+    local_steps: int | None = None,
+    client_map: client_map_lib.ClientMap | str | None = None,
+) -> FederatedAlgorithm:
+  """Local SGD, then gossip averaging of the models: x^{k+1} = W^(k) (x^k + Δ^k).
+
+  Δ_i^k is the change of node i's R local SGD(η) steps from x_i^k; η = 0 (the
+  default) is pure gossip averaging, x^k = W^k x^0, the loss-free consensus
+  baseline (the local steps then change nothing; the loss is still reported).
+  With local steps it is decentralized FedAvg (local training, then each node
+  averages its neighbours' new models); see the module docstring.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
+    eta: η ≥ 0, the local SGD step size (may be traced). A bare step size,
+      not an optimizer, as in `dpsgd`.
+    mixing: W `[N, N]` (symmetric, nonnegative, doubly stochastic, spectral
+      gap > 0), a time-varying sequence `[T, N, N]` (W[k mod T] in round k),
+      or a `fedjax_opt.graphs.Graph` (its Metropolis–Hastings weights). Node
+      i is row i of the batches.
+    local_steps: R, local SGD steps per round (a Python int), step r on the
+      round's batch r mod S. None: R = S, one step per batch.
+    client_map: how the nodes' local work is mapped (`fedjax_opt.core.client_map`).
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `DecentralizedState`;
+    `step(state, batches)` takes every node's data, C = N, client_id = arange(N).
+
+  Raises:
+    TypeError: `mixing` missing or not a matrix / Graph; `local_steps` not a Python int.
+    ValueError: η < 0; `mixing` not square, negative, asymmetric, not doubly
+      stochastic or with spectral gap 0 (`fedjax_opt.graphs.check_mixing_matrix`);
+      (at `step`) C != N or client_id != arange(N).
+  """
+  return _local_sgd("gossip", loss_fn, eta, mixing, local_steps, client_map, adapt_then_combine=True,
+                    allow_zero_eta=True)
+
+
+def dpsgd(
+    loss_fn: LossFn,
+    eta: Any,
+    *,
+    mixing: Any,
+    local_steps: int | None = None,
+    client_map: client_map_lib.ClientMap | str | None = None,
+) -> FederatedAlgorithm:
+  """D-PSGD (Lian et al., NeurIPS 2017): x_i^{k+1} = Σ_j W_ij^(k) x_j^k − η ∇f_i(x_i^k; ξ_i^k).
+
+  With R local steps, x_i^{k+1} = Σ_j W_ij^(k) x_j^k + Δ_i^k, Δ_i^k the change
+  of R SGD(η) steps of node i from x_i^k (R = 1, one batch: the paper's
+  update). With a constant η and heterogeneous nodes the iterates keep an
+  O(η) bias from the minimiser of Σ_i f_i (module docstring); use
+  `gradient_tracking` for the exact minimiser.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
+    eta: η > 0, the SGD step size (may be traced). A bare step size, as in the paper.
+    mixing: W `[N, N]`, a sequence `[T, N, N]`, or a `Graph`, as in `gossip`.
+    local_steps: R (a Python int), step r on the round's batch r mod S. None:
+      R = S, one step per batch (S = 1: the paper's one stochastic gradient per round).
+    client_map: how the nodes' local work is mapped (`fedjax_opt.core.client_map`).
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `DecentralizedState` (`tracker`, `gradients` None).
+
+  Raises:
+    TypeError, ValueError: as `gossip`, and η <= 0.
+  """
+  return _local_sgd("dpsgd", loss_fn, eta, mixing, local_steps, client_map, adapt_then_combine=False,
+                    allow_zero_eta=False)
+
+
+def gradient_tracking(
+    loss_fn: LossFn,
+    eta: Any,
+    *,
+    mixing: Any,
+    client_map: client_map_lib.ClientMap | str | None = None,
+) -> FederatedAlgorithm:
+  """Gradient tracking, DIGing (Nedić, Olshevsky & Shi, SIAM J. Optim. 2017): exact with a constant step.
+
+      y^k     = W^(k−1) y^{k−1} + ∇f(x^k) − ∇f(x^{k−1}),   y^{−1} = ∇f(x^{−1}) = 0
+      x^{k+1} = W^(k) x^k − η y^k
+
+  ∇f_i(x_i^k) is node i's gradient on its round's data (its S batches as one
+  batch of S·B examples). Σ_i y_i = Σ_i ∇f_i(x_i) every round, so the fixed
+  point is the minimiser of Σ_i f_i at every node (module docstring). Each
+  round every node sends two vectors (x_i and y_i) to each neighbour.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
+    eta: η > 0, the constant step size α of the paper (may be traced). Small
+      enough for stability: about η < (1 − ‖W − 11ᵀ/N‖)² / L for L-smooth f_i,
+      in practice η < 1/L on a well-connected graph.
+    mixing: W `[N, N]`, a sequence `[T, N, N]`, or a `Graph`, as in `gossip`.
+    client_map: how the nodes' gradients are mapped (`fedjax_opt.core.client_map`).
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `DecentralizedState`.
+
+  Raises:
+    TypeError, ValueError: as `dpsgd`.
+  """
+  check_loss_fn(loss_fn)
+  check_scalar(eta, "eta (η, the step size)")
+  check_positive(eta, "eta (η, the step size)")
+  mix = mixing_lib.prepare(mixing)
+  n = mix.num_nodes
+  mode = client_map_lib.resolve(client_map)
+  grad_fn = jax.value_and_grad(masked_mean_loss, argnums=1, has_aux=True)
+
+  def node_gradient(_, node):
+    data, mask, x = node
+    batch = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), data)
+    (loss, count), g = grad_fn(loss_fn, x, batch, mask.reshape(-1))
+    return g, loss, count
+
+  def init(params: PyTree, key: jax.Array) -> DecentralizedState:
+    check_key(key)
+    zeros = per_client.init(params, n)
+    return DecentralizedState(
+        params=params,
+        local_params=per_client.broadcast(params, n),
+        tracker=zeros,
+        gradients=zeros,
+        round=jnp.zeros((), jnp.int32),
+        key=key,
+        metrics={m: jnp.zeros((), dt) for m, dt in DECENTRALIZED_METRICS.items()},
+    )
+
+  def step(state: DecentralizedState, batches: ClientBatches) -> DecentralizedState:
+    _check_step("gradient_tracking", batches, n)
+    x, y, g_old = state.local_params, state.tracker, state.gradients
+    dtype = jnp.result_type(*jax.tree.leaves(x))
+    g, loss, count = client_map_lib.map_clients(mode, node_gradient, None, (batches.data, batches.mask, x))
+    ok = client_is_finite(g) & jnp.isfinite(loss)
+    g = _rows_where(ok & (count > 0), g, g_old)  # no data, or not finite: the last gradient (no change to y)
+    w_x = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
+    w_y = mixing_lib.exclude(mixing_lib.at_round(mix, state.round - 1, dtype), ok)
+    y_new = jax.tree.map(lambda a, b, c: a + b - c, mixing_lib.mix(w_y, y), g, g_old)
+    step_size = jnp.asarray(eta, dtype)
+    x_new = jax.tree.map(lambda a, b: a - step_size.astype(a.dtype) * b, mixing_lib.mix(w_x, x), y_new)
+    table = _rows_where(ok, x_new, x)
+    tracker = _rows_where(ok, y_new, y)
+    messages = mixing_lib.messages_sent(w_x) + mixing_lib.messages_sent(w_y)
+    sent = jnp.mean(messages.astype(jnp.float32)) * mixing_lib.model_bytes(state.params)
+    return state.replace(params=_average(table, state.params), local_params=table, tracker=tracker, gradients=g,
+                         round=state.round + 1, metrics=_metrics(loss, count, ok, table, sent))
+
+  return FederatedAlgorithm(init, step)
