@@ -297,3 +297,22 @@ def test_bad_arguments(problem):
   algo = gradient_tracking(lsq_loss, 0.1, mixing=w)
   with pytest.raises(ValueError, match="arange"):
     algo.step(algo.init(_zeros(), jax.random.key(0)), batches.replace(client_id=batches.client_id[::-1]))
+
+
+def test_gradient_tracking_on_the_complete_graph_is_stable_only_for_eta_h_below_one_half(rng):
+  """W = 11ᵀ/N (Metropolis weights of K_N) and nodes sharing one Hessian H: in each eigendirection h of H the
+  disagreement follows e_x ← −η e_y, e_y ← h(e_x⁺ − e_x), whose roots λ² + ηhλ − ηh = 0 lie inside the unit disc
+  only for ηh < 1/2. So even the best-connected graph needs η < 1/(2L), not 1/L (centralized gradient descent's
+  bound is 2/L): η = 0.45/h reaches argmin Σ_i f_i, η = 0.55/h blows up."""
+  x = rng.normal(size=(10, D))
+  clients = [(x, rng.normal(loc=i, size=10)) for i in range(N)]  # one design: one Hessian; different targets
+  design = np.hstack([x, np.ones((10, 1))])
+  h = np.linalg.eigvalsh(design.T @ design / 10)[-1]
+  w = fo.graphs.metropolis_hastings(fo.graphs.complete(N))
+  np.testing.assert_allclose(w, np.full((N, N), 1.0 / N), atol=1e-15)
+  with jax.enable_x64(True):
+    batches = pack(clients, 1, 10, dtype=np.float64)
+    stable = _run(gradient_tracking(lsq_loss, 0.45 / h, mixing=w), batches, 2000, jnp.float64)
+    unstable = _run(gradient_tracking(lsq_loss, 0.55 / h, mixing=w), batches, 400, jnp.float64)
+  np.testing.assert_allclose(_rows(stable.local_params), np.tile(_minimiser(clients), (N, 1)), atol=1e-8)
+  assert float(unstable.metrics["consensus_distance"]) > 1e6

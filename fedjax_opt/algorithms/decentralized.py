@@ -312,8 +312,11 @@ def gradient_tracking(
   Args:
     loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
     eta: η > 0, the constant step size α of the paper (may be traced). Small
-      enough for stability: about η < (1 − ‖W − 11ᵀ/N‖)² / L for L-smooth f_i,
-      in practice η < 1/L on a well-connected graph.
+      enough for stability: about η < (1 − ‖W − 11ᵀ/N‖)² / L for L-smooth f_i
+      in theory. In practice η < 1/(2L) even on the complete graph: with
+      W = 11ᵀ/N the nodes' disagreement along a curvature h of the f_i
+      follows λ² + ηhλ − ηh = 0, stable only for ηh < 1/2; sparse graphs
+      need a smaller step still (benchmarks/decentralized.py).
     mixing: W `[N, N]`, a sequence `[T, N, N]`, or a `Graph`, as in `gossip`.
     client_map: how the nodes' gradients are mapped (`fedjax_opt.core.client_map`).
 
