@@ -433,7 +433,7 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
     update, inner = aggregator.aggregate(corrupted, weights, state.aggregator, inner_key)
     return update, CorruptState(aggregator=inner, key=state.key, num_attackers=jnp.sum(rows, dtype=jnp.int32))
 
-  return Aggregator(init, aggregate)
+  return Aggregator(init, aggregate, always_releases=aggregator.always_releases)
 
 
 # ---- data poisoning ----------------------------------------------------------------------------------------

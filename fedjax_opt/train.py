@@ -556,6 +556,7 @@ def train(
     local_steps: int | None = None,
     local_epochs: int | None = None,
     client_sampling: str = "uniform",
+    sampling_probability: float | None = None,
     example_order: str = "shuffled",
     eval_every: int = 10,
     metric_fns: Mapping[str, evaluate_lib.MetricFn] | None = None,
@@ -583,8 +584,10 @@ def train(
       template the checkpoint is restored into.
     dataset: a packed `FederatedDataset` (train split sampled, test split evaluated).
     rounds: the round to stop at (a total, so resuming does not add rounds).
-    clients_per_round, batch_size, local_steps, local_epochs, client_sampling, example_order:
-      passed to `fedjax_opt.data.sample_round` each round. Under
+    clients_per_round, batch_size, local_steps, local_epochs, client_sampling, sampling_probability,
+      example_order: passed to `fedjax_opt.data.sample_round` each round
+      (`client_sampling="poisson"`: each client with probability
+      `sampling_probability`, in `clients_per_round` slots). Under
       `client_sampling="proportional"` the algorithm receives weight 1 per
       drawn client instead of n_k (`proportional_weights`, module docstring):
       the round's aggregate is the uniform mean over the draws, whose
@@ -654,7 +657,8 @@ def train(
       state, history = restored
   eval_params = eval_params or _default_eval_params
   sample_kwargs = dict(clients_per_round=clients_per_round, local_steps=local_steps, batch_size=batch_size,
-                       local_epochs=local_epochs, client_sampling=client_sampling, example_order=example_order)
+                       local_epochs=local_epochs, client_sampling=client_sampling, example_order=example_order,
+                       sampling_probability=sampling_probability)
   per_member_data = isinstance(seed, tuple)
   reweight = proportional_weights if client_sampling == "proportional" else (lambda batches: batches)
 

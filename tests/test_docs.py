@@ -16,6 +16,7 @@ RUN_BY = {
     "docs/data.md": "tests/test_data_docs.py",
     "docs/models.md": "tests/test_models.py",
     "docs/scaling.md": "tests/test_docs_scaling.py",
+    "docs/privacy.md": "tests/test_privacy_cli.py",
 }
 """Document → the test module that runs every one of its Python blocks."""
 

@@ -28,6 +28,8 @@ DEFAULTS: dict[str, Any] = dict(
     clients_per_round=10, local_steps=10, batch_size=20, client_lr=None, server_lr=None, rounds=300,
     eval_every=25, seed=0, seeds=1, model="auto", client_map="auto", checkpoint_every=4, quiet=False, hyper={},
     aggregator=None, attack=None, attackers=None, compile_cache=None, devices="auto",
+    dp_noise=None, dp_clip=None, dp_delta=None, dp_epsilon=None, dp_accountant=None, dp_sampling=None,
+    dp_quantile=None, dp_clip_lr=None, dp_count_noise=None, dp_noise_multiplier=None,
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
@@ -120,6 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
            "before aggregation) or label_flip (on their data) (--set attack.NAME=VALUE for its parameters)")
   add("--attackers", metavar="F", type=_positive("attackers", float, "number"),
       help="--attack: the fraction of attacking clients, in (0, 1] (default 0.2)")
+  add("--dp-noise", metavar="SIGMA", type=float,
+      help="differential privacy (DP-FedAvg, docs/privacy.md): noise multiplier σ; each client's update is clipped "
+           "to --dp-clip, the sum gets N(0, (σC)²) noise, and ε is reported")
+  add("--dp-clip", metavar="C", type=float, help="DP: the L2 bound C of a client's update (the initial one with "
+                                                 "--dp-quantile)")
+  add("--dp-delta", metavar="DELTA", type=float, help="DP: the δ that ε is reported for (default 1e-5)")
+  add("--dp-epsilon", metavar="EPS", type=float,
+      help="DP: a target ε after --rounds; the noise multiplier is solved for it (instead of --dp-noise)")
+  add("--dp-accountant", metavar="rdp|pld", help="DP: dp-accounting's RDP or PLD accountant (default rdp for "
+                                                 "--dp-sampling fixed, pld for poisson)")
+  add("--dp-sampling", metavar="fixed|poisson",
+      help="DP: fixed (default): --clients-per-round clients without replacement; poisson: each client with "
+           "probability clients-per-round / clients")
+  add("--dp-quantile", metavar="GAMMA", type=float,
+      help="DP: adaptive clipping, the clip norm tracks this quantile of the update norms (Andrew et al. 2021)")
+  add("--dp-clip-lr", metavar="X", type=float, help="DP, adaptive clipping: the clip norm's step size η_C "
+                                                   "(default 0.2)")
+  add("--dp-count-noise", metavar="X", type=float,
+      help="DP, adaptive clipping: noise σ_b on the count of unclipped clients (default max(m/20, 2σ))")
   add("--rounds", metavar="N", type=_positive("rounds", int, "integer"), help="rounds to train, in all (default 300)")
   add("--eval-every", metavar="N", type=_positive("eval-every", int, "integer"), help="rounds between evaluations (default 25)")
   add("--seed", metavar="N", type=int, help="seeds the split, the models and the sampling (default 0)")
@@ -167,8 +188,8 @@ def _read_toml(path: str) -> dict[str, Any]:
       hyper[key] = dict(value)
       continue
     name = key.replace("-", "_")
-    if name not in DEFAULTS or name == "hyper":
-      raise UsageError(f"unknown key(s) [{key!r}] in config {path!r}; valid keys: {sorted(set(DEFAULTS) - {'hyper'})}"
+    if name not in DEFAULTS or name in ("hyper", "dp_noise_multiplier"):
+      raise UsageError(f"unknown key(s) [{key!r}] in config {path!r}; valid keys: {sorted(set(DEFAULTS) - {'hyper', 'dp_noise_multiplier'})}"
                        f" and [algorithm] sections")
     config[name] = ",".join(value) if name == "algorithms" and isinstance(value, list) else value
   if hyper:
@@ -266,6 +287,12 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   try:
     robust.check(config, names, registry)
   except robust.RobustError as e:
+    raise UsageError(str(e)) from None
+  from fedjax_opt.cli import privacy
+
+  try:
+    privacy.check(config, names)
+  except privacy.PrivacyError as e:
     raise UsageError(str(e)) from None
   return config
 

@@ -38,6 +38,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
                 ("pers. p10", lambda r: _cell(r, "personalized_accuracy_p10"))]
   if any("objective_gap" in r for r in rows):
     columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
+  if any("dp_epsilon" in r for r in rows):
+    columns.append(("ε", lambda r: "-" if r.get("dp_epsilon") is None else f"{r['dp_epsilon']:.3g}"))
   columns += [("MB sent", lambda r: f"{r['megabytes_sent']:,.3f}" if r["megabytes_sent"] < 1 else f"{r['megabytes_sent']:,.1f}"), ("compile s", lambda r: f"{r.get('compile_seconds', float('nan')):.1f}"),
               ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
               ("status", lambda r: r["status"])]
@@ -51,6 +53,12 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 
   rule = "-" * len(fmt(header))
   notes = [f"{r['algorithm']} {r['status']}: {r['diverged_reason']}" for r in rows if r.get("diverged_reason")]
+  private = [r for r in rows if r.get("privacy")]
+  if private:
+    p = private[0]["privacy"]
+    notes.append(f"ε: client-level (ε, δ={p['delta']:g})-DP after {private[0]['rounds']} rounds, {p['accountant']} "
+                 f"accountant, {p['sampling']}, noise multiplier {p['noise_multiplier']:.4g} "
+                 f"({p['neighboring_relation']}); see docs/privacy.md for what it covers")
   return "\n".join([fmt(header), rule] + [fmt(line) for line in lines[1:]] + ([""] + notes if notes else []))
 
 
@@ -67,10 +75,12 @@ def title(config: dict[str, Any], dataset) -> str:
     robust += f", aggregator {config['aggregator']}"
   if config.get("attack"):
     robust += f", attack {config['attack']} ({config['attackers']:.0%} of clients)"
+  from fedjax_opt.cli import privacy
+
   return (f"{config['dataset']}, {split}{dataset.num_clients} clients, {config['clients_per_round']}/round, "
           f"{config['local_steps']} steps × batch {config['batch_size']}"
           + (f", client lr {config['client_lr']:g}" if config["client_lr"] is not None else "") + f", {seeds}"
-          + robust)
+          + robust + privacy.describe(config))
 
 
 def _series(ax, x, values, name: str, **style):

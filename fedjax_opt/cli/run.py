@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable
 
 from fedjax_opt.cli import config as config_lib
-from fedjax_opt.cli import registry, report, robust
+from fedjax_opt.cli import privacy, registry, report, robust
 from fedjax_opt.cli.config import UsageError
 
 FLOAT_BITS = 32
@@ -89,7 +89,10 @@ def sampling(spec: registry.Spec, hyper: dict[str, Any], config: dict[str, Any],
   """`fo.train`'s sampling keywords for `spec`: sampled clients, or every client's whole train split."""
   if spec.sampling == "clients":
     steps = config["local_steps"] if spec.data_steps is None else spec.data_steps(hyper, config["local_steps"])
-    return dict(clients_per_round=config["clients_per_round"], local_steps=steps, batch_size=config["batch_size"])
+    out = dict(clients_per_round=config["clients_per_round"], local_steps=steps, batch_size=config["batch_size"])
+    if privacy.enabled(config):  # the sampling the accountant is given (fixed: the same as without DP)
+      out.update(privacy.train_kwargs(privacy.sampling(config, dataset.num_clients)))
+    return out
   out = dict(clients_per_round=dataset.num_clients, client_sampling="all", local_epochs=1,
              batch_size=dataset.max_train)
   if spec.sampling == "full_fixed":
@@ -215,6 +218,11 @@ def _prepared(config: dict[str, Any]):
     aggregator, poison, robust_used = robust.build(config, config["clients_per_round"], dataset.num_classes)
   except robust.RobustError as e:
     raise UsageError(str(e)) from None
+  if privacy.enabled(config):
+    try:
+      aggregator, _ = privacy.build(config, dataset.num_clients)
+    except privacy.PrivacyError as e:
+      raise UsageError(str(e)) from None
   ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
                          local_steps=config["local_steps"], rounds=config["rounds"], client_map=effective_client_map(config),
                          aggregator=aggregator)
@@ -331,6 +339,12 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   say(dataset.summary())
   say(f"model {model.name}; {len(built)} algorithm(s), {config['rounds']} rounds"
       + (f"; {config['seeds']} seeds per algorithm (one vmapped program)" if config["seeds"] > 1 else ""))
+  if privacy.enabled(config):
+    plan = privacy.sampling(config, dataset.num_clients)
+    say(f"differential privacy: noise multiplier {config['dp_noise_multiplier']:.4g}"
+        + (f" (solved for ε = {config['dp_epsilon']:g})" if config["dp_epsilon"] is not None else "")
+        + f", clip {config['dp_clip']:g}{' (adaptive)' if config['dp_quantile'] is not None else ''}, "
+        f"{plan.describe()}, {config['dp_accountant'].upper()} accountant, δ = {config['dp_delta']:g}")
   for note in _notes(built, config):
     print(note)  # even with --quiet: it says which flags an algorithm does not use
   metric_fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
@@ -383,6 +397,11 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
     extras[name] = {"megabytes_sent": (bits.cumsum() / 8e6).tolist()}
     row["megabytes_sent"] = float(bits.sum() / 8e6)
     row["hyper_parameters"] = hyper
+    if privacy.enabled(config):
+      row["privacy"] = privacy.report(config, privacy.sampling(config, dataset.num_clients),
+                                      [e["round"] for e in history.evals], state, config["seeds"])
+      row["dp_epsilon"] = row["privacy"]["epsilon"]
+      extras[name]["dp_epsilon"] = row["privacy"]["epsilon_at_rounds"]
     rows.append(dict(row, wall_seconds=time.perf_counter() - t0, compile_seconds=history.compile_seconds,
                      rounds_per_second=history.rounds_per_second, devices=jax.device_count()))
   config_lib.write_json(os.path.join(out, "history.json"),

@@ -220,4 +220,5 @@ def _streamed(loop: tuple, fn: Callable[..., ClientOutput], shared: PyTree, inpu
                               shared, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), inputs))
   update, new_state = streaming.finalize(total, count, aggregator_state, key)
   update = jax.tree.map(lambda u, like: u.astype(like.dtype), update, one_update)
-  return out, weights, finish_aggregation(update, new_state, aggregator_state, used, weights, finite)
+  return out, weights, finish_aggregation(update, new_state, aggregator_state, used, weights, finite,
+                                         aggregator.always_releases)

@@ -32,7 +32,8 @@ class Aggregated(NamedTuple):
     state: the aggregator's new state (the old one when rejected).
     finite: `[C]` bool, the clients whose update was finite.
     num_nonfinite: scalar int32, clients taking part whose update was dropped.
-    accepted: scalar bool, False when no client with a finite update took part.
+    accepted: scalar bool, False when no client with a finite update took part (unless the
+      aggregator `always_releases`) or the aggregate is not finite.
   """
 
   update: PyTree
@@ -66,12 +67,14 @@ def zero_nonfinite(updates: PyTree, weights: jax.Array) -> tuple[PyTree, jax.Arr
 
 
 def finish_aggregation(update: PyTree, new_state: Any, state: Any, used_weights: jax.Array, weights: jax.Array,
-                       finite: jax.Array) -> Aggregated:
+                       finite: jax.Array, always_releases: bool = False) -> Aggregated:
   """The guard's second half: accept the round when a finite client took part and the aggregate is finite.
 
   `used_weights` are the weights after the non-finite clients were zeroed, `weights` those before.
+  `always_releases` (the aggregator's `Aggregator.always_releases`) accepts a round without clients too.
   """
-  accepted = jnp.any(used_weights > 0) & jnp.all(client_is_finite(jax.tree.map(lambda u: u[None], update)))
+  someone = jnp.ones((), bool) if always_releases else jnp.any(used_weights > 0)
+  accepted = someone & jnp.all(client_is_finite(jax.tree.map(lambda u: u[None], update)))
   update = jax.tree.map(lambda u: jnp.where(accepted, u, jnp.zeros_like(u)), update)
   return Aggregated(
       update=update,
@@ -86,7 +89,7 @@ def aggregate_updates(aggregator: Aggregator, updates: PyTree, weights: jax.Arra
   """Aggregates stacked client updates `[C, ...]` with the non-finite guard."""
   clean, w, finite = zero_nonfinite(updates, weights)
   update, new_state = aggregator.aggregate(clean, w, state, key)
-  return finish_aggregation(update, new_state, state, w, weights, finite)
+  return finish_aggregation(update, new_state, state, w, weights, finite, aggregator.always_releases)
 
 
 def apply_server_update(optimizer: optax.GradientTransformation, params: PyTree, opt_state: Any, delta: PyTree,

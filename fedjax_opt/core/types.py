@@ -197,8 +197,16 @@ class Aggregator(NamedTuple):
   C updates (`core.rounds.client_round`), so the round's memory does not grow
   with C. It must agree with `aggregate`; a rule that needs all the updates
   at once (medians, Krum, ...) has none.
+
+  `always_releases` (default False): a round in which no client took part is
+  normally rejected (model and aggregator state unchanged, see
+  `core.server.aggregate_updates`); True accepts it whenever the aggregate is
+  finite. A differentially private aggregator needs this: its noise must be
+  released whether or not any client was sampled, or an empty round would
+  tell who was absent (`fedjax_opt.privacy.dp_mean`).
   """
 
   init: Callable[[PyTree], Any]
   aggregate: Callable[[PyTree, jax.Array, Any, jax.Array], tuple[PyTree, Any]]
   streaming: StreamingSum | None = None
+  always_releases: bool = False

@@ -21,7 +21,19 @@ arXiv:1907.02189):
   (e.g. with a uniform-weight aggregator) when using this scheme (`fo.train`
   does: it hands the algorithm weight 1 per draw). A client may appear twice
   in one round;
-* "all": every client, in index order (full participation; C = N).
+* "all": every client, in index order (full participation; C = N);
+* "poisson": every client independently with probability q
+  (`sampling_probability`), the sampling of DP-FedAvg's accounting
+  (McMahan et al. 2018, arXiv:1710.06963; `fedjax_opt.privacy`). The
+  round has C slots (`clients_per_round`, the cap, C <= N): the drawn
+  clients fill them in random order, unused slots hold distinct undrawn
+  clients with weight 0 and an all-False mask (they take no step and no
+  part). When more than C clients are drawn, a uniformly random C of them
+  take part (a truncated Poisson sample; `fedjax_opt.privacy.poisson_cap`
+  picks C so that this happens with probability <= 1e-6, and the privacy
+  accountant is told about the truncation). Client k is drawn when its
+  32-bit random word is below round(q·2³²), so q is exact to 2⁻³². O(N) per
+  round.
 
 Local mini-batches follow epoch semantics (a per-client random permutation,
 fresh at every epoch, as a `DataLoader(shuffle=True, drop_last=False)` would):
@@ -66,7 +78,7 @@ import numpy as np
 from fedjax_opt.core.types import ClientBatches, DeferredData
 from fedjax_opt.data.dataset import FederatedDataset
 
-CLIENT_SAMPLING = ("uniform", "proportional", "all")
+CLIENT_SAMPLING = ("uniform", "proportional", "all", "poisson")
 EXAMPLE_ORDERS = ("shuffled", "fixed")
 
 
@@ -87,6 +99,21 @@ def steps_for_epochs(dataset: FederatedDataset, local_epochs: int, batch_size: i
 _TOP_K_MAX_CLIENTS = 1 << 16
 """Uniform sampling from at most this many clients takes the C largest of N random words (exact, O(N));
 from more, C positions of a keyed pseudorandom permutation of the N clients (`_index_shuffle`, O(C))."""
+
+
+def _poisson_clients(bits: jax.Array, n: int, slots: int, probability: float) -> tuple[jax.Array, jax.Array]:
+  """`([C] client indices, [C] bool drawn)` of a Poisson round from `[2N]` random words (module docstring).
+
+  Words `[:N]` decide who is drawn (word < round(q·2³²)), words `[N:]` order them: the C slots take the drawn
+  clients of largest order word (all of them when at most C are drawn, else a uniformly random C), then undrawn
+  clients, which are marked not drawn.
+  """
+  threshold = min(round(probability * 2.0 ** 32), 2 ** 32)
+  drawn = jnp.ones((n,), bool) if threshold >= 2 ** 32 else bits[:n] < jnp.uint32(threshold)
+  order = (bits[n:2 * n] >> 1).astype(jnp.int32)  # >= 0
+  score = jnp.where(drawn, order, -1)
+  top, ids = jax.lax.top_k(score, slots)
+  return ids.astype(jnp.int32), top >= 0
 
 
 def _choose_clients(bits: jax.Array, dataset: FederatedDataset, clients_per_round: int,
@@ -286,6 +313,7 @@ def sample_round(
     *,
     local_epochs: int | None = None,
     client_sampling: str = "uniform",
+    sampling_probability: float | None = None,
     example_order: str = "shuffled",
     deferred: bool = False,
 ) -> ClientBatches:
@@ -311,7 +339,9 @@ def sample_round(
     batch_size: B, example slots per step.
     local_epochs: E, passes over each client's data (epochs mode).
     client_sampling: "uniform" (without replacement), "proportional"
-      (to train size, with replacement) or "all".
+      (to train size, with replacement), "all", or "poisson" (each client
+      with probability `sampling_probability`, in `clients_per_round` slots).
+    sampling_probability: q in (0, 1], a Python float: "poisson" only.
     example_order: "shuffled" (a fresh permutation per client and epoch) or
       "fixed" (every epoch in stored order: slot s·B + b of the first epoch
       holds example s·B + b). "fixed" with `client_sampling="all"` and
@@ -326,8 +356,8 @@ def sample_round(
 
   Returns:
     `ClientBatches` with data `[C, S, B, ...]`, mask `[C, S, B]` (True on real
-    examples, zeros elsewhere), weight `[C]` = n_k (train count, float32) and
-    client_id `[C]` int32.
+    examples, zeros elsewhere), weight `[C]` = n_k (train count, float32; 0
+    in the unused slots of a Poisson round) and client_id `[C]` int32.
   """
   if not isinstance(dataset, FederatedDataset):
     raise TypeError(f"dataset must be a FederatedDataset (see fo.data.pack); got {type(dataset).__name__}.")
@@ -354,6 +384,16 @@ def sample_round(
   if client_sampling == "all" and clients_per_round != n:
     raise ValueError(f"client_sampling='all' takes every client: clients_per_round must be {n}; "
                      f"got {clients_per_round}.")
+  if client_sampling == "poisson":
+    q = sampling_probability
+    if isinstance(q, bool) or not isinstance(q, (int, float, np.floating)) or not 0 < q <= 1:
+      raise ValueError(f"client_sampling='poisson' needs sampling_probability, a Python float in (0, 1]; got {q!r}.")
+    if clients_per_round > n:
+      raise ValueError(f"clients_per_round={clients_per_round} (the slots of a Poisson round) exceeds the {n} "
+                       "clients of the dataset.")
+  elif sampling_probability is not None:
+    raise ValueError(f"sampling_probability applies to client_sampling='poisson' only; got client_sampling="
+                     f"{client_sampling!r}.")
   sort_cap = max(1, min(dataset.max_train, _SORT_CAP))
   if local_epochs is not None:
     local_steps = steps_for_epochs(dataset, local_epochs, batch_size)
@@ -363,10 +403,15 @@ def sample_round(
   c = n if client_sampling == "all" else clients_per_round
   # One PRNG call for the whole round (every threefry call adds compile time):
   # words for choosing clients, then stream_length + 2 words per client.
-  head = {"uniform": n if n <= _TOP_K_MAX_CLIENTS else _FEISTEL_ROUNDS, "proportional": c, "all": 0}[client_sampling]
+  head = {"uniform": n if n <= _TOP_K_MAX_CLIENTS else _FEISTEL_ROUNDS, "proportional": c, "all": 0,
+          "poisson": 2 * n}[client_sampling]
   words = jax.random.bits(key, (head + c * (stream_length + 2),), jnp.uint32)
-  client_ids = _choose_clients(words[:head], dataset, clients_per_round, client_sampling)
-  counts = dataset.train_count[client_ids]
+  if client_sampling == "poisson":
+    client_ids, drawn = _poisson_clients(words[:head], n, c, float(sampling_probability))
+    counts = jnp.where(drawn, dataset.train_count[client_ids], 0)
+  else:
+    client_ids = _choose_clients(words[:head], dataset, clients_per_round, client_sampling)
+    counts = dataset.train_count[client_ids]
   per_client = functools.partial(
       _client_indices, local_steps=local_steps, batch_size=batch_size, stream_length=stream_length,
       sort_cap=sort_cap, feistel=dataset.max_train > sort_cap, local_epochs=local_epochs,
