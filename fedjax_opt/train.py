@@ -88,8 +88,9 @@ class History:
   """What happened during a run, as host arrays (JSON-serializable through `to_dict`).
 
   Attributes:
-    round_metrics: `{name: [R]}`, `state.metrics` after each round 1 … R
-      (`[K, R]` for a sweep of K members).
+    round_metrics: `{name: [R, ...]}`, `state.metrics` after each round 1 … R
+      (`[K, R, ...]` for a sweep of K members; a metric that is a vector
+      keeps its own axes after the round axis).
     evals: one dict per evaluation: `{"round": r, "seconds": training time so far, metric: value, ...}`
       (for a sweep, each metric's value is a list of K floats).
     train_seconds: seconds spent running rounds (compilation excluded).
@@ -113,7 +114,11 @@ class History:
 
   @property
   def num_rounds(self) -> int:
-    return np.shape(next(iter(self.round_metrics.values())))[-1] if self.round_metrics else 0
+    return np.shape(next(iter(self.round_metrics.values())))[self._round_axis] if self.round_metrics else 0
+
+  @property
+  def _round_axis(self) -> int:
+    return 0 if self.sweep_size is None else 1
 
   @property
   def rounds_per_second(self) -> float:
@@ -136,7 +141,7 @@ class History:
     for name, values in metrics.items():
       values = np.asarray(values)
       old = self.round_metrics.get(name)
-      self.round_metrics[name] = values if old is None else np.concatenate([old, values], axis=-1)
+      self.round_metrics[name] = values if old is None else np.concatenate([old, values], axis=self._round_axis)
 
   def extended(self, metrics: Mapping[str, np.ndarray], point: dict[str, Any], seconds: float) -> "History":
     """A new History with one more chunk (its round metrics, its evaluation point, its training time)."""
@@ -678,8 +683,8 @@ def train(
       return s, s.metrics
 
     state, metrics = per_client.scan_rounds(body, state, None, length=length)  # 16-bit tables in place
-    if swept:  # [R, K] -> [K, R]: the sweep axis leads
-      metrics = jax.tree.map(lambda m: jnp.moveaxis(m, 0, -1), metrics)
+    if swept:  # [R, K, ...] -> [K, R, ...]: the sweep axis leads
+      metrics = jax.tree.map(lambda m: jnp.moveaxis(m, 0, 1), metrics)
     return state, metrics
 
   def run_eval(params, table, dataset, holdout):

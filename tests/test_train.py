@@ -206,3 +206,35 @@ def test_proportional_sampling_averages_the_draws_uniformly_and_is_unbiased():
   se = np.sqrt(sum(q * (c[list(t)].mean(axis=0) - full)**2 for q, t in zip(prob, tuples)) / rounds)
   assert np.all(np.abs(np.asarray(state.params) / rounds - full) < 4 * se)
   assert np.all(np.abs(double - full) > 10 * se)  # the n_k-twice estimator is visibly biased at this R
+
+
+def _with_vector_metric(algo):
+  """The algorithm, its metrics extended by `per_round` = [round, 10·round, 100·round] (a vector per round)."""
+  def step(state, batches):
+    new = algo.step(state, batches)
+    r = new.round.astype(jnp.float32)
+    return new.replace(metrics={**new.metrics, "per_round": jnp.stack([r, 10 * r, 100 * r])})
+
+  def init(params, key):
+    s = algo.init(params, key)
+    return s.replace(metrics={**s.metrics, "per_round": jnp.zeros(3, jnp.float32)})
+
+  return fo.FederatedAlgorithm(init, step)
+
+
+def test_vector_round_metrics_keep_the_round_axis_across_chunks(setup):
+  """A metric that is a vector per round is recorded `[R, V]` (`[K, R, V]` for a sweep), rounds in order over
+  several chunks: row r is round r + 1's vector, checked against the values the step wrote."""
+  dataset, model, _, params = setup
+  algo = _with_vector_metric(fo.algorithms.fedavg(model.loss_fn, client_optimizer=optax.sgd(0.05)))
+  _, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 6, eval_every=2, progress=False, **KW)
+  want = np.arange(1, 7)[:, None] * np.array([1.0, 10.0, 100.0])
+  assert history.num_rounds == 6
+  np.testing.assert_array_equal(history.round_metrics["per_round"], want)
+  assert history.round_metrics["client_loss"].shape == (6,)
+
+  swept = fo.sweep.seeds(algo, 2)
+  _, history = train(swept, swept.init(params, jax.random.key(1)), dataset, 6, eval_every=3, progress=False, **KW)
+  assert history.num_rounds == 6
+  np.testing.assert_array_equal(history.round_metrics["per_round"], np.stack([want, want]))
+  assert history.round_metrics["client_loss"].shape == (2, 6)
