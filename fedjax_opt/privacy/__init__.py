@@ -8,6 +8,12 @@
   clients; `epsilons(σ, R, delta=δ, sampling=...)` gives ε after each round
   with dp-accounting's RDP or PLD accountant, `noise_multiplier_for` solves
   σ for a target ε, `check_sampling` refuses a run that samples differently.
+* `secure_aggregation(inner, frac_bits=f, bound=B, threshold=t, dropout=q)`:
+  an `Aggregator` that computes a sum-form aggregator's (mean, weighted mean,
+  `dp_mean`) sum by simulated secure aggregation (Bonawitz et al. 2017):
+  fixed point in Z_(2^32), pairwise and self masks, Shamir-shared seeds and
+  dropout recovery, inside jit; `secure_sum`, `shamir_share`,
+  `shamir_reconstruct` and the fixed-point codec are its pieces.
 
 The accounting imports `dp_accounting` when called, so `import fedjax_opt`
 does not need it.
@@ -16,7 +22,11 @@ does not need it.
 from fedjax_opt.privacy.accounting import (ACCOUNTANTS, Sampling, SamplingMismatchError, UnsupportedAccountingError,
                                            check_sampling, epsilons, noise_multiplier_for, poisson_cap, round_event)
 from fedjax_opt.privacy.dp import AdaptiveClipping, DPMeanState, clip_by_global_norm, dp_mean, update_noise_multiplier
+from fedjax_opt.privacy.secure import (SecureAggregationState, SecureSum, fixed_point_decode, fixed_point_encode,
+                                       secure_aggregation, secure_sum, shamir_reconstruct, shamir_share, upload_bits)
 
 __all__ = ["ACCOUNTANTS", "AdaptiveClipping", "DPMeanState", "Sampling", "SamplingMismatchError",
            "UnsupportedAccountingError", "check_sampling", "clip_by_global_norm", "dp_mean", "epsilons",
-           "noise_multiplier_for", "poisson_cap", "round_event", "update_noise_multiplier"]
+           "noise_multiplier_for", "poisson_cap", "round_event", "update_noise_multiplier", "SecureAggregationState",
+           "SecureSum", "fixed_point_decode", "fixed_point_encode", "secure_aggregation", "secure_sum",
+           "shamir_reconstruct", "shamir_share", "upload_bits"]

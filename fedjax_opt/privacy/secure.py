@@ -1,0 +1,528 @@
+"""Secure aggregation, simulated inside jit: the server learns only the sum of the clients' contributions.
+
+Bonawitz, Ivanov, Kreuter, Marcedone, McMahan, Patel, Ramage, Segal, Seth:
+"Practical Secure Aggregation for Privacy-Preserving Machine Learning"
+(CCS 2017, https://eprint.iacr.org/2017/281).
+
+`secure_aggregation(inner, frac_bits=f, bound=B, threshold=t, dropout=q)`
+wraps an aggregator that is a sum over clients (one with a `StreamingSum`:
+`mean`, `weighted_mean`, `fo.privacy.dp_mean`). In a round of C client slots
+(the members are the slots with weight > 0):
+
+1. Key exchange. Member c draws a key-agreement secret sk_c ∈ [1, p − 2] and
+   publishes pk_c = g^{sk_c} mod p (Diffie–Hellman in Z_p^*, p = 2³¹ − 1,
+   g = 7, a primitive root); every pair agrees on a_{cc'} = pk_{c'}^{sk_c} =
+   pk_c^{sk_{c'}}. It also draws a self-mask seed b_c ∈ F_p, and sends a
+   Shamir share of sk_c and one of b_c (threshold t, over F_p, evaluated at
+   x = c' + 1) to every other slot c'.
+2. Dropout. Members listed by `dropout` drop now: their uploads never arrive.
+3. Upload. Member c encodes its contribution — inner's `term(update, weight)`,
+   a tree and a scalar, P + 1 numbers — to fixed point in the ring Z_{2³²}
+   (`fixed_point_encode`), and uploads
+
+       y_c = e_c + PRG(b_c) + Σ_{c' > c} PRG(s_{cc'}) − Σ_{c' < c} PRG(s_{cc'})   (mod 2³²)
+
+   over the other members c', where s_{cc'} is the PRG key made from a_{cc'}
+   and the pair's two indices.
+4. Unmasking. The server adds the survivors' uploads; pair masks between
+   survivors cancel. From the shares of the first t survivors it
+   reconstructs (Lagrange interpolation at 0) b_u of every survivor and sk_d
+   of every dropped member — never both for one client — and subtracts the
+   survivors' self masks and, for each dropped d, the masks
+   Σ_u ±PRG(s_{ud}) it left in the survivors' uploads (recomputed from
+   sk_d and the public pk_u). What remains is Σ_{survivors} e_u exactly, in
+   the ring; it is decoded and handed to inner's `finalize` (for `dp_mean`:
+   the Gaussian noise is added to the securely summed clipped updates).
+
+Fewer than t survivors: nothing can be unmasked; the aggregate is NaN and the
+inner state is unchanged, so the non-finite guard (`core.server.aggregate_updates`)
+rejects the round: model, server optimizer and aggregator state stay as they
+were, and `metrics["round_accepted"]` is False.
+
+Encoding. x ↦ ⌊x̄ 2^f⌋ + Bernoulli(frac(x̄ 2^f)) with x̄ = clip(x, −B, B): stochastic
+rounding, unbiased for |x| ≤ B, error < 2^−f per client and coordinate;
+coordinates outside [−B, B] are clipped (counted in the state's
+`num_clipped`). The integer is stored as its two's complement in uint32, so
+addition in Z_{2³²} is uint32 addition. The decoded sum is exact when the true
+integer sum lies in [−2³¹, 2³¹); this is guaranteed at trace time by requiring
+C·(⌈B 2^f⌉ + 1) < 2³¹ (a ValueError names f, B and C otherwise). The decoded sum
+(an int32 converted to float) is within C·2^−f of the plain float sum of the
+clipped terms, plus float32 rounding of the result.
+
+What is simulated and what is not. The arithmetic is the protocol's: the ring,
+the masks, their cancellation, the Shamir sharing and the reconstruction of
+exactly the secrets the server may learn; the recovered sum is bit-exact. The
+cryptography is not: a 31-bit Diffie–Hellman group and 31-bit seeds are
+trivially breakable, the PRG is JAX's threefry keyed from them (not a
+cryptographic PRG for production), there are no authenticated or encrypted
+channels, signatures or consistency checks (so no protection against an
+actively malicious server), and every party's randomness comes from the
+round's aggregator key, which the simulation knows. It shows what the protocol
+computes and costs, not that it is secure.
+
+Trust model. The server sees only the survivors' sum (and who dropped). With
+`dp_mean` the central noise is still added by the server, after the sum: the
+server learns the noiseless sum of clipped updates; those who see the model
+get the DP guarantee. Noise that protects against the server too would have
+to be added by the clients, inside the ring (distributed DP), which this does
+not do.
+
+Cost. Each member expands C − 1 pair masks of P + 1 words: O(C²·P) PRG
+output per round, inherent to the protocol (each pair's mask is expanded once
+here, where both clients expand it in a deployment). Recovery adds one
+expansion per (dropped, survivor) pair, O(|D|·C·P), and the self masks O(C·P).
+The sharing is O(C·t²) field multiplications (every client's polynomial at
+the t holders' points) plus O(t²) for the Lagrange coefficients. The stacked
+form is used in every client map: the masks need each client's index and the
+round key, which a `StreamingSum.term` does not receive.
+
+Bits per client (`SecureAggregationState.upload_bits`), for n members:
+32·(P + 1) for the masked contribution (P coordinates and the scalar), plus
+32·2 for two public keys (the paper's channel key and masking key), 32·2·(n − 1)
+for the shares of sk_c and b_c sent (through the server) to the other members,
+and 32·(n − 1) for the shares revealed at unmasking — field elements counted
+at 32 bits, without ciphertext or signature overhead. The plain mean uploads
+32·P.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fedjax_opt.core.tree import select_tree
+from fedjax_opt.core.types import Aggregator, PyTree
+from fedjax_opt.core.validation import is_concrete
+
+__all__ = ["PRIME", "GENERATOR", "SecureAggregationState", "SecureSum", "fixed_point_decode", "fixed_point_encode",
+           "secure_aggregation", "secure_sum", "shamir_reconstruct", "shamir_share", "upload_bits"]
+
+PRIME = 2**31 - 1
+"""p, the Mersenne prime of the field F_p (Shamir shares) and the group Z_p^* (key agreement)."""
+
+GENERATOR = 7
+"""g, a primitive root mod p: the Diffie–Hellman generator."""
+
+_P = np.uint32(PRIME)
+_DOMAIN = 0x5EC_A66  # separates the protocol's randomness from the inner aggregator's use of the same key
+
+
+# --- arithmetic mod p = 2³¹ − 1 on uint32 (no 64-bit integers needed) ------------------------------------------
+
+def _reduce(x: jax.Array) -> jax.Array:
+  """Any uint32 to [0, p): 2³¹ ≡ 1, so x ≡ (x mod 2³¹) + ⌊x / 2³¹⌋ ≤ p + 1."""
+  x = (x & _P) + (x >> 31)
+  return jnp.where(x >= _P, x - _P, x)
+
+
+def _add_mod(a: jax.Array, b: jax.Array) -> jax.Array:
+  return _reduce(a + b)  # a, b < p: no uint32 overflow
+
+
+def _sub_mod(a: jax.Array, b: jax.Array) -> jax.Array:
+  return _reduce(a + (_P - b))
+
+
+def _mul_mod(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a·b mod p for a, b < p, from 16-bit limbs: every partial product fits in uint32."""
+  a0, a1 = a & 0xFFFF, a >> 16  # a1 < 2¹⁵
+  b0, b1 = b & 0xFFFF, b >> 16
+  high = a1 * b1  # < 2³⁰, weight 2³² ≡ 2
+  mid = a1 * b0 + a0 * b1  # < 2³², weight 2¹⁶: mid·2¹⁶ = m1·2³¹ + m0·2¹⁶ ≡ m1 + m0·2¹⁶
+  low = a0 * b0  # < 2³²
+  m0, m1 = mid & 0x7FFF, mid >> 15
+  u = _reduce((high << 1) + (m0 << 16))
+  return _reduce(_add_mod(u, _reduce(low)) + m1)
+
+
+def _pow_mod(base: jax.Array, exponent: jax.Array) -> jax.Array:
+  """base^exponent mod p, elementwise, exponents < 2³¹ (square and multiply)."""
+  base = jnp.asarray(base, jnp.uint32)
+  exponent = jnp.asarray(exponent, jnp.uint32)
+
+  def body(i, carry):
+    result, power = carry
+    bit = ((exponent >> i.astype(jnp.uint32)) & 1) == 1
+    return jnp.where(bit, _mul_mod(result, power), result), _mul_mod(power, power)
+
+  shape = jnp.broadcast_shapes(base.shape, exponent.shape)
+  init = (jnp.ones(shape, jnp.uint32), jnp.broadcast_to(base, shape))
+  return lax.fori_loop(0, 31, body, init)[0]
+
+
+def _fold_mod(x: jax.Array, op: Callable, identity: int) -> jax.Array:
+  """op-reduction of the last axis by halving (log₂ n steps), padded with `identity`."""
+  n = x.shape[-1]
+  size = 1 << max(n - 1, 0).bit_length()
+  x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (size - n,), identity, jnp.uint32)], axis=-1)
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    x = op(x[..., :half], x[..., half:])
+  return x[..., 0]
+
+
+# --- Shamir secret sharing over F_p ---------------------------------------------------------------------------
+
+def _random_field(key: jax.Array, shape: tuple[int, ...], low: int = 0, high: int = PRIME) -> jax.Array:
+  """Uniform integers in [low, high) as uint32."""
+  return jax.random.randint(key, shape, low, high, jnp.int32).astype(jnp.uint32)
+
+
+def _evaluate(secrets: jax.Array, coefficients: jax.Array, xs: jax.Array) -> jax.Array:
+  """f_s(x) = s + a_1 x + … + a_{t−1} x^{t−1} mod p by Horner: `[S]`, `[S, t − 1]`, `[n]` -> `[S, n]`."""
+  xs = jnp.asarray(xs, jnp.uint32)[None, :]
+  acc = jnp.zeros((secrets.shape[0], xs.shape[1]), jnp.uint32)
+  acc = lax.scan(lambda a, c: (_add_mod(_mul_mod(a, xs), c[:, None]), None), acc, coefficients.T[::-1])[0]
+  return _add_mod(_mul_mod(acc, xs), secrets[:, None])
+
+
+def shamir_share(key: jax.Array, secrets: jax.Array, threshold: int, xs: jax.Array) -> jax.Array:
+  """Shamir shares of each secret: f(x_i) for a random polynomial f of degree t − 1 over F_p with f(0) = secret.
+
+  Any t shares determine the secret (`shamir_reconstruct`); any t − 1 of them
+  are uniformly distributed whatever the secret.
+
+  Args:
+    key: PRNG key for the coefficients (uniform in F_p).
+    secrets: `[S]` integers in [0, p).
+    threshold: t ≥ 1 (static).
+    xs: `[n]` distinct evaluation points in [1, p) (a holder's index + 1).
+
+  Returns:
+    `[S, n]` uint32 shares in [0, p).
+  """
+  if not isinstance(threshold, int) or threshold < 1:
+    raise ValueError(f"shamir_share: threshold must be an int >= 1; got {threshold!r}.")
+  secrets = jnp.asarray(secrets, jnp.uint32)
+  coefficients = _random_field(key, (secrets.shape[0], threshold - 1))
+  return _evaluate(secrets, coefficients, xs)
+
+
+def _lagrange_at_zero(xs: jax.Array) -> jax.Array:
+  """λ_i = Π_{j≠i} x_j / (x_j − x_i) mod p, so that f(0) = Σ_i λ_i f(x_i) for deg f < len(xs)."""
+  xs = jnp.asarray(xs, jnp.uint32)
+  eye = jnp.eye(xs.shape[0], dtype=bool)
+  numerator = _fold_mod(jnp.where(eye, jnp.uint32(1), xs[None, :]), _mul_mod, 1)
+  denominator = _fold_mod(jnp.where(eye, jnp.uint32(1), _sub_mod(xs[None, :], xs[:, None])), _mul_mod, 1)
+  return _mul_mod(numerator, _pow_mod(denominator, PRIME - 2))  # Fermat: d^(p−2) = d⁻¹
+
+
+def shamir_reconstruct(shares: jax.Array, xs: jax.Array) -> jax.Array:
+  """The secrets f(0) = Σ_i λ_i f(x_i) mod p from t shares per secret (Lagrange interpolation at 0).
+
+  Args:
+    shares: `[S, t]` shares in [0, p), column i taken at point x_i.
+    xs: `[t]` distinct points in [1, p).
+
+  Returns:
+    `[S]` uint32: the secrets, when t is at least the sharing threshold.
+  """
+  weights = _lagrange_at_zero(xs)
+  return _fold_mod(_mul_mod(jnp.asarray(shares, jnp.uint32), weights[None, :]), _add_mod, 0)
+
+
+# --- fixed point in Z_{2³²} -----------------------------------------------------------------------------------
+
+def fixed_point_encode(x: jax.Array, key: jax.Array, *, frac_bits: int, bound: float) -> tuple[jax.Array, jax.Array]:
+  """Encodes reals as integers of the ring Z_{2³²} with f fractional bits and stochastic rounding.
+
+      q = ⌊x̄ 2^f⌋ + 1[U < x̄ 2^f − ⌊x̄ 2^f⌋],   x̄ = clip(x, −B, B),  U ~ Uniform[0, 1)
+
+  so E[q] = x̄ 2^f (unbiased) and |q − x̄ 2^f| < 1; q is stored as its two's
+  complement in uint32.
+
+  Returns:
+    (`uint32` like `x`, the number of entries outside [−B, B] that were clipped).
+  """
+  x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  clipped = jnp.clip(x, -bound, bound)
+  scaled = clipped * (2.0 ** frac_bits)
+  low = jnp.floor(scaled)
+  up = jax.random.uniform(key, x.shape, x.dtype) < scaled - low
+  q = low.astype(jnp.int32) + up.astype(jnp.int32)
+  return lax.bitcast_convert_type(q, jnp.uint32), jnp.sum(jnp.abs(x) > bound, dtype=jnp.int32)
+
+
+def fixed_point_decode(q: jax.Array, *, frac_bits: int, dtype: Any = jnp.float32) -> jax.Array:
+  """uint32 ring elements read as two's-complement int32, times 2^−f, in `dtype`."""
+  return lax.bitcast_convert_type(jnp.asarray(q, jnp.uint32), jnp.int32).astype(dtype) * (2.0 ** -frac_bits)
+
+
+# --- the protocol -------------------------------------------------------------------------------------------
+
+class SecureSum(NamedTuple):
+  """One round of the simulated protocol (`secure_sum`).
+
+  Attributes:
+    uploads: `[C, L]` uint32, each member's masked upload y_c (zeros for non-members;
+      a dropped member's row is what it would have sent).
+    total: `[L]` uint32, Σ_{survivors} e_u mod 2³² as the server unmasks it (zeros when not `ok`).
+    ok: bool, at least t survivors: the sum could be unmasked.
+    num_survivors: int32, members that did not drop.
+    num_dropped: int32, members that dropped after the key exchange.
+  """
+
+  uploads: jax.Array
+  total: jax.Array
+  ok: jax.Array
+  num_survivors: jax.Array
+  num_dropped: jax.Array
+
+
+def _pair_key(nonce: jax.Array, low: jax.Array, high: jax.Array, agreed: jax.Array) -> jax.Array:
+  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(nonce, low), high), agreed)
+
+
+def _expand(keys: jax.Array, length: int) -> jax.Array:
+  """PRG(key) for a batch of keys: `[K]` keys -> `[K, length]` uint32 (threefry)."""
+  return jax.vmap(lambda k: jax.random.bits(k, (length,), jnp.uint32))(keys)
+
+
+def _pair_masks(nonce: jax.Array, sk: jax.Array, pk: jax.Array, member: jax.Array, length: int) -> jax.Array:
+  """Σ_{c' > c} PRG(s_{cc'}) − Σ_{c' < c} PRG(s_{cc'}) for every member c, `[C, length]`.
+
+  The pairs are walked by offset k = 1 … ⌊C/2⌋: (c, c + k mod C) for every c
+  (at k = C/2 for even C, only c < C/2), so each pair is expanded once and
+  added to one client's row and subtracted from the other's.
+  """
+  c = sk.shape[0]
+  index = jnp.arange(c)
+
+  def step(acc, k):
+    other = (index + k) % c
+    agreed = _pow_mod(pk[other], sk)  # client c's side of the key agreement
+    keys = jax.vmap(_pair_key, in_axes=(None, 0, 0, 0))(nonce, jnp.minimum(index, other),
+                                                         jnp.maximum(index, other), agreed)
+    live = member & member[other] & ~((2 * k == c) & (index >= c // 2))
+    g = _expand(keys, length)
+    signed = jnp.where((live & (index < other))[:, None], g, jnp.where(live[:, None], jnp.uint32(0) - g, 0))
+    return acc + signed - jnp.roll(signed, k, axis=0), None
+
+  acc = jnp.zeros((c, length), jnp.uint32)
+  return lax.scan(step, acc, jnp.arange(1, c // 2 + 1))[0]
+
+
+def _self_masks(nonce: jax.Array, clients: jax.Array, seeds: jax.Array, length: int) -> jax.Array:
+  """PRG(b_c) for each (client index, seed b_c): `[K]`, `[K]` -> `[K, length]`."""
+  keys = jax.vmap(lambda i, b: jax.random.fold_in(jax.random.fold_in(nonce, i), b))(clients, seeds)
+  return _expand(keys, length)
+
+
+def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: jax.Array, *,
+               threshold: int) -> SecureSum:
+  """The protocol of the module docstring on ring elements: masks, uploads, dropout recovery, the unmasked sum.
+
+  Args:
+    encoded: `[C, L]` uint32, each client's encoded contribution e_c.
+    member: `[C]` bool, the clients taking part in the key exchange.
+    dropped: `[C]` bool, members that drop after it (their uploads never arrive).
+    key: PRNG key: every party's secrets, polynomials and the PRG nonces.
+    threshold: t, 1 ≤ t ≤ C (static): shares needed to reconstruct a secret.
+
+  Returns:
+    A `SecureSum`; `total` equals Σ_{member, not dropped} encoded mod 2³² when `ok`.
+  """
+  c, length = encoded.shape
+  if not 1 <= threshold <= c:
+    raise ValueError(f"secure_sum: threshold must be in [1, C = {c}]; got {threshold}.")
+  member = jnp.asarray(member, bool)
+  dropped = jnp.asarray(dropped, bool) & member
+  survivors = member & ~dropped
+  k_secrets, k_pair, k_self = jax.random.split(key, 3)
+  index = jnp.arange(c)
+
+  # Round 0-1: keys and shares (made by the clients). One draw per client: sk_c, b_c and the t − 1
+  # non-constant coefficients of each of their two sharing polynomials.
+  drawn = _random_field(k_secrets, (c, 2 * threshold))
+  sk = drawn[:, 0] % (PRIME - 2) + 1  # in [1, p − 2]
+  seeds = drawn[:, 1]
+  coefficients_sk, coefficients_b = drawn[:, 2:threshold + 1], drawn[:, threshold + 1:]
+  pk = _pow_mod(jnp.uint32(GENERATOR), sk)
+
+  # Round 3, the server's reconstruction (written before round 2 so that both rounds' self masks are one
+  # expansion): it collects the shares of the first t survivors and interpolates.
+  num_survivors = jnp.sum(survivors, dtype=jnp.int32)
+  ok = num_survivors >= threshold
+  holders = jnp.argsort(~survivors, stable=True)[:threshold]  # the first t survivors
+  xs = (holders + 1).astype(jnp.uint32)
+  # A survivor reveals its share of b_u, never of sk_u; of a dropped member, of sk_d, never of b_d.
+  shared = jnp.where(dropped, sk, seeds)
+  coefficients = jnp.where(dropped[:, None], coefficients_sk, coefficients_b)
+  recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs)
+
+  # Round 2: the uploads; round 3: the server sums those that arrived and removes the self masks, made again
+  # from the reconstructed seeds, and then the dropped members' pair masks.
+  masks = _self_masks(k_self, jnp.concatenate([index, index]), jnp.concatenate([seeds, recovered]), length)
+  uploads = encoded + masks[:c] + _pair_masks(k_pair, sk, pk, member, length)
+  uploads = jnp.where(member[:, None], uploads, jnp.uint32(0))
+  total = jnp.sum(jnp.where(survivors[:, None], uploads - masks[c:], jnp.uint32(0)), axis=0, dtype=jnp.uint32)
+
+  num_dropped = jnp.sum(dropped, dtype=jnp.int32)
+  order = jnp.argsort(~dropped, stable=True)
+
+  def remove(i, acc):
+    d = order[i]
+    agreed = _pow_mod(pk, recovered[d])  # pk_u^{sk_d}: the server's side of each agreement with d
+    keys = jax.vmap(_pair_key, in_axes=(None, 0, 0, 0))(k_pair, jnp.minimum(index, d), jnp.maximum(index, d), agreed)
+    g = _expand(keys, length)
+    # Survivor u's upload holds +PRG(s_ud) when d > u and −PRG(s_ud) when d < u.
+    plus = jnp.sum(jnp.where((survivors & (index < d))[:, None], g, jnp.uint32(0)), axis=0, dtype=jnp.uint32)
+    minus = jnp.sum(jnp.where((survivors & (index > d))[:, None], g, jnp.uint32(0)), axis=0, dtype=jnp.uint32)
+    return acc + plus - minus
+
+  leftover = lax.fori_loop(0, jnp.where(ok, num_dropped, 0), remove, jnp.zeros((length,), jnp.uint32))
+  total = jnp.where(ok, total - leftover, jnp.uint32(0))
+  return SecureSum(uploads=uploads, total=total, ok=ok, num_survivors=num_survivors, num_dropped=num_dropped)
+
+
+def upload_bits(num_parameters: int, members: jax.Array) -> jax.Array:
+  """Bits one member uploads in a round with n members: 32·(P + 1) + 32·2 + 3·32·(n − 1) (module docstring)."""
+  others = jnp.maximum(jnp.asarray(members, jnp.float32) - 1, 0)
+  return jnp.float32(32 * (num_parameters + 1) + 32 * 2) + 3 * 32 * others
+
+
+# --- the aggregator -----------------------------------------------------------------------------------------
+
+@flax.struct.dataclass
+class SecureAggregationState:
+  """State of `secure_aggregation`: the inner aggregator's state and the last round's protocol diagnostics.
+
+  A round the guard rejects (fewer than t survivors) leaves the whole state as
+  it was; `metrics["round_accepted"]` records it.
+
+  Attributes:
+    inner: the wrapped aggregator's state.
+    num_dropped: int32, members that dropped after the key exchange.
+    num_survivors: int32, members whose upload arrived.
+    recovered: bool, dropped members' masks were reconstructed and removed.
+    num_clipped: int32, coordinates outside [−B, B] clipped by the encoding (all members).
+    upload_bits: float32, bits uploaded by one member (`upload_bits`).
+  """
+
+  inner: Any
+  num_dropped: jax.Array
+  num_survivors: jax.Array
+  recovered: jax.Array
+  num_clipped: jax.Array
+  upload_bits: jax.Array
+
+
+def _check(frac_bits: Any, bound: Any, threshold: Any, dropout: Any) -> None:
+  if isinstance(frac_bits, bool) or not isinstance(frac_bits, int) or not 0 <= frac_bits <= 30:
+    raise ValueError(f"secure_aggregation: frac_bits must be an int in [0, 30]; got {frac_bits!r}.")
+  if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 < bound < float("inf"):
+    raise ValueError(f"secure_aggregation: bound must be a finite number > 0; got {bound!r}.")
+  if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1):
+    raise ValueError(f"secure_aggregation: threshold must be None or an int >= 1; got {threshold!r}.")
+  if not callable(dropout):
+    if isinstance(dropout, bool) or not (isinstance(dropout, (int, float)) or hasattr(dropout, "dtype")):
+      raise TypeError(f"secure_aggregation: dropout must be a probability or a callable; got {type(dropout).__name__}.")
+    if is_concrete(dropout) and not 0 <= float(dropout) <= 1:
+      raise ValueError(f"secure_aggregation: dropout must be in [0, 1]; got {float(dropout)}.")
+
+
+def secure_aggregation(
+    inner: Aggregator,
+    *,
+    bound: float,
+    frac_bits: int = 16,
+    threshold: int | None = None,
+    dropout: float | Callable[[jax.Array, jax.Array], jax.Array] = 0.0,
+) -> Aggregator:
+  """`inner`'s sum computed by simulated secure aggregation (Bonawitz et al., CCS 2017), then `inner`'s finalize.
+
+      Δ = finalize(decode(Σ_{u ∈ U} y_u − Σ_{u ∈ U} PRG(b_u) − Σ_{d ∈ D, u ∈ U} ±PRG(s_{ud})))
+        = finalize(decode(Σ_{u ∈ U} encode(term(Δ_u, w_u))))                       (exactly, mod 2³²)
+
+  for the survivors U and the dropped members D (the module docstring has
+  the protocol, the encoding, the trust model and the costs). A client with
+  weight 0 is not a member; a dropped member counts as weight 0 for `inner`.
+
+  Args:
+    inner: an aggregator that is a sum over clients (it has a `StreamingSum`):
+      `fo.aggregators.mean()`, `weighted_mean()`, `fo.privacy.dp_mean(...)`.
+      Its `term` gives each client's contribution, its `finalize` the result;
+      `always_releases` is inherited.
+    frac_bits: f, fractional bits of the fixed-point encoding (resolution 2^−f).
+    bound: B > 0 (required: no default fits every inner rule): every
+      coordinate of a contribution (and its scalar: 1 for `mean`, n_k for
+      `weighted_mean`, ±½ for `dp_mean`) is clipped to [−B, B], silently
+      (counted in `state.num_clipped`).
+      Needs C·(⌈B 2^f⌉ + 1) < 2³¹ (checked at trace time). For `weighted_mean`,
+      B must cover n_k and n_k·|Δ_k|; for `dp_mean`, B ≥ its clip norm loses nothing.
+    threshold: t, the Shamir threshold: shares needed to reconstruct a secret,
+      so a round needs t survivors. None: ⌊C/2⌋ + 1 of the C slots.
+    dropout: q ∈ [0, 1], the probability that each member drops after the key
+      exchange (drawn from the round key), or a callable
+      `dropout(key, weights [C]) -> [C] bool` (True: drops).
+
+  Returns:
+    An `Aggregator` with state `SecureAggregationState` and no streaming form.
+
+  Raises:
+    TypeError: `inner` is not an aggregator with a `StreamingSum`.
+    ValueError: an out-of-range argument; at trace time, a ring too small for
+      C clients (see `bound`) or t > C.
+  """
+  if not isinstance(inner, Aggregator) or inner.streaming is None:
+    raise TypeError("secure_aggregation: inner must be an Aggregator that is a sum over clients (with a "
+                    "StreamingSum: mean, weighted_mean, dp_mean); rules that need every update cannot be "
+                    f"computed from a secure sum. Got {type(inner).__name__}"
+                    f"{' without a streaming form' if isinstance(inner, Aggregator) else ''}.")
+  _check(frac_bits, bound, threshold, dropout)
+  term, finalize = inner.streaming
+
+  def init(params: PyTree) -> SecureAggregationState:
+    zero = jnp.zeros((), jnp.int32)
+    return SecureAggregationState(inner=inner.init(params), num_dropped=zero, num_survivors=zero,
+                                  recovered=jnp.zeros((), bool), num_clipped=zero,
+                                  upload_bits=jnp.zeros((), jnp.float32))
+
+  def aggregate(updates: PyTree, weights: jax.Array, state: SecureAggregationState,
+                key: jax.Array) -> tuple[PyTree, SecureAggregationState]:
+    c = weights.shape[0]
+    t = c // 2 + 1 if threshold is None else threshold
+    if t > c:
+      raise ValueError(f"secure_aggregation: threshold t = {t} exceeds the round's C = {c} clients.")
+    largest = math.ceil(bound * 2**frac_bits) + 1
+    if c * largest >= 2**31:
+      raise ValueError(f"secure_aggregation: the ring Z_(2^32) cannot hold the sum of C = {c} contributions of up to "
+                       f"bound B = {bound:g} with frac_bits f = {frac_bits}: needs C·(ceil(B·2^f) + 1) < 2^31; lower "
+                       f"frac_bits or bound.")
+    k_drop, k_round, k_protocol = jax.random.split(jax.random.fold_in(key, _DOMAIN), 3)
+    member = weights > 0
+    drops = dropout(k_drop, weights) if callable(dropout) else jax.random.bernoulli(k_drop, dropout, (c,))
+    dropped = jnp.asarray(drops, bool).reshape(c) & member
+    used = jnp.where(dropped, jnp.zeros_like(weights), weights)
+
+    terms, scalars = jax.vmap(term, in_axes=(0, 0, None))(updates, used, state.inner)
+    leaves, treedef = jax.tree.flatten(terms)
+    columns = [leaf.reshape(c, -1) for leaf in leaves] + [scalars.reshape(c, 1)]
+    flat = jnp.concatenate([col.astype(jnp.result_type(*columns)) for col in columns], axis=1)
+    encoded, num_clipped = fixed_point_encode(jnp.where(member[:, None], flat, 0), k_round, frac_bits=frac_bits,
+                                              bound=bound)
+    result = secure_sum(encoded, member, dropped, k_protocol, threshold=t)
+
+    total_flat = fixed_point_decode(result.total, frac_bits=frac_bits, dtype=flat.dtype)
+    parts = jnp.split(total_flat, np.cumsum([col.shape[1] for col in columns])[:-1])
+    decoded = [part.astype(col.dtype) for part, col in zip(parts, columns)]
+    total = jax.tree.unflatten(treedef, [d.reshape(leaf.shape[1:]) for d, leaf in zip(decoded[:-1], leaves)])
+    out, inner_state = finalize(total, decoded[-1][0], state.inner, key)
+    out = jax.tree.map(lambda o, u: jnp.where(result.ok, o, jnp.nan).astype(u.dtype), out, updates)
+    new_state = SecureAggregationState(
+        inner=select_tree(result.ok, inner_state, state.inner),
+        num_dropped=result.num_dropped,
+        num_survivors=result.num_survivors,
+        recovered=result.ok & (result.num_dropped > 0),
+        num_clipped=num_clipped,
+        upload_bits=upload_bits(int(sum(col.shape[1] for col in columns[:-1])), jnp.sum(member)),
+    )
+    return out, new_state
+
+  return Aggregator(init, aggregate, None, always_releases=inner.always_releases)

@@ -1,0 +1,300 @@
+"""Simulated secure aggregation (`fo.privacy.secure_aggregation`) against Python integers and NumPy uint64 sums.
+
+The claims of Bonawitz et al. (CCS 2017) as the simulation should meet them:
+each masked upload alone is uniform noise, the survivors' uploads unmask to
+exactly the sum of their encodings in Z_(2^32), dropped clients' masks are
+recovered from any t Shamir shares while t − 1 shares say nothing, too few
+survivors abort the round, and the decoded sum is the inner aggregator's up to
+the fixed-point rounding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt.privacy import secure as S
+
+P = fo.privacy
+A = fo.aggregators
+PRIME = 2**31 - 1
+RING = 2**32
+
+
+def _ring_sum(rows: np.ndarray) -> np.ndarray:
+  """Σ over axis 0 mod 2³² in uint64 (no wrap-around before the reduction)."""
+  return (np.asarray(rows, np.uint64).sum(axis=0, dtype=np.uint64) % RING).astype(np.uint64)
+
+
+def _lagrange_reference(points: list[tuple[int, int]], at: int = 0) -> int:
+  """f(at) mod p of the polynomial of degree < len(points) through `points`, in Python integers."""
+  total = 0
+  for i, (xi, yi) in enumerate(points):
+    num, den = 1, 1
+    for j, (xj, _) in enumerate(points):
+      if j != i:
+        num = num * (at - xj) % PRIME
+        den = den * (xi - xj) % PRIME
+    total = (total + yi * num * pow(den, PRIME - 2, PRIME)) % PRIME
+  return total
+
+
+def test_field_arithmetic_and_key_agreement_match_python_integers():
+  rng = np.random.default_rng(0)
+  a = np.concatenate([[PRIME - 1, PRIME - 1, 0, 1, 65535, 65536], rng.integers(0, PRIME, 20_000)])
+  b = np.concatenate([[PRIME - 1, 1, PRIME - 1, 0, 65535, 65536], rng.integers(0, PRIME, 20_000)])
+  got = np.asarray(S._mul_mod(jnp.asarray(a, jnp.uint32), jnp.asarray(b, jnp.uint32)))
+  np.testing.assert_array_equal(got.astype(np.int64), (a.astype(object) * b.astype(object)) % PRIME)
+  e = rng.integers(0, PRIME, 200)
+  got = np.asarray(S._pow_mod(jnp.asarray(a[:200], jnp.uint32), jnp.asarray(e, jnp.uint32)))
+  assert [int(g) for g in got] == [pow(int(x), int(y), PRIME) for x, y in zip(a[:200], e)]
+  # g = 7 generates Z_p^*: g^((p−1)/q) ≠ 1 for every prime q | p − 1 = 2·3²·7·11·31·151·331.
+  assert 2 * 9 * 7 * 11 * 31 * 151 * 331 == PRIME - 1
+  assert all(pow(P.secure.GENERATOR, (PRIME - 1) // q, PRIME) != 1 for q in (2, 3, 7, 11, 31, 151, 331))
+  # Diffie–Hellman: pk_b^sk_a = pk_a^sk_b.
+  sk = jnp.asarray(rng.integers(1, PRIME - 1, (2, 50)), jnp.uint32)
+  pk = S._pow_mod(jnp.uint32(7), sk)
+  np.testing.assert_array_equal(S._pow_mod(pk[1], sk[0]), S._pow_mod(pk[0], sk[1]))
+
+
+def test_any_t_of_n_shamir_shares_give_the_secret_and_t_minus_1_do_not_determine_it():
+  n, t = 7, 4
+  secrets = np.array([0, 1, 123_456_789, PRIME - 1], np.int64)
+  xs = np.arange(1, n + 1)
+  shares = np.asarray(P.shamir_share(jax.random.key(0), jnp.asarray(secrets, jnp.uint32), t, jnp.asarray(xs)))
+  assert shares.shape == (4, n) and shares.max() < PRIME
+  reconstruct = jax.jit(P.shamir_reconstruct)
+  for subset in itertools.combinations(range(n), t):  # all 35 subsets of t holders
+    cols = list(subset)
+    got = np.asarray(reconstruct(jnp.asarray(shares[:, cols]), jnp.asarray(xs[cols], jnp.uint32)))
+    want = [_lagrange_reference([(int(xs[j]), int(shares[s, j])) for j in cols]) for s in range(4)]
+    np.testing.assert_array_equal(got, secrets)
+    assert want == list(secrets)
+  # t − 1 shares: for every candidate secret s' there is a polynomial of degree t − 1 through (0, s') and
+  # the shares, and exactly one: the shares are consistent with any secret, each equally (t − 1 points plus
+  # the secret fix the polynomial, whose other coefficients are uniform).
+  few = [(int(xs[j]), int(shares[2, j])) for j in (0, 3, 5)]
+  for candidate in (0, 42, secrets[2], PRIME - 1):
+    through = few + [(0, int(candidate))]
+    assert all(_lagrange_reference(through, at=x) == y for x, y in few)
+    assert _lagrange_reference(through, at=0) == candidate
+  wrong = np.asarray(reconstruct(jnp.asarray(shares[:, [0, 3, 5]]), jnp.asarray(xs[[0, 3, 5]], jnp.uint32)))
+  assert not np.array_equal(wrong, secrets)
+  # One share of a threshold-2 sharing is uniform whatever the secret: a chi-square over 8 bins.
+  keys = jax.random.split(jax.random.key(1), 4000)
+  share = jax.jit(jax.vmap(lambda k, s: P.shamir_share(k, s[None], 2, jnp.asarray([3]))[0, 0], in_axes=(0, None)))
+  for secret in (0, PRIME - 1):
+    one = share(keys, jnp.uint32(secret))
+    counts = np.bincount(np.asarray(one, np.int64) * 8 // PRIME, minlength=8)
+    assert np.sum((counts - 500) ** 2 / 500) < 24.3  # χ²(7) at 1 − 1e-3
+
+
+def _round(c=8, length=3000, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(c, length)).astype(np.float32) * 0.1
+  encoded, _ = P.fixed_point_encode(jnp.asarray(x), jax.random.key(seed), frac_bits=16, bound=1.0)
+  return x, encoded
+
+
+_secure_sum = jax.jit(lambda e, m, d, k: P.secure_sum(e, m, d, k, threshold=3))
+
+
+def test_each_masked_upload_looks_uniform_and_the_uploads_unmask_to_exactly_the_sum_of_encodings():
+  x, encoded = _round()
+  c, length = x.shape
+  result = _secure_sum(encoded, jnp.ones(c, bool), jnp.zeros(c, bool), jax.random.key(5))
+  uploads = np.asarray(result.uploads, np.float64)
+  for k in range(c):
+    u = uploads[k] / RING
+    assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / length)  # uniform on [0, 1): mean ½, sd 1/√12
+    assert abs(u.var() - 1 / 12) < 0.01
+    assert abs(np.corrcoef(uploads[k], x[k])[0, 1]) < 5 / np.sqrt(length)
+    decoded = np.asarray(P.fixed_point_decode(result.uploads[k], frac_bits=16))
+    assert np.median(np.abs(decoded - x[k])) > 1_000  # one upload decodes to garbage (|x| ≤ 1 here)
+  np.testing.assert_array_equal(np.asarray(result.total, np.uint64), _ring_sum(encoded))
+  assert bool(result.ok) and int(result.num_dropped) == 0
+  # The pairwise masks alone cancel exactly in the ring; the self masks do not (the server removes them).
+  sk = jnp.asarray(np.random.default_rng(1).integers(1, PRIME - 1, c), jnp.uint32)
+  masks = S._pair_masks(jax.random.key(2), sk, S._pow_mod(jnp.uint32(7), sk), jnp.ones(c, bool), 64)
+  np.testing.assert_array_equal(_ring_sum(masks), np.zeros(64, np.uint64))
+  assert np.all(np.asarray(masks) != 0)
+  assert not np.array_equal(_ring_sum(result.uploads), _ring_sum(encoded))
+
+
+def test_dropout_recovery_gives_exactly_the_survivors_sum():
+  x, encoded = _round(c=9, length=257, seed=3)
+  rng = np.random.default_rng(4)
+  member = np.ones(9, bool)
+  member[7] = False  # a slot with weight 0: not in the key exchange at all
+  for trial in range(6):
+    dropped = rng.random(9) < 0.4
+    survivors = member & ~dropped
+    result = _secure_sum(encoded, jnp.asarray(member), jnp.asarray(dropped), jax.random.key(10 + trial))
+    assert int(result.num_dropped) == int(np.sum(dropped & member))
+    if survivors.sum() >= 3:
+      assert bool(result.ok)
+      np.testing.assert_array_equal(np.asarray(result.total, np.uint64), _ring_sum(np.asarray(encoded)[survivors]))
+    else:
+      assert not bool(result.ok)
+
+
+def test_fixed_point_decoding_is_within_c_times_2_to_the_minus_f_and_exact_on_dyadic_values():
+  rng = np.random.default_rng(6)
+  c, f = 12, 10
+  x = rng.normal(size=(c, 500)).astype(np.float32) * 0.3
+  encoded, clipped = P.fixed_point_encode(jnp.asarray(x), jax.random.key(0), frac_bits=f, bound=1.0)
+  total = P.fixed_point_decode(jnp.sum(encoded, axis=0, dtype=jnp.uint32), frac_bits=f)
+  want = np.clip(x.astype(np.float64), -1, 1).sum(0)  # coordinates outside [−B, B] = [−1, 1] are clipped
+  assert np.max(np.abs(np.asarray(total, np.float64) - want)) <= c * 2.0**-f
+  assert int(clipped) == int(np.sum(np.abs(x) > 1)) > 0
+  # Multiples of 2^−f are encoded exactly: the ring sum is the integer sum.
+  ints = rng.integers(-2**f, 2**f, size=(c, 500))
+  exact, _ = P.fixed_point_encode(jnp.asarray(ints * 2.0**-f, jnp.float32), jax.random.key(1), frac_bits=f, bound=1.0)
+  np.testing.assert_array_equal(np.asarray(exact).view(np.int32), ints)
+
+
+def test_stochastic_rounding_is_unbiased():
+  x = jnp.asarray([0.3, -0.7, 1e-4, 0.123456, -0.99999], jnp.float32)
+  f = 4  # coarse grid 1/16, so a biased rounding would show
+  keys = jax.random.split(jax.random.key(0), 20_000)
+  q = jax.vmap(lambda k: P.fixed_point_encode(x, k, frac_bits=f, bound=1.0)[0])(keys)
+  values = np.asarray(q).view(np.int32).astype(np.float64)
+  scaled = np.asarray(x, np.float64) * 2**f
+  assert np.all(np.abs(values - scaled) < 1)
+  se = np.sqrt(np.maximum(values.var(axis=0), 1e-12) / len(keys))
+  assert np.all(np.abs(values.mean(axis=0) - scaled) < 4 * se + 1e-9)
+
+
+def _updates(c=10, seed=0):
+  rng = np.random.default_rng(seed)
+  return {"w": jnp.asarray(rng.normal(size=(c, 4, 3)) * 0.2, jnp.float32),
+          "b": jnp.asarray(rng.normal(size=(c, 3)) * 0.2, jnp.float32)}
+
+
+def test_the_aggregate_is_the_inner_aggregate_up_to_fixed_point_rounding_with_and_without_dropouts():
+  c, f = 10, 16
+  u = _updates(c)
+  # mean() counts weight > 0 only, so the weight can carry the drop set: 2 = drops (a traced input, one compile).
+  agg = P.secure_aggregation(A.mean(), frac_bits=f, bound=1.0, threshold=4, dropout=lambda key, w: w > 1.5)
+  aggregate = jax.jit(agg.aggregate)
+  inner = A.mean()
+  rng = np.random.default_rng(1)
+  for trial in range(4):
+    drops = rng.random(c) < 0.35 if trial else np.zeros(c, bool)
+    weights = np.where(drops, 2.0, 1.0)
+    weights[3] = 0.0  # not taking part
+    out, state = aggregate(u, jnp.asarray(weights), agg.init(None), jax.random.key(trial))
+    taking_part = (weights == 1.0)
+    want, _ = inner.aggregate(u, jnp.asarray(taking_part, jnp.float32), inner.init(None), jax.random.key(0))
+    n = taking_part.sum()
+    assert n >= 4  # t = 4 survivors needed (this seed's drop sets leave enough)
+    for name in u:  # Σ over n survivors is within n·2^−f; the mean divides by n
+      np.testing.assert_allclose(out[name], want[name], atol=2.0**-f + 1e-6, rtol=0)
+    assert int(state.num_dropped) == int(np.sum(drops & (weights > 0))) == int(np.sum(drops)) - int(drops[3])
+    assert int(state.num_survivors) == n and bool(state.recovered) == (int(state.num_dropped) > 0)
+    assert float(state.upload_bits) == 32 * (15 + 1) + 64 + 96 * (np.sum(weights > 0) - 1)
+
+
+def test_fewer_than_t_survivors_reject_the_round_and_change_nothing():
+  c = 6
+  u = _updates(c)
+  agg = P.secure_aggregation(A.mean(), bound=1.0, threshold=4, dropout=lambda key, w: jnp.arange(w.shape[0]) < 3)
+  out, state = jax.jit(agg.aggregate)(u, jnp.ones(c), agg.init(None), jax.random.key(0))  # 3 survivors < t = 4
+  assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))  # nothing decodable is released
+  assert int(state.num_survivors) == 3 and not bool(state.recovered)
+  # Through FedAvg (the non-finite guard): the round is rejected, model and aggregator state unchanged.
+  params, batches = _fedavg_inputs(np.random.default_rng(0), c=c)
+  algo = fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1), aggregator=agg,
+                              server_optimizer=optax.sgd(1.0, momentum=0.9))
+  s0 = algo.init(params, jax.random.key(0))
+  s1 = jax.jit(algo.step)(s0, batches)
+  assert not bool(s1.metrics["round_accepted"]) and int(s1.round) == 1 and int(s1.metrics["num_clients"]) == 0
+  for a, b in zip(jax.tree.leaves((s1.params, s1.server_opt_state, s1.aggregator_state)),
+                  jax.tree.leaves((s0.params, s0.server_opt_state, s0.aggregator_state))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_with_dp_mean_the_same_key_gives_dp_mean_alone_up_to_quantization():
+  c, f, m = 10, 16, 10.0
+  u = _updates(c, seed=2)
+  weights = jnp.ones(c).at[4].set(0.0)
+  dp = P.dp_mean(0.5, 1.0, expected_clients=m, adaptive=P.AdaptiveClipping(0.5, 0.2, 3.0))
+  agg = P.secure_aggregation(dp, frac_bits=f, bound=0.5)
+  assert agg.always_releases
+  key = jax.random.key(3)
+  got, state = jax.jit(agg.aggregate)(u, weights, agg.init(None), key)
+  want, want_state = dp.aggregate(u, weights, dp.init(None), key)
+  for name in u:  # the same noise; the sum differs by at most C·2^−f before dividing by m
+    np.testing.assert_allclose(got[name], want[name], atol=c * 2.0**-f / m + 1e-6, rtol=0)
+  np.testing.assert_allclose(state.inner.noisy_fraction, want_state.noisy_fraction, atol=c * 2.0**-f / m)
+  np.testing.assert_allclose(state.inner.clip_norm, want_state.clip_norm, rtol=1e-4)
+
+
+def _loss(params, batch):
+  return 0.5 * jnp.square(batch["x"] @ params["w"] + params["b"] - batch["y"])
+
+
+def _fedavg_inputs(rng, c=8, s=2, b=4, d=3):
+  x = rng.normal(size=(c, s, b, d)).astype(np.float32)
+  y = (x @ np.array([1.0, -2.0, 0.5]) + 0.1 * rng.normal(size=(c, s, b))).astype(np.float32)
+  batches = fo.ClientBatches(data={"x": jnp.asarray(x), "y": jnp.asarray(y)}, mask=jnp.ones((c, s, b), bool),
+                             weight=jnp.ones(c), client_id=jnp.arange(c, dtype=jnp.int32))
+  return {"w": jnp.zeros(d), "b": jnp.zeros(())}, batches
+
+
+def test_fedavg_with_a_secure_mean_trains_like_the_plain_mean_in_stacked_and_loop_modes():
+  params, batches = _fedavg_inputs(np.random.default_rng(7))
+  secure = P.secure_aggregation(A.mean(), frac_bits=20, bound=4.0)
+  assert secure.streaming is None  # the masks need each client's index and the round key: stacked form only
+  finals = {}
+  for name, aggregator, mode in (("plain", A.mean(), "vmap"), ("secure", secure, "vmap"),
+                                 ("secure-loop", secure, "sequential")):
+    algo = fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.05), aggregator=aggregator, client_map=mode)
+    state = algo.init(params, jax.random.key(1))
+    step = jax.jit(algo.step)
+    for _ in range(4):
+      state = step(state, batches)
+    finals[name] = state
+  assert bool(finals["secure"].metrics["round_accepted"]) and int(finals["secure"].metrics["num_clients"]) == 8
+  for name in ("w", "b"):
+    np.testing.assert_allclose(finals["secure"].params[name], finals["plain"].params[name], atol=4 * 8 * 2.0**-20)
+    np.testing.assert_allclose(finals["secure-loop"].params[name], finals["secure"].params[name], atol=1e-5)
+  assert float(finals["secure"].aggregator_state.upload_bits) == 32 * 5 + 64 + 96 * 7
+
+
+def test_bad_arguments_are_refused_with_the_argument_named():
+  with pytest.raises(TypeError, match="sum over clients"):
+    P.secure_aggregation(A.marginal_median(), bound=1.0)
+  with pytest.raises(ValueError, match="frac_bits"):
+    P.secure_aggregation(A.mean(), bound=1.0, frac_bits=31)
+  with pytest.raises(ValueError, match="dropout"):
+    P.secure_aggregation(A.mean(), bound=1.0, dropout=1.5)
+  agg = P.secure_aggregation(A.mean(), frac_bits=24, bound=8.0)  # C·(2^27 + 1) ≥ 2^31 from C = 16 on
+  with pytest.raises(ValueError, match="ring"):
+    jax.eval_shape(agg.aggregate, {"w": jnp.zeros((16, 2))}, jnp.ones(16), agg.init(None), jax.random.key(0))
+  agg = P.secure_aggregation(A.mean(), bound=1.0, threshold=5)
+  with pytest.raises(ValueError, match="threshold"):
+    jax.eval_shape(agg.aggregate, {"w": jnp.zeros((4, 2))}, jnp.ones(4), agg.init(None), jax.random.key(0))
+
+
+def test_the_benchmark_quick_mode_runs_and_writes_its_table(tmp_path):
+  path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "secure_aggregation.py"
+  spec = importlib.util.spec_from_file_location("secure_aggregation_benchmark", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = tmp_path / "secure.json"
+  bench.main(["--quick", "--clients", "12", "--out", str(out)])
+  rows = json.loads(out.read_text())["rows"]
+  assert {(r["clients"], r["dropout"], r["dropped"]) for r in rows} == {(12, 0.0, 0), (12, 0.1, 2)}
+  for r in rows:
+    assert r["secure_s"] > 0 and r["mean_s"] > 0 and r["exact"]
+    assert r["upload_bits"] == 32 * (r["parameters"] + 1) + 64 + 96 * (r["clients"] - 1)
