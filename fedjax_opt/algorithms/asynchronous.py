@@ -158,6 +158,13 @@ def _algorithm(schedule: asynchrony.Schedule, num_clients: int, history_size: in
   return FederatedAlgorithm(init, step)
 
 
+def _check_mixing_weight(alpha: Any) -> None:
+  """α ∈ (0, 1], the weight of an arriving model in a convex merge (FedAsync, Co-op); may be traced."""
+  check_scalar(alpha, "alpha")
+  check_positive(alpha, "alpha")
+  check_in_range(alpha, "alpha", 0.0, 1.0, closed_high=True)
+
+
 def _mix(params: PyTree, model: PyTree, weight: jax.Array) -> PyTree:
   """(1 − w) x + w x_new, in the model's dtypes."""
   return jax.tree.map(lambda x, m: ((1 - weight) * x + weight * m).astype(jnp.result_type(x)), params, model)
@@ -279,9 +286,7 @@ def fedasync(
     `FederatedAlgorithm(init, step)` with state `AsyncState`.
   """
   num_clients, schedule, history_size = _common_checks(loss_fn, num_clients, schedule, history_size)
-  check_scalar(alpha, "alpha")
-  check_positive(alpha, "alpha")
-  check_in_range(alpha, "alpha", 0.0, 1.0, closed_high=True)
+  _check_mixing_weight(alpha)
   check_scalar(rho, "rho")
   check_positive(rho, "rho", allow_zero=True)
   check_optimizer(client_optimizer, "client_optimizer")
@@ -343,9 +348,7 @@ def co_op(
     `FederatedAlgorithm(init, step)` with state `AsyncState`.
   """
   num_clients, schedule, history_size = _common_checks(loss_fn, num_clients, schedule, history_size)
-  check_scalar(alpha, "alpha")
-  check_positive(alpha, "alpha")
-  check_in_range(alpha, "alpha", 0.0, 1.0, closed_high=True)
+  _check_mixing_weight(alpha)
   max_age = check_int(max_age, "max_age", 0)
   check_optimizer(client_optimizer, "client_optimizer")
   mode = client_map_lib.resolve(client_map)

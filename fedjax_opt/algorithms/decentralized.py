@@ -158,6 +158,21 @@ def _average(table: PyTree, like: PyTree) -> PyTree:
   return jax.tree.map(lambda t, p: jnp.mean(t, axis=0).astype(jnp.result_type(p)), table, like)
 
 
+def _initial_state(params: PyTree, key: jax.Array, n: int, tracking: bool) -> DecentralizedState:
+  """Every node at `params`; the tracker y and the last gradients zero when `tracking` (None otherwise)."""
+  check_key(key)
+  zeros = per_client.init(params, n) if tracking else None
+  return DecentralizedState(
+      params=params,
+      local_params=per_client.broadcast(params, n),
+      tracker=zeros,
+      gradients=zeros,
+      round=jnp.zeros((), jnp.int32),
+      key=key,
+      metrics={m: jnp.zeros((), dt) for m, dt in DECENTRALIZED_METRICS.items()},
+  )
+
+
 def _check_step(name: str, batches: ClientBatches, n: int) -> None:
   if isinstance(batches, ClientBatches) and batches.mask.ndim == 3 and batches.num_clients != n:
     raise ValueError(f"{name}: the mixing matrix has N = {n} nodes, so batches must hold every node's data, "
@@ -185,16 +200,7 @@ def _local_sgd(name: str, loss_fn: LossFn, eta: Any, mixing: Any, local_steps: i
     return result.delta, result.loss, result.num_examples
 
   def init(params: PyTree, key: jax.Array) -> DecentralizedState:
-    check_key(key)
-    return DecentralizedState(
-        params=params,
-        local_params=per_client.broadcast(params, n),
-        tracker=None,
-        gradients=None,
-        round=jnp.zeros((), jnp.int32),
-        key=key,
-        metrics={m: jnp.zeros((), dt) for m, dt in DECENTRALIZED_METRICS.items()},
-    )
+    return _initial_state(params, key, n, tracking=False)
 
   def step(state: DecentralizedState, batches: ClientBatches) -> DecentralizedState:
     _check_step(name, batches, n)
@@ -341,17 +347,7 @@ def gradient_tracking(
     return g, loss, count
 
   def init(params: PyTree, key: jax.Array) -> DecentralizedState:
-    check_key(key)
-    zeros = per_client.init(params, n)
-    return DecentralizedState(
-        params=params,
-        local_params=per_client.broadcast(params, n),
-        tracker=zeros,
-        gradients=zeros,
-        round=jnp.zeros((), jnp.int32),
-        key=key,
-        metrics={m: jnp.zeros((), dt) for m, dt in DECENTRALIZED_METRICS.items()},
-    )
+    return _initial_state(params, key, n, tracking=True)
 
   def step(state: DecentralizedState, batches: ClientBatches) -> DecentralizedState:
     _check_step("gradient_tracking", batches, n)

@@ -199,7 +199,7 @@ def p2p_bayes(
       check_per_example_loss(losses, m.shape[0])
       return -jnp.sum(jnp.where(m, losses, jnp.zeros_like(losses)))
 
-    return jax.vmap(one_hypothesis)(thetas)
+    return jax.vmap(one_hypothesis)(thetas)  # over the K hypotheses, inside one node (nodes go through client_map)
 
   def summarize(log_beliefs, like):
     node_map = jnp.argmax(log_beliefs, axis=1)
