@@ -30,13 +30,14 @@ DEFAULTS: dict[str, Any] = dict(
     aggregator=None, attack=None, attackers=None, compile_cache=None, devices="auto",
     dp_noise=None, dp_clip=None, dp_delta=None, dp_epsilon=None, dp_accountant=None, dp_sampling=None,
     dp_quantile=None, dp_clip_lr=None, dp_count_noise=None, dp_noise_multiplier=None,
+    topology=None, asynchronous=False, delay=None,
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
 MAY_CHANGE_ON_RESUME = ("rounds", "checkpoint_every", "quiet", "compile_cache", "devices")
 
 OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
-                "personalized_accuracy.png", "checkpoints")
+                "personalized_accuracy.png", "accuracy_time.png", "checkpoints")
 """What a run writes into its folder (and `--overwrite` removes)."""
 
 SHAKESPEARE_ROLES = 100
@@ -141,6 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(default 0.2)")
   add("--dp-count-noise", metavar="X", type=float,
       help="DP, adaptive clipping: noise σ_b on the count of unclipped clients (default max(m/20, 2σ))")
+  add("--topology", metavar="NAME",
+      help="decentralized algorithms (gossip, dpsgd, gradient_tracking): the graph of the clients, one of ring "
+           "(default), torus, exponential, complete, erdos_renyi, matchings (a random matching per round)")
+  add("--async", dest="asynchronous", action="store_true", default=None,
+      help="simulate a wall clock: asynchronous algorithms (fedbuff, fedasync, co_op, zeno_plus_plus) with "
+           "--clients-per-round clients in flight, synchronous rounds waiting for their slowest client; "
+           "default algorithms fedavg,fedbuff,fedasync")
+  add("--delay", metavar="DIST",
+      help="--async: a client's compute time, exp:MEAN (default exp:1), const:VALUE or lognormal:MU,SIGMA")
   add("--rounds", metavar="N", type=_positive("rounds", int, "integer"), help="rounds to train, in all (default 300)")
   add("--eval-every", metavar="N", type=_positive("eval-every", int, "integer"), help="rounds between evaluations (default 25)")
   add("--seed", metavar="N", type=int, help="seeds the split, the models and the sampling (default 0)")
@@ -187,9 +197,9 @@ def _read_toml(path: str) -> dict[str, Any]:
                          f"choose from {', '.join(registry.REGISTRY)}")
       hyper[key] = dict(value)
       continue
-    name = key.replace("-", "_")
+    name = {"async": "asynchronous"}.get(key, key.replace("-", "_"))
     if name not in DEFAULTS or name in ("hyper", "dp_noise_multiplier"):
-      raise UsageError(f"unknown key(s) [{key!r}] in config {path!r}; valid keys: {sorted(set(DEFAULTS) - {'hyper', 'dp_noise_multiplier'})}"
+      raise UsageError(f"unknown key(s) [{key!r}] in config {path!r}; valid keys: {sorted(set(DEFAULTS) - {'hyper', 'dp_noise_multiplier', 'asynchronous'} | {'async'})}"
                        f" and [algorithm] sections")
     config[name] = ",".join(value) if name == "algorithms" and isinstance(value, list) else value
   if hyper:
@@ -239,8 +249,11 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   from fedjax_opt import data
   from fedjax_opt.core import client_map
 
+  from fedjax_opt.cli import network
+
   config = dict(DEFAULTS, hyper={})
   config.update(given)
+  config["algorithms"] = network.default_algorithms(given) or config["algorithms"]
   names = _algorithms(config["algorithms"])
   config["algorithms"] = ",".join(names)
   infos = {info.name: info for info in data.available()}
@@ -293,6 +306,10 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   try:
     privacy.check(config, names)
   except privacy.PrivacyError as e:
+    raise UsageError(str(e)) from None
+  try:
+    network.check(config, names, registry)
+  except network.NetworkError as e:
     raise UsageError(str(e)) from None
   return config
 

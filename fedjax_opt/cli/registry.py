@@ -54,7 +54,7 @@ PSEUDO = {
 
 WIRED = ("loss_fn", "num_clients", "num_examples", "client_map", "client_optimizer", "server_optimizer", "graph",
          "aggregator", "storage_dtype", "prox", "finetune_client_optimizer", "finetune_server_optimizer",
-         "personalize_optimizer", "edge_weights")
+         "personalize_optimizer", "edge_weights", "mixing", "schedule", "validation_data", "validation_mask")
 """Factory parameters the command line fills itself (never `--set`)."""
 
 FAMILIES = {
@@ -62,6 +62,10 @@ FAMILIES = {
     "personalized": "a model per client; also evaluated per client on its own test split (mean, 10th percentile)",
     "admm": "convex models (logistic regression, ridge l2); every client every round on its whole train split; "
             "objective gap to a centralized solve",
+    "decentralized": "no server: every client is a node of --topology and trains every round; evaluated on the "
+                     "nodes' average and per node; consensus distance",
+    "asynchronous": "--async: clients arrive on a simulated clock, one server event per arrival; --rounds R runs "
+                    "R × --clients-per-round events; history_size (past models kept) default max(16, 4C)",
 }
 
 
@@ -76,6 +80,10 @@ class Context:
   rounds: int  # the run's --rounds
   client_map: str
   aggregator: Any = None  # --aggregator / --attack: replaces the factory's default aggregator
+  clients_per_round: int = 1  # the run's --clients-per-round (clients in flight under --async)
+  mixing: Any = None  # --topology's mixing matrix (decentralized algorithms)
+  schedule: Any = None  # --async: the `core.asynchrony.wall_clock` of the asynchronous algorithms
+  validation: Any = None  # --async: Zeno++'s server-side validation batch (pooled train examples)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +102,13 @@ class Spec:
       model: `fo.personalized_params`) or "adapt" (also the global model adapted on each client:
       `algorithm.personalize`).
     sampling: "clients" (C sampled clients, S steps of B examples), "full" (every client, its whole train
-      split as one batch, every round) or "full_fixed" (the same, examples in slot order: per-example tables).
+      split as one batch, every round), "full_fixed" (the same, examples in slot order: per-example tables),
+      "nodes" (every client every round, S steps of B examples: decentralized) or "events" (every client's
+      S steps of B examples every server event, of which the arriving client's are used: asynchronous).
     messages: (model-sized uploads per client taking part, broadcasts) per round, counted when
       `communication` is "rounds"; "bits": the algorithm's `bits` metric; "communicated": (n uploads + 1
-      broadcast) in the rounds whose `communicated` metric is set.
+      broadcast) in the rounds whose `communicated` metric is set; "bytes": the algorithm's `bytes_sent` per
+      node (decentralized).
     objective: None, "pooled" (the example-weighted pooled risk of state.params) or "mixture" (the mixture
       objective of the per-client table, `fo.objectives.mixture`), for the objective gap.
     data_steps: `data_steps(hyper, S) -> S'`, the batches per client and round the algorithm needs when the
@@ -198,6 +209,33 @@ def _graph(kind: str):
   return wire
 
 
+def _decentralized_wire(ctx, hyper):
+  return {"mixing": ctx.mixing}
+
+
+def _async_wire(ctx, hyper):
+  out = {"num_clients": ctx.num_clients, "schedule": ctx.schedule}
+  if hyper.get("history_size") is None:  # about 4 × the clients in flight: an update is rarely too stale to use
+    out["history_size"] = max(16, 4 * ctx.clients_per_round)
+  if "client_lr" in hyper:
+    out["client_optimizer"] = _sgd(hyper["client_lr"])
+  if "server_optimizer" in hyper:
+    out["server_optimizer"] = _server(hyper)
+  return out
+
+
+def _fedbuff_wire(ctx, hyper):
+  return {**_async_wire(ctx, hyper), "buffer_size": hyper["buffer_size"] or max(1, ctx.clients_per_round // 2)}
+
+
+def _co_op_wire(ctx, hyper):
+  return {**_async_wire(ctx, hyper), "max_age": hyper["max_age"] or 4 * ctx.clients_per_round}
+
+
+def _zeno_wire(ctx, hyper):
+  return {**_async_wire(ctx, hyper), "validation_data": ctx.validation}
+
+
 def _fedu_wire(ctx, hyper):
   from fedjax_opt import graphs
 
@@ -276,6 +314,31 @@ def _build_registry() -> dict[str, Spec]:
                            {"lam": 0.1, "rho": 0.1, **admm_local},
                            lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
                            evaluation="table", sampling="full", messages=(1, 1), objective="mixture"),
+      # ---- decentralized (--topology) -------------------------------------------------------------------------
+      "gossip": Spec("decentralized", "local SGD, then averaging with the neighbours: x ← W(x + Δ) (decentralized "
+                     "FedAvg)", a.gossip, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table",
+                     sampling="nodes", communication="bytes"),
+      "dpsgd": Spec("decentralized", "D-PSGD: x_i ← Σ_j W_ij x_j − η ∇f_i(x_i), one step per batch (Lian et al. "
+                    "2017)", a.dpsgd, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table", sampling="nodes",
+                    communication="bytes"),
+      "gradient_tracking": Spec("decentralized", "DIGing: tracks the average gradient, exact under heterogeneity "
+                                "(Nedić et al. 2017)", a.gradient_tracking, {"eta": CLIENT_LR}, _decentralized_wire,
+                                evaluation="table", sampling="nodes", communication="bytes"),
+      # ---- asynchronous (--async) ------------------------------------------------------------------------------
+      "fedbuff": Spec("asynchronous", "buffer K stale deltas, then a server step (Nguyen et al. 2022); K default C/2",
+                      a.fedbuff, {"client_lr": CLIENT_LR, "buffer_size": None, "staleness_weight": "polynomial",
+                                  "server_optimizer": "fedavg", "server_lr": 1.0, "history_size": None},
+                      _fedbuff_wire, server_lr="server_lr", sampling="events"),
+      "fedasync": Spec("asynchronous", "mix each arriving model in by a staleness weight (Xie et al. 2019)",
+                       a.fedasync, {"alpha": 0.6, "client_lr": CLIENT_LR, "staleness_weight": "polynomial", "history_size": None},
+                       _async_wire, sampling="events"),
+      "co_op": Spec("asynchronous", "merge each arriving model by its age, drop the too old (Wang 2017); "
+                    "max_age default 4C", a.co_op, {"alpha": 0.6, "max_age": None, "client_lr": CLIENT_LR, "history_size": None},
+                    _co_op_wire, sampling="events"),
+      "zeno_plus_plus": Spec("asynchronous", "apply a stale gradient only if it passes a validation test (Xie et "
+                             "al. 2020); 64 pooled train examples on the server", a.zeno_plus_plus,
+                             {"gamma": 0.2, "rho": 0.01, "eps": 0.2, "history_size": None}, _zeno_wire, server_lr="gamma",
+                             sampling="events"),
   }
 
 

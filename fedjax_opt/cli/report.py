@@ -40,6 +40,10 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
   if any("dp_epsilon" in r for r in rows):
     columns.append(("ε", lambda r: "-" if r.get("dp_epsilon") is None else f"{r['dp_epsilon']:.3g}"))
+  if any("consensus_distance" in r for r in rows):
+    columns.append(("consensus", lambda r: _cell(r, "consensus_distance", ".2e")))
+  if any("simulated_time" in r for r in rows):
+    columns.append(("sim. time", lambda r: _cell(r, "simulated_time", ".1f")))
   columns += [("MB sent", lambda r: f"{r['megabytes_sent']:,.3f}" if r["megabytes_sent"] < 1 else f"{r['megabytes_sent']:,.1f}"), ("compile s", lambda r: f"{r.get('compile_seconds', float('nan')):.1f}"),
               ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
               ("status", lambda r: r["status"])]
@@ -145,9 +149,11 @@ def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: 
         continue
       rounds, values = points
       label = labels[name] if metric == "test_accuracy" else f"{name}, personalized"
-      _series(axes[0], rounds, values, label, color=colors[name], **style)
+      _series(axes[0], np.asarray(rounds) / extras[name].get("steps_per_round", 1), values, label,
+              color=colors[name], **style)
       _series(axes[1], sent[np.asarray(rounds) - 1], values, label, color=colors[name], **style)
-  axes[0].set_xlabel("round")
+  axes[0].set_xlabel("round" if all(e.get("steps_per_round", 1) == 1 for e in extras.values()) else
+                     "round (asynchronous: server events / clients in flight)")
   axes[1].set_xlabel("MB sent (float32 messages, each counted once)")
   axes[1].set_xscale("log")
   axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labelled decades only
@@ -175,6 +181,22 @@ def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: 
     if ax.get_legend_handles_labels()[0]:
       ax.legend(fontsize=6)
   save(fig, "loss.png")
+
+  timed = [name for name in histories if "simulated_time" in extras[name]]
+  if timed:
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name in timed:
+      points = _eval_points(histories[name], "test_accuracy")
+      if points is None:
+        continue
+      steps, values = points
+      clock = np.concatenate([[0.0], np.asarray(extras[name]["simulated_time"], np.float64)])
+      _series(ax, clock[np.asarray(steps)], values, labels[name], color=colors[name], marker="o", ms=3)
+    ax.set_xlabel(f"simulated time (compute time {config.get('delay')} per client update)")
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    save(fig, "accuracy_time.png")
 
   personal = [r for r in rows if r.get("personalized_accuracy_per_client")]
   if personal:

@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable
 
 from fedjax_opt.cli import config as config_lib
-from fedjax_opt.cli import privacy, registry, report, robust
+from fedjax_opt.cli import network, privacy, registry, report, robust
 from fedjax_opt.cli.config import UsageError
 
 FLOAT_BITS = 32
@@ -93,6 +93,9 @@ def sampling(spec: registry.Spec, hyper: dict[str, Any], config: dict[str, Any],
     if privacy.enabled(config):  # the sampling the accountant is given (fixed: the same as without DP)
       out.update(privacy.train_kwargs(privacy.sampling(config, dataset.num_clients)))
     return out
+  if spec.sampling in ("nodes", "events"):  # every client's S batches of B: every node, or whoever arrives
+    return dict(clients_per_round=dataset.num_clients, client_sampling="all", local_steps=config["local_steps"],
+                batch_size=config["batch_size"])
   out = dict(clients_per_round=dataset.num_clients, client_sampling="all", local_epochs=1,
              batch_size=dataset.max_train)
   if spec.sampling == "full_fixed":
@@ -101,7 +104,15 @@ def sampling(spec: registry.Spec, hyper: dict[str, Any], config: dict[str, Any],
 
 
 def clients_taking_part(spec: registry.Spec, config: dict[str, Any], dataset) -> int:
+  """Clients that send per round (per server event, asynchronous: the one arrival)."""
+  if spec.sampling == "events":
+    return 1
   return config["clients_per_round"] if spec.sampling == "clients" else dataset.num_clients
+
+
+def steps_per_round(spec: registry.Spec, config: dict[str, Any]) -> int:
+  """`fo.train` steps per --rounds round: an asynchronous run's R rounds are R × C one-arrival server events."""
+  return config["clients_per_round"] if spec.sampling == "events" else 1
 
 
 def bits_per_round(spec: registry.Spec, round_metrics: dict, num_params: int, clients: int,
@@ -116,6 +127,8 @@ def bits_per_round(spec: registry.Spec, round_metrics: dict, num_params: int, cl
   rounds = len(member0(next(iter(round_metrics.values()))))
   if spec.communication == "bits":
     return member0(round_metrics["bits"])
+  if spec.communication == "bytes":
+    return member0(round_metrics["bytes_sent"]) * 8 * num_clients
   if spec.communication == "communicated":
     return member0(round_metrics["communicated"]) * (num_clients + 1) * FLOAT_BITS * num_params
   uploads, broadcasts = spec.messages
@@ -207,6 +220,14 @@ def _summarize(last: dict[str, Any], key: str) -> dict[str, Any]:
   return {key: float(values.mean()), key + "_std": float(values.std()), key + "_per_seed": value}
 
 
+def _last(values: Any) -> Any:
+  """The last round's value of a round metric `[R]` (a float), or per seed `[K, R]` (a list)."""
+  import numpy as np
+
+  values = np.asarray(values, np.float64)
+  return float(values[-1]) if values.ndim == 1 else values[:, -1].tolist()
+
+
 def _prepared(config: dict[str, Any]):
   """(dataset, model, [(name, spec, hyper, algorithm)]): everything built and checked before anything runs."""
   dataset = load_dataset(config)
@@ -223,9 +244,13 @@ def _prepared(config: dict[str, Any]):
       aggregator, _ = privacy.build(config, dataset.num_clients)
     except privacy.PrivacyError as e:
       raise UsageError(str(e)) from None
-  ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
-                         local_steps=config["local_steps"], rounds=config["rounds"], client_map=effective_client_map(config),
-                         aggregator=aggregator)
+  try:
+    ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
+                           local_steps=config["local_steps"], rounds=config["rounds"],
+                           client_map=effective_client_map(config), aggregator=aggregator,
+                           clients_per_round=config["clients_per_round"], **network_context(config, dataset))
+  except network.NetworkError as e:
+    raise UsageError(str(e)) from None
   built = []
   for name in config["algorithms"].split(","):
     spec = registry.REGISTRY[name]
@@ -234,6 +259,10 @@ def _prepared(config: dict[str, Any]):
       algo = registry.build(name, ctx, hyper)
       if poison is not None:
         algo = poison(algo, dataset.num_clients)
+      if config["asynchronous"] and spec.sampling != "events":  # the synchronous baseline on the same clock
+        from fedjax_opt.core import asynchrony
+
+        algo = asynchrony.synchronous_clock(algo, network.compute_time(config["delay"]), seed=config["seed"])
     except registry.HyperParameterError as e:
       raise UsageError(str(e)) from None
     except ValueError as e:  # the attack's own checks
@@ -242,10 +271,43 @@ def _prepared(config: dict[str, Any]):
   return dataset, model, built
 
 
+def network_context(config: dict[str, Any], dataset) -> dict[str, Any]:
+  """The `registry.Context` fields of --topology and --async: the mixing matrix, the clock, Zeno++'s batch."""
+  out: dict[str, Any] = {}
+  if config["topology"] is not None:
+    out["mixing"] = network.mixing(config["topology"], dataset.num_clients, config["seed"])
+  if config["asynchronous"]:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from fedjax_opt.core import asynchrony
+
+    out["schedule"] = asynchrony.wall_clock(network.compute_time(config["delay"]),
+                                            concurrency=min(config["clients_per_round"], dataset.num_clients))
+    from fedjax_opt import data as data_lib
+
+    train = data_lib.unpack(dataset, "train")
+    pooled = {k: np.concatenate([c[k] for c in train]) for k in train[0]}
+    size = len(next(iter(pooled.values())))
+    pick = np.random.default_rng(config["seed"]).choice(size, min(ZENO_VALIDATION, size), replace=False)
+    out["validation"] = {k: jnp.asarray(v[pick]) for k, v in pooled.items()}
+  return out
+
+
+ZENO_VALIDATION = 64
+"""Pooled train examples Zeno++'s server holds as its validation batch (at random, the run's seed)."""
+
+
 def _notes(built, config) -> list[str]:
   notes = []
   for name, spec, _, _ in built:
-    if spec.sampling != "clients":
+    if spec.sampling == "nodes":
+      notes.append(f"{name}: every client is a node of the {config['topology']} graph and trains every round "
+                   f"(--clients-per-round does not apply)")
+    elif spec.sampling == "events":
+      notes.append(f"{name}: {config['clients_per_round']} clients in flight, one server event per arrival; "
+                   f"--rounds {config['rounds']} runs {config['rounds'] * config['clients_per_round']} events")
+    elif spec.sampling != "clients":
       notes.append(f"{name}: every client, its whole train split, every round "
                    f"(--clients-per-round, --local-steps and --batch-size do not apply)")
   return notes
@@ -325,6 +387,7 @@ def effective_client_map(config: dict[str, Any]) -> str:
 
 def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool) -> int:
   import jax
+  import numpy as np
 
   enable_compile_cache(config.get("compile_cache"))
   use_cpu_devices(config["devices"])
@@ -345,6 +408,11 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
         + (f" (solved for ε = {config['dp_epsilon']:g})" if config["dp_epsilon"] is not None else "")
         + f", clip {config['dp_clip']:g}{' (adaptive)' if config['dp_quantile'] is not None else ''}, "
         f"{plan.describe()}, {config['dp_accountant'].upper()} accountant, δ = {config['dp_delta']:g}")
+  if config["topology"] is not None:
+    say(network.describe(config, dataset.num_clients))
+  if config["asynchronous"]:
+    say(f"simulated clock: compute time {config['delay']} per client update, {config['clients_per_round']} clients "
+        f"in flight (asynchronous) or per round (synchronous, waiting for the slowest)")
   for note in _notes(built, config):
     print(note)  # even with --quiet: it says which flags an algorithm does not use
   metric_fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
@@ -359,11 +427,12 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
     elif spec.evaluation == "adapt":
       hooks["personalize"] = algo.personalize
     t0 = time.perf_counter()
+    per_round = steps_per_round(spec, config)
     try:
       state, history = train_lib.train(
-          algo_run, init_state, dataset, config["rounds"], **sampling(spec, hyper, config, dataset),
-          eval_every=config["eval_every"], metric_fns=metric_fns, seed=data_seed, progress=not config["quiet"],
-          label=name, checkpoint_dir=os.path.join(out, "checkpoints", name),
+          algo_run, init_state, dataset, config["rounds"] * per_round, **sampling(spec, hyper, config, dataset),
+          eval_every=config["eval_every"] * per_round, metric_fns=metric_fns, seed=data_seed, progress=not config["quiet"],
+          label=name if per_round == 1 else f"{name} (server events)", checkpoint_dir=os.path.join(out, "checkpoints", name),
           checkpoint_every=config["checkpoint_every"], resume=resume, **hooks)
     except KeyboardInterrupt:
       raise report.Interrupted(name) from None
@@ -382,6 +451,12 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
                rounds=train_lib.current_round(state))
     for key in ("test_accuracy", "test_loss", "train_loss"):
       row.update(_summarize(last, key))
+    if per_round > 1:
+      row["server_events"] = row["rounds"]
+      row["rounds"] = row["rounds"] // per_round  # in client updates of C synchronous clients
+    for key in ("consensus_distance", "simulated_time"):
+      if key in history.round_metrics:
+        row.update(_summarize({key: _last(history.round_metrics[key])}, key))
     if spec.evaluation != "global":
       for key, short in (("personalized_test_accuracy", "personalized_accuracy"),
                          ("personalized_test_accuracy_p10", "personalized_accuracy_p10"),
@@ -394,7 +469,10 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
       row.update(objective_gap(spec, hyper, model, state, dataset, config["seeds"]))
     bits = bits_per_round(spec, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
                           dataset.num_clients)
-    extras[name] = {"megabytes_sent": (bits.cumsum() / 8e6).tolist()}
+    extras[name] = {"megabytes_sent": (bits.cumsum() / 8e6).tolist(), "steps_per_round": per_round}
+    if "simulated_time" in history.round_metrics:
+      times = np.asarray(history.round_metrics["simulated_time"], np.float64)
+      extras[name]["simulated_time"] = (times if times.ndim == 1 else times[0]).tolist()
     row["megabytes_sent"] = float(bits.sum() / 8e6)
     row["hyper_parameters"] = hyper
     if privacy.enabled(config):

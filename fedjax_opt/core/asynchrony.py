@@ -81,14 +81,14 @@ import numpy as np
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.server import client_is_finite
-from fedjax_opt.core.tree import global_norm, select_tree
+from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
 from fedjax_opt.core.types import ClientBatches, DeferredData, PyTree
 from fedjax_opt.core.validation import check_choice, check_int, check_positive, check_scalar, is_concrete
 
 __all__ = [
-    "STALENESS_WEIGHTS", "Arrivals", "Clock", "ModelHistory", "Schedule", "constant", "drawn_staleness",
-    "event_metric_names", "exponential", "history_init", "history_push", "history_read", "lognormal", "run_event",
-    "staleness_weight", "uniform_staleness", "wall_clock",
+    "STALENESS_WEIGHTS", "SYNCHRONOUS_CLOCK_METRICS", "Arrivals", "Clock", "ModelHistory", "Schedule", "constant",
+    "drawn_staleness", "event_metric_names", "exponential", "history_init", "history_push", "history_read",
+    "lognormal", "run_event", "staleness_weight", "synchronous_clock", "uniform_staleness", "wall_clock",
 ]
 
 Sampler = Callable[[jax.Array, tuple], jax.Array]
@@ -274,6 +274,36 @@ def _time_dtype() -> Any:
   return jnp.result_type(float)
 
 
+def _client_times(compute_time: Sampler | None, latency: Sampler | None, speed: Any) -> tuple[Callable, Callable]:
+  """(durations, speeds_for): `durations(key, ids, speeds)` draws speed_i · c + l for the clients `ids`
+  (c ~ `compute_time`, default `exponential(1.0)`; l ~ `latency`, default none); `speeds_for(N)` is the
+  `[N]` speed factors (checked against N)."""
+  compute_time = exponential(1.0) if compute_time is None else _check_sampler(compute_time, "compute_time")
+  latency = None if latency is None else _check_sampler(latency, "latency")
+  if speed is not None:
+    if jnp.ndim(speed) != 1:
+      raise ValueError(f"speed must be a [num_clients] array of per-client factors; got shape "
+                       f"{tuple(jnp.shape(speed))}.")
+    check_positive(speed, "speed")
+
+  def durations(key, ids, speeds):
+    compute_key, latency_key = jax.random.split(key)
+    d = speeds[ids] * compute_time(compute_key, ids.shape).astype(_time_dtype())
+    if latency is not None:
+      d = d + latency(latency_key, ids.shape).astype(_time_dtype())
+    return d
+
+  def speeds_for(num_clients):
+    if speed is None:
+      return jnp.ones((num_clients,), _time_dtype())
+    if jnp.shape(speed)[0] != num_clients:
+      raise ValueError(f"speed must have one factor per client, shape [num_clients] = ({num_clients},); got "
+                       f"shape {tuple(jnp.shape(speed))}.")
+    return jnp.asarray(speed, _time_dtype())
+
+  return durations, speeds_for
+
+
 def wall_clock(
     compute_time: Sampler | None = None,
     *,
@@ -297,33 +327,12 @@ def wall_clock(
   Returns:
     A `Schedule`.
   """
-  compute_time = exponential(1.0) if compute_time is None else _check_sampler(compute_time, "compute_time")
-  latency = None if latency is None else _check_sampler(latency, "latency")
+  durations, speeds_for = _client_times(compute_time, latency, speed)
   arrivals_per_step = check_int(arrivals_per_step, "arrivals_per_step", 1)
   concurrency = None if concurrency is None else check_int(concurrency, "concurrency", 1)
   if concurrency is not None and arrivals_per_step > concurrency:
     raise ValueError(f"arrivals_per_step must be <= concurrency (an event handles clients in flight); got "
                      f"arrivals_per_step={arrivals_per_step}, concurrency={concurrency}.")
-  if speed is not None:
-    if jnp.ndim(speed) != 1:
-      raise ValueError(f"speed must be a [num_clients] array of per-client factors; got shape "
-                       f"{tuple(jnp.shape(speed))}.")
-    check_positive(speed, "speed")
-
-  def durations(key, ids, speeds):
-    compute_key, latency_key = jax.random.split(key)
-    d = speeds[ids] * compute_time(compute_key, ids.shape).astype(_time_dtype())
-    if latency is not None:
-      d = d + latency(latency_key, ids.shape).astype(_time_dtype())
-    return d
-
-  def speeds_for(num_clients):
-    if speed is None:
-      return jnp.ones((num_clients,), _time_dtype())
-    if jnp.shape(speed)[0] != num_clients:
-      raise ValueError(f"speed must have one factor per client, shape [num_clients] = ({num_clients},); got "
-                       f"shape {tuple(jnp.shape(speed))}.")
-    return jnp.asarray(speed, _time_dtype())
 
   def init(num_clients, key):
     m = num_clients if concurrency is None else concurrency
@@ -390,6 +399,64 @@ def drawn_staleness(staleness: Sampler | None = None) -> Schedule:
     return clock._replace(time=arrived.event_time)
 
   return Schedule(init, arrivals, dispatch, "drawn_staleness")
+
+
+SYNCHRONOUS_CLOCK_METRICS = ("simulated_time", "round_duration")
+"""The metrics `synchronous_clock` adds to a synchronous algorithm's (the default float dtype)."""
+
+
+def synchronous_clock(
+    algorithm: Any,
+    compute_time: Sampler | None = None,
+    *,
+    latency: Sampler | None = None,
+    speed: Any = None,
+    seed: int = 0,
+) -> Any:
+  """A synchronous algorithm on the simulated clock of `wall_clock`: each round waits for its slowest client.
+
+  The baseline an asynchronous run is drawn against: round r's participating
+  clients (weight > 0) need d_k = speed_k · c_k + l_k, with c and l drawn as
+  in `wall_clock`, and the server waits for the last of them, so
+
+      round_duration_r = max_{k : w_k > 0} d_k,     simulated_time_r = Σ_{r' ≤ r} round_duration_r'.
+
+  (0 for a round in which no client takes part.) The draws of round r come
+  from `fold_in(key(seed), r)`, independent of the training's own keys, so
+  the wrapped algorithm's states are the unwrapped one's bit for bit; only
+  `state.metrics` gains `simulated_time` and `round_duration`.
+
+  Args:
+    algorithm: a `FederatedAlgorithm` whose state is a dataclass with `round`
+      and `metrics` (every round-based algorithm of `fedjax_opt.algorithms`).
+    compute_time, latency, speed: as in `wall_clock` (default compute time
+      `exponential(1.0)`, no latency, speed 1); `speed` is indexed by
+      `batches.client_id`.
+    seed: int seed of the clock's draws.
+
+  Returns:
+    The `FederatedAlgorithm` with the clock in its metrics.
+  """
+  durations, speeds_for = _client_times(compute_time, latency, speed)
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    raise TypeError(f"seed must be a Python int; got {type(seed).__name__}.")
+
+  def init(params, key):
+    state = algorithm.init(params, key)
+    zeros = {name: jnp.zeros((), _time_dtype()) for name in SYNCHRONOUS_CLOCK_METRICS}
+    return state.replace(metrics={**state.metrics, **zeros})
+
+  def step(state, batches):
+    new = algorithm.step(state, batches)
+    ids = jnp.asarray(batches.client_id, jnp.int32)
+    slot_speeds = jnp.ones(ids.shape, _time_dtype()) if speed is None else speeds_for(jnp.shape(speed)[0])[ids]
+    draws = durations(jax.random.fold_in(jax.random.key(int(seed)), state.round), jnp.arange(ids.shape[0]),
+                      slot_speeds)
+    duration = jnp.max(jnp.where(batches.weight > 0, draws, jnp.zeros_like(draws)))
+    return new.replace(metrics={**new.metrics, "simulated_time": state.metrics["simulated_time"] + duration,
+                                "round_duration": duration})
+
+  return algorithm._replace(init=init, step=step)
 
 
 def _rows_of(ids: jax.Array, batches: ClientBatches) -> tuple[jax.Array, jax.Array]:
@@ -474,6 +541,7 @@ def event_metric_names() -> dict[str, Any]:
   * update_norm: ‖x after − x before‖ over the event;
   * num_clients: updates used (accepted by the rule); round_accepted: at least one was;
   * num_nonfinite: arriving clients dropped for a non-finite update or model;
+  * bits_up / bits_down: the bits of one arrival's update / of the model it pulled (every bit of each);
   * simulated_time: the clock after the event; version: the server version after it;
   * staleness_mean / staleness_max: over the updates used (0 when none);
   * num_arrivals: arrivals handled (A, less the absent rows of `drawn_staleness`);
@@ -579,6 +647,9 @@ def run_event(
       "num_nonfinite": jnp.sum(takes_part & held & ~finite) + jnp.sum(late_nonfinite),
       "num_examples": jnp.sum(n),
       "round_accepted": count > 0,
+      "bits_up": jnp.asarray(tree_bits(jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape[1:], d.dtype),
+                                                    results.delta)), jnp.float32),
+      "bits_down": jnp.asarray(tree_bits(params), jnp.float32),
       "simulated_time": new_clock.time,
       "staleness_mean": jnp.sum(used_staleness) / jnp.maximum(count, 1),
       "staleness_max": jnp.max(used_staleness, initial=0),

@@ -1,0 +1,210 @@
+"""The command line's decentralized (`--topology`) and asynchronous (`--async`, `--delay`) runs, and the
+synchronous clock they are compared on (`core.asynchrony.synchronous_clock`)."""
+
+import json
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt.cli import config as config_lib
+from fedjax_opt.cli import network
+from fedjax_opt.core import asynchrony as asy
+from tests.test_cli import run_cli
+from tests.test_cli_runs import SMALL, without_timings
+
+
+# ---- the synchronous clock -------------------------------------------------------------------------------------
+
+
+@flax.struct.dataclass
+class _Counter:
+  params: jax.Array
+  round: jax.Array
+  key: jax.Array
+  metrics: dict
+
+
+_COUNTER = fo.FederatedAlgorithm(
+    init=lambda params, key: _Counter(params, jnp.zeros((), jnp.int32), key, {"seen": jnp.zeros(())}),
+    step=lambda s, b: s.replace(params=s.params + 1, round=s.round + 1, metrics={"seen": jnp.sum(b.weight)}))
+
+
+def _batches(ids, weights):
+  c = len(ids)
+  return fo.ClientBatches(data={"x": jnp.zeros((c, 1, 1))}, mask=jnp.ones((c, 1, 1), bool),
+                          weight=jnp.asarray(weights, jnp.float32), client_id=jnp.asarray(ids, jnp.int32))
+
+
+def test_synchronous_clock_waits_for_the_slowest_client_that_takes_part():
+  """Constant compute time c and speeds s_i: a round lasts c · max s_i over its clients with weight > 0."""
+  speed = np.array([1.0, 3.0, 2.0, 5.0, 0.5])
+  algo = asy.synchronous_clock(_COUNTER, asy.constant(2.0), speed=speed, latency=asy.constant(0.25))
+  state = algo.init(jnp.zeros(()), jax.random.key(0))
+  assert float(state.metrics["simulated_time"]) == 0.0
+  rounds = [([0, 2, 4], [1, 1, 1]), ([3, 1, 0], [0, 4, 1]), ([4, 3, 2], [0, 0, 0])]
+  expected_time = 0.0
+  for ids, weights in rounds:
+    state = jax.jit(algo.step)(state, _batches(ids, weights))
+    taking_part = [i for i, w in zip(ids, weights) if w > 0]
+    duration = 2.0 * max(speed[taking_part]) + 0.25 if taking_part else 0.0  # client 3 (speed 5) has weight 0
+    expected_time += duration
+    assert float(state.metrics["round_duration"]) == pytest.approx(duration, rel=1e-6)
+    assert float(state.metrics["simulated_time"]) == pytest.approx(expected_time, rel=1e-6)
+  assert float(state.params) == 3.0 and "seen" in state.metrics  # the wrapped algorithm's own state and metrics
+
+
+def test_synchronous_clock_round_time_is_the_expected_maximum_of_exponential_draws():
+  """E[max of C iid Exp(mean μ)] = μ H_C (H_C the harmonic number), Var = μ² Σ_{k≤C} 1/k²."""
+  mean, c, rounds = 2.0, 5, 4000
+  algo = asy.synchronous_clock(_COUNTER, asy.exponential(mean), seed=7)
+  batches = _batches(list(range(c)), [1.0] * c)
+  state = algo.init(jnp.zeros(()), jax.random.key(0))
+  _, durations = jax.lax.scan(lambda s, _: (lambda n: (n, n.metrics["round_duration"]))(algo.step(s, batches)),
+                              state, None, length=rounds)
+  harmonic = sum(1 / k for k in range(1, c + 1))
+  sd = mean * math.sqrt(sum(1 / k ** 2 for k in range(1, c + 1)))
+  assert abs(float(np.mean(durations)) - mean * harmonic) < 4 * sd / math.sqrt(rounds)
+  assert len(np.unique(np.asarray(durations))) > rounds * 0.99  # fresh draws every round
+
+
+def test_synchronous_clock_leaves_the_training_bit_for_bit_unchanged():
+  ds = fo.data.load("digits", num_clients=6, seed=0)
+  model = fo.models.logistic_regression(64, 10)
+  plain = fo.algorithms.fedavg(model.loss_fn, client_optimizer=optax.sgd(0.1))
+  timed = asy.synchronous_clock(plain, asy.lognormal(0.0, 1.0))
+  params = model.init(jax.random.key(0))
+  a, b = plain.init(params, jax.random.key(1)), timed.init(params, jax.random.key(1))
+  for r in range(3):
+    batches = fo.data.sample_round(jax.random.key(r), ds, clients_per_round=3, local_steps=2, batch_size=5)
+    a, b = jax.jit(plain.step)(a, batches), jax.jit(timed.step)(b, batches)
+  jax.tree.map(np.testing.assert_array_equal, a.params, b.params)
+  assert float(b.metrics["simulated_time"]) > 0
+
+
+def test_synchronous_clock_checks_its_arguments():
+  with pytest.raises(TypeError, match="compute_time must be a distribution"):
+    asy.synchronous_clock(_COUNTER, 2.0)
+  with pytest.raises(TypeError, match="seed must be a Python int"):
+    asy.synchronous_clock(_COUNTER, seed=1.5)
+  with pytest.raises(ValueError, match="speed must be a \\[num_clients\\] array"):
+    asy.synchronous_clock(_COUNTER, speed=np.ones((2, 2)))
+
+
+# ---- flags -----------------------------------------------------------------------------------------------------
+
+
+def _finish(**given):
+  return config_lib.finish(dict({"dataset": "digits"}, **given))
+
+
+@pytest.mark.parametrize("given,needle", [
+    ({"algorithms": "fedavg", "topology": "ring"}, "--topology applies to the decentralized algorithms"),
+    ({"algorithms": "dpsgd", "topology": "hypercube"}, "unknown topology 'hypercube'; choose from ring, torus"),
+    ({"algorithms": "fedavg,fedbuff"}, "fedbuff is asynchronous: add --async"),
+    ({"algorithms": "fedavg", "delay": "exp:2"}, "--delay is the clients' compute time on the simulated clock"),
+    ({"asynchronous": True, "delay": "weibull:2"}, "--delay must be one of exp:MEAN, const:VALUE, lognormal:MU,SIGMA"),
+    ({"asynchronous": True, "delay": "exp:-1"}, "a mean must be > 0"),
+    ({"asynchronous": True, "delay": "lognormal:0"}, "--delay must be one of"),
+    ({"asynchronous": True, "delay": "exp:two"}, "--delay must be one of"),
+    ({"algorithms": "fedbuff", "asynchronous": True, "aggregator": "krum"}, "fedbuff"),
+])
+def test_bad_network_flags_are_one_line(given, needle):
+  with pytest.raises(config_lib.UsageError, match=needle.replace("(", "\\(").replace("[", "\\[")) as e:
+    _finish(**given)
+  assert "\n" not in str(e.value)
+
+
+def test_flag_defaults_ring_exp1_and_the_async_comparison():
+  assert _finish(algorithms="dpsgd")["topology"] == "ring"
+  assert _finish(algorithms="fedavg")["topology"] is None
+  config = _finish(asynchronous=True)
+  assert config["algorithms"] == "fedavg,fedbuff,fedasync" and config["delay"] == "exp:1"
+  assert _finish(asynchronous=True, algorithms="co_op")["algorithms"] == "co_op"
+
+
+def test_the_toml_key_async_is_read(tmp_path):
+  path = tmp_path / "run.toml"
+  path.write_text('algorithms = ["fedasync"]\nasync = true\ndelay = "const:1"\n')
+  given = config_lib.given_settings(config_lib.build_parser().parse_args(["run", "--config", str(path)]))
+  config = config_lib.finish(dict(given, dataset="digits"))
+  assert config["asynchronous"] is True and config["delay"] == "const:1"
+
+
+@pytest.mark.parametrize("topology,n,weight", [("ring", 12, 1 / 3), ("torus", 16, 1 / 5), ("complete", 7, 1 / 7)])
+def test_topologies_are_metropolis_hastings_matrices_of_their_graph(topology, n, weight):
+  """Regular graphs of degree d: W_ij = 1/(d + 1) on edges and the diagonal, 0 elsewhere."""
+  w = np.asarray(network.mixing(topology, n, seed=0))
+  expected = np.zeros((n, n))
+  for i in range(n):
+    if topology == "ring":
+      neighbours = {(i - 1) % n, (i + 1) % n}
+    elif topology == "torus":  # 4 × 4
+      r, c = divmod(i, 4)
+      neighbours = {((r + 1) % 4) * 4 + c, ((r - 1) % 4) * 4 + c, r * 4 + (c + 1) % 4, r * 4 + (c - 1) % 4}
+    else:
+      neighbours = set(range(n)) - {i}
+    for j in neighbours | {i}:
+      expected[i, j] = weight
+  np.testing.assert_allclose(w, expected, atol=1e-12)
+
+
+def test_time_varying_and_random_topologies_are_valid_mixing_matrices():
+  seq = np.asarray(network.mixing("matchings", 10, seed=0))
+  assert seq.shape == (network.MATCHING_PERIOD, 10, 10)
+  np.testing.assert_allclose(seq.sum(1), 1.0)
+  np.testing.assert_allclose(seq.sum(2), 1.0)
+  assert fo.graphs.spectral_gap(seq) > 0
+  er = np.asarray(network.mixing("erdos_renyi", 30, seed=0))
+  assert fo.graphs.spectral_gap(er) > 0
+  np.testing.assert_allclose(er, er.T)
+  with pytest.raises(network.NetworkError, match="torus needs --num-clients = rows × cols with both >= 3"):
+    network.mixing("torus", 13, seed=0)
+
+
+# ---- runs ------------------------------------------------------------------------------------------------------
+
+
+def test_decentralized_run_counts_each_node_s_messages_to_its_neighbours(tmp_path):
+  """Ring, Metropolis–Hastings: a node sends its model (and, gradient tracking, its tracker) to 2 neighbours."""
+  out = tmp_path / "run"
+  result = run_cli("run", *SMALL, "--topology", "ring", "--algorithms", "dpsgd,gradient_tracking", "--rounds", "6",
+                   "--out", str(out))
+  assert result.returncode == 0, result.stderr
+  rows = {r["algorithm"]: r for r in json.loads((out / "results.json").read_text())}
+  p, n, rounds = 64 * 10 + 10, 20, 6
+  assert rows["dpsgd"]["megabytes_sent"] == pytest.approx(rounds * n * 2 * 4 * p / 1e6)
+  assert rows["gradient_tracking"]["megabytes_sent"] == pytest.approx(rounds * n * 2 * 2 * 4 * p / 1e6)
+  for row in rows.values():
+    assert row["family"] == "decentralized" and row["status"] == "finished" and row["rounds"] == rounds
+    assert row["consensus_distance"] > 0 and 0 <= row["personalized_accuracy"] <= 1
+  assert (out / "personalized_accuracy.png").stat().st_size > 0
+
+
+def test_async_runs_are_reproducible_resume_and_beat_the_synchronous_clock(tmp_path):
+  """Heavy-tailed compute times: the asynchronous run needs less simulated time for the same client updates."""
+  args = [*SMALL, "--async", "--delay", "lognormal:0,1", "--algorithms", "fedavg,fedbuff,fedasync"]
+  a, b = tmp_path / "a", tmp_path / "b"
+  first = run_cli("run", *args, "--rounds", "10", "--out", str(a))
+  assert first.returncode == 0, first.stderr
+  assert run_cli("run", *args, "--rounds", "5", "--out", str(b)).returncode == 0
+  refused = run_cli("run", "--out", str(b), "--resume", "--delay", "exp:3")
+  assert refused.returncode == 2 and "--delay exp:3 conflicts with the run saved" in refused.stderr
+  again = run_cli("run", "--out", str(b), "--resume", "--rounds", "10")
+  assert again.returncode == 0, again.stderr
+  ha, hb = (json.loads((x / "history.json").read_text()) for x in (a, b))
+  assert without_timings(ha) == without_timings(hb)  # bit for bit, also across a resume
+  rows = {r["algorithm"]: r for r in json.loads((a / "results.json").read_text())}
+  assert rows["fedbuff"]["server_events"] == rows["fedasync"]["server_events"] == 10 * 5
+  assert all(r["rounds"] == 10 for r in rows.values())
+  assert rows["fedbuff"]["simulated_time"] < rows["fedavg"]["simulated_time"]
+  assert rows["fedasync"]["simulated_time"] == rows["fedbuff"]["simulated_time"]  # the same clock, the same draws
+  times = np.asarray(ha["fedavg"]["simulated_time"])
+  assert np.all(np.diff(times) > 0) and len(times) == 10
+  assert (a / "accuracy_time.png").stat().st_size > 0
+  assert "sim. time" in first.stdout
