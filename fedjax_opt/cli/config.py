@@ -404,7 +404,7 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
                              f"the saved configuration, only --rounds may change")
       continue
     if not _same(saved[key], value):
-      flag = "--" + key.replace("_", "-")
+      flag = "--async" if key == "asynchronous" else "--" + key.replace("_", "-")
       raise UsageError(f"{flag} {value} conflicts with the run saved in {out} ({key} = {saved[key]}); --resume "
                        f"continues the saved configuration, only --rounds may change")
   if "rounds" in given and given["rounds"] < saved["rounds"]:
