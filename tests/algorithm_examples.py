@@ -48,6 +48,7 @@ EXAMPLES = {
     "fedavg_finetune": lambda **kw: fo.algorithms.fedavg_finetune(
         loss_fn, switch_round=1, personalize_steps=1, client_optimizer=_sgd(), finetune_client_optimizer=_sgd(),
         **kw),
+    "fedem": lambda **kw: fo.algorithms.fedem(loss_fn, num_components=2, num_clients=N, client_optimizer=_sgd(), **kw),
     "l2gd": lambda **kw: fo.algorithms.l2gd(loss_fn, 0.1, 0.1, 0.5, num_clients=N, **kw),
     "l2sgd": lambda **kw: fo.algorithms.l2sgd(loss_fn, 0.1, 0.1, 0.5, num_clients=N, **kw),
     "l2sgd_plus": lambda **kw: fo.algorithms.l2sgd_plus(loss_fn, 0.1, 0.1, 0.5, num_clients=N, num_examples=S * B,

@@ -53,13 +53,13 @@ NO_LOSS_FN = {"admm_sharing"}
 HELPERS = {
     "hessian_vector_product", "meta_gradient", "l2gd_max_step_size", "l2sgd_plus_step_size", "optimal_p",
     "laplacian_penalty", "prox_least_squares", "prox_quadratic", "stochastic_quantize", "personalized_params",
-    "consensus_distance",
+    "consensus_distance", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
 }
 """Public functions of `fo.algorithms` that are not factories."""
 
 WITH_LOCAL_MODELS = {"ditto", "pfedme", "easgd", "fedu", "l2gd", "l2sgd", "l2sgd_plus", "mixture_admm",
                      "admm_consensus", "gadmm", "cq_ggadmm", "gossip", "dpsgd", "gradient_tracking", "p2p_bayes"}
-WITH_PERSONALIZE = {"per_fedavg", "fedavg_finetune"}
+WITH_PERSONALIZE = {"per_fedavg", "fedavg_finetune", "fedem"}
 TABLES = {"scaffold": "client_control_variates", "feddyn": "client_gradients", "ditto": "local_params",
           "pfedme": "local_params", "easgd": "local_params", "fedu": "local_params"}
 """The per-client tables that `storage_dtype` sets, for every factory that takes it."""
@@ -124,8 +124,8 @@ def test_factory_returns_a_federated_algorithm_whose_step_keeps_the_state_shape(
     with pytest.raises(TypeError, match="keeps no per-client models"):
       fo.personalized_params(state)
   if name in WITH_PERSONALIZE:
-    adapted = algorithm.personalize(params, jax.tree.map(lambda a: a[0], batches.data), batches.mask[0])
-    assert jax.tree.structure(adapted) == jax.tree.structure(params)
+    adapted = algorithm.personalize(state.params, jax.tree.map(lambda a: a[0], batches.data), batches.mask[0])
+    assert jax.tree.structure(adapted) == jax.tree.structure(state.params)
 
 
 @pytest.mark.parametrize("name", sorted(TABLES))

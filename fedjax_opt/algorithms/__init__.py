@@ -16,6 +16,10 @@ from fedjax_opt.algorithms.easgd import EASGDState, easgd
 from fedjax_opt.algorithms.fedavg import FedAvgState, fedavg, fedsgd
 from fedjax_opt.algorithms.fedavg_finetune import FineTuningState, fedavg_finetune
 from fedjax_opt.algorithms.feddyn import FedDynState, feddyn
+from fedjax_opt.algorithms.fedem import FedEMState, fedem
+from fedjax_opt.algorithms.fedem import client_params as fedem_client_params
+from fedjax_opt.algorithms.fedem import mixture_model as fedem_mixture_model
+from fedjax_opt.algorithms.fedem import responsibilities as fedem_responsibilities
 from fedjax_opt.algorithms.fednova import fednova
 from fedjax_opt.algorithms.fedprox import fedprox
 from fedjax_opt.algorithms.fedu import FedUState, fedu, laplacian_penalty
@@ -38,6 +42,8 @@ __all__ = [
     "optimal_p", "per_fedavg", "meta_gradient", "hessian_vector_product", "pfedme", "PFedMeState", "ditto",
     "DittoState", "easgd", "EASGDState", "fedu", "FedUState", "laplacian_penalty", "fedavg_finetune",
     "FineTuningState", "personalized_params",
+    # mixtures: M shared component models, per-client mixture weights
+    "fedem", "FedEMState", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
     # ADMM
     "admm_consensus", "ADMMConsensusState", "admm_sharing", "ADMMSharingState", "gadmm", "cq_ggadmm",
     "GADMMState", "stochastic_quantize", "mixture_admm", "MixtureADMMState", "prox_least_squares",

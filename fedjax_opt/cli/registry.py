@@ -113,6 +113,8 @@ class Spec:
       objective of the per-client table, `fo.objectives.mixture`), for the objective gap.
     data_steps: `data_steps(hyper, S) -> S'`, the batches per client and round the algorithm needs when the
       run asks for S local steps (None: S itself).
+    eval_model: None, or `eval_model(model) -> Model` whose loss and accuracy score the algorithm's
+      `state.params` and personalized models (FedEM's mixtures of components).
   """
 
   family: str
@@ -127,6 +129,7 @@ class Spec:
   communication: str = "rounds"
   objective: str | None = None
   data_steps: Callable[[dict, int], int] | None = None
+  eval_model: Callable[[Any], Any] | None = None
 
   def settable(self) -> dict[str, Any]:
     """Every hyper-parameter a user may set, with its default (`inspect.Parameter.empty`: none)."""
@@ -285,6 +288,10 @@ def _build_registry() -> dict[str, Spec]:
                          "switch_round": None, "personalize_steps": 10, "finetune_lr": 0.025,
                          "personalize_lr": CLIENT_LR},
                         _fedavg_finetune_wire, server_lr="server_lr", evaluation="adapt"),
+      "fedem": Spec("personalized", "M shared component models, per-client mixture weights by EM (Marfoq et al. "
+                    "2021)", a.fedem, {"num_components": 3, "client_lr": CLIENT_LR, "server_optimizer": "fedavg",
+                                       "server_lr": 1.0}, _client_server, server_lr="server_lr",
+                    evaluation="adapt", eval_model=a.fedem_mixture_model),
       "l2gd": Spec("personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
                    a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
                    evaluation="table", sampling="full", communication="communicated"),

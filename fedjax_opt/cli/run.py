@@ -415,11 +415,12 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
         f"in flight (asynchronous) or per round (synchronous, waiting for the slowest)")
   for note in _notes(built, config):
     print(note)  # even with --quiet: it says which flags an algorithm does not use
-  metric_fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.init(jax.random.key(0))))
   rows, histories, extras = [], {}, {}
   for name, spec, hyper, algo in built:
     algo_run, init_state, data_seed = _initial_state(algo, model, config)
+    scored = model if spec.eval_model is None else spec.eval_model(model)  # FedEM: its mixtures
+    metric_fns = {"loss": scored.loss_fn, "accuracy": scored.accuracy_fn}
     hooks = {}
     if spec.evaluation == "table":
       import fedjax_opt as fo
@@ -464,7 +465,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
         row.update({k.replace(key, short): v for k, v in _summarize(last, key).items()})
       if diverged is None:
         row["personalized_accuracy_per_client"] = personalized_per_client(
-            spec, algo, state, dataset, {"accuracy": model.accuracy_fn}, config["seeds"])
+            spec, algo, state, dataset, {"accuracy": scored.accuracy_fn}, config["seeds"])
     if spec.objective is not None and diverged is None:
       row.update(objective_gap(spec, hyper, model, state, dataset, config["seeds"]))
     bits = bits_per_round(spec, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
