@@ -58,7 +58,8 @@ HELPERS = {
 """Public functions of `fo.algorithms` that are not factories."""
 
 WITH_LOCAL_MODELS = {"ditto", "pfedme", "easgd", "fedu", "l2gd", "l2sgd", "l2sgd_plus", "mixture_admm",
-                     "admm_consensus", "gadmm", "cq_ggadmm", "gossip", "dpsgd", "gradient_tracking", "p2p_bayes"}
+                     "admm_consensus", "gadmm", "cq_ggadmm", "gossip", "dpsgd", "gradient_tracking", "p2p_bayes",
+                     "d_fedem"}
 WITH_PERSONALIZE = {"per_fedavg", "fedavg_finetune", "fedem"}
 TABLES = {"scaffold": "client_control_variates", "feddyn": "client_gradients", "ditto": "local_params",
           "pfedme": "local_params", "easgd": "local_params", "fedu": "local_params"}
@@ -119,7 +120,7 @@ def test_factory_returns_a_federated_algorithm_whose_step_keeps_the_state_shape(
     table = fo.personalized_params(state)
     assert all(leaf.shape[0] == N for leaf in jax.tree.leaves(table))
     one = fo.personalized_params(state, 1)
-    assert jax.tree.structure(one) == jax.tree.structure(params)
+    assert jax.tree.structure(one) == jax.tree.structure(state.params)  # a client's model is like the global one
   else:
     with pytest.raises(TypeError, match="keeps no per-client models"):
       fo.personalized_params(state)

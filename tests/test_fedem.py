@@ -46,6 +46,20 @@ def np_estep(comps, pi, x, y):
   return q
 
 
+def np_client_step(comps, pi, x, y, real, eta):
+  """FedEM's client step in float64: ([(Δw_m, Δb_m) for each m], new π)."""
+  q = np_estep(comps, pi, x, y)  # [S, B, M]
+  delta = []
+  for j in range(len(comps)):
+    w, bias = comps[j]["w"].copy(), comps[j]["b"].copy()
+    for step in range(x.shape[0]):
+      keep = real[step]
+      gw, gb = np_ce_grad(w, bias, x[step][keep], y[step][keep], q[step][keep][:, j])
+      w, bias = w - eta * gw, bias - eta * gb
+    delta.append((w - comps[j]["w"], bias - comps[j]["b"]))
+  return delta, q[real].mean(0)
+
+
 def _random_problem(rng, m, clients, s, b):
   comps = [{"w": rng.normal(size=(D, K)), "b": rng.normal(size=K) * 0.3} for _ in range(m)]
   x = rng.normal(size=(clients, s, b, D))
@@ -90,20 +104,9 @@ def test_one_round_is_the_numpy_transcription_of_algorithm_1():
 
   deltas, weights, new_table = [], [], table.copy()
   for c in range(clients):
-    pi = table[ids[c]]
-    q = np_estep(comps, pi, x[c], y[c])  # [S, B, M]
-    real = mask[c]
-    new_table[ids[c]] = q[real].mean(0)
-    delta = []
-    for j in range(m):
-      w, bias = comps[j]["w"].copy(), comps[j]["b"].copy()
-      for step in range(s):
-        keep = real[step]
-        gw, gb = np_ce_grad(w, bias, x[c, step][keep], y[c, step][keep], q[step][keep][:, j])
-        w, bias = w - eta * gw, bias - eta * gb
-      delta.append((w - comps[j]["w"], bias - comps[j]["b"]))
+    delta, new_table[ids[c]] = np_client_step(comps, table[ids[c]], x[c], y[c], mask[c], eta)
     deltas.append(delta)
-    weights.append(real.sum())
+    weights.append(mask[c].sum())
   weights = np.asarray(weights, np.float64) / np.sum(weights)
   for j in range(m):
     w = comps[j]["w"] + sum(weights[c] * deltas[c][j][0] for c in range(clients))
@@ -187,9 +190,9 @@ def test_a_planted_mixture_is_recovered_and_beats_fedavg():
   learned = np.asarray(em_state.mixture_weights)[:, 0]
   error = min(np.max(np.abs(learned - planted)), np.max(np.abs(1 - learned - planted)))  # up to relabelling
   assert error < 0.1, (learned, planted)
-  mixture = fo.algorithms.fedem_mixture_model(model._replace(accuracy_fn=fo.models.classification_accuracy(model.apply)))
-  em_acc = np.mean([np.mean(mixture.accuracy_fn(fo.algorithms.fedem_client_params(em_state, t), {"x": xt[t], "y": yt[t]}))
-                    for t in range(clients)])
+  mixture = fo.algorithms.fedem_mixture_model(model)
+  em_acc = np.mean([np.mean(mixture.accuracy_fn(fo.algorithms.fedem_client_params(em_state, t),
+                                                {"x": xt[t], "y": yt[t]})) for t in range(clients)])
   avg_acc = np.mean(fo.models.classification_accuracy(model.apply)(avg_state.params,
                                                                    {"x": xt.reshape(-1, D), "y": yt.reshape(-1)}))
   assert em_acc > avg_acc + 0.15, (em_acc, avg_acc, bayes)
@@ -224,3 +227,88 @@ def test_init_makes_distinct_components_or_takes_given_ones_and_checks_arguments
     fo.algorithms.fedem(ce_loss, num_components=0, num_clients=2, client_optimizer=optax.sgd(0.1))
   with pytest.raises(TypeError, match="client_optimizer"):
     fo.algorithms.fedem(ce_loss, num_components=2, num_clients=2, client_optimizer=0.1)
+
+
+# ---- D-FedEM --------------------------------------------------------------------------------------------------
+
+
+def _node_batches(x, y, mask=None):
+  n = x.shape[0]
+  mask = np.ones(y.shape, bool) if mask is None else mask
+  return fo.ClientBatches(data={"x": jnp.asarray(x, jnp.float32), "y": jnp.asarray(y)}, mask=jnp.asarray(mask),
+                          weight=jnp.asarray(mask.sum((1, 2)), jnp.float32), client_id=jnp.arange(n, dtype=jnp.int32))
+
+
+def test_d_fedem_round_on_a_ring_is_the_numpy_transcription():
+  """Every node: FedEM's client step from its own Θ_t, π_t; then Θ ← W(Θ + Δ), Metropolis–Hastings weights."""
+  rng = np.random.default_rng(5)
+  m, n, s, b, eta = 2, 5, 2, 3, 0.3
+  comps, x, y, _ = _random_problem(rng, m, n, s, b)
+  node_comps = [[{k: v + 0.1 * rng.normal(size=v.shape) for k, v in c.items()} for c in comps] for _ in range(n)]
+  pis = rng.dirichlet(np.ones(m), size=n)
+  w = fo.graphs.metropolis_hastings(fo.graphs.ring(n))
+  algo = fo.algorithms.d_fedem(ce_loss, num_components=m, mixing=w, client_optimizer=optax.sgd(eta))
+  state = algo.init({"components": _stack(comps), "weights": jnp.full((m,), 0.5)}, jax.random.key(0))
+  table = {"components": {k: jnp.asarray(np.stack([[c[k] for c in node] for node in node_comps]), jnp.float32)
+                          for k in ("w", "b")}, "weights": jnp.asarray(pis, jnp.float32)}
+  state = state.replace(local_params=table)
+  new = jax.jit(algo.step)(state, _node_batches(x, y))
+  adapted, new_pis = [], []
+  for t in range(n):
+    delta, pi = np_client_step(node_comps[t], pis[t], x[t], y[t], np.ones((s, b), bool), eta)
+    adapted.append([(node_comps[t][j]["w"] + delta[j][0], node_comps[t][j]["b"] + delta[j][1]) for j in range(m)])
+    new_pis.append(pi)
+  for t in range(n):
+    for j in range(m):
+      expect_w = sum(w[t, u] * adapted[u][j][0] for u in range(n))
+      expect_b = sum(w[t, u] * adapted[u][j][1] for u in range(n))
+      np.testing.assert_allclose(new.local_params["components"]["w"][t, j], expect_w, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(new.local_params["components"]["b"][t, j], expect_b, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(new.local_params["weights"], np.stack(new_pis), rtol=1e-5, atol=1e-6)
+  one = fo.personalized_params(new, 3)
+  np.testing.assert_allclose(one["weights"], new_pis[3], rtol=1e-5)
+  assert float(new.metrics["bytes_sent"]) == 2 * m * (D * K + K) * 4  # two neighbours, M components each
+
+
+def test_d_fedem_on_the_complete_uniform_graph_is_fedem():
+  rng = np.random.default_rng(6)
+  comps, x, y, _ = _random_problem(rng, 2, 4, 2, 5)
+  start = {"components": _stack(comps), "weights": jnp.full((2,), 0.5)}
+  batches = _node_batches(x, y)
+  central = fo.algorithms.fedem(ce_loss, num_components=2, num_clients=4, client_optimizer=optax.sgd(0.2))
+  decentral = fo.algorithms.d_fedem(ce_loss, num_components=2, mixing=np.full((4, 4), 0.25),
+                                    client_optimizer=optax.sgd(0.2))
+  a, b = central.init(start, jax.random.key(0)), decentral.init(start, jax.random.key(0))
+  for _ in range(3):
+    a, b = jax.jit(central.step)(a, batches), jax.jit(decentral.step)(b, batches)
+  for k in ("w", "b"):
+    for t in range(4):
+      np.testing.assert_allclose(b.local_params["components"][k][t], a.params["components"][k], rtol=2e-5, atol=1e-6)
+  np.testing.assert_allclose(b.local_params["weights"], a.mixture_weights, rtol=1e-5, atol=1e-6)
+  assert float(b.metrics["consensus_distance"]) < 1e-10
+
+
+def test_d_fedem_cuts_a_non_finite_node_out_and_keeps_its_rows():
+  rng = np.random.default_rng(7)
+  comps, x, y, _ = _random_problem(rng, 2, 4, 2, 3)
+  x[2, 1, 0, 1] = np.inf
+  algo = fo.algorithms.d_fedem(ce_loss, num_components=2, mixing=fo.graphs.ring(4), client_optimizer=optax.sgd(0.1))
+  state = algo.init({"components": _stack(comps), "weights": jnp.full((2,), 0.5)}, jax.random.key(0))
+  new = jax.jit(algo.step)(state, _node_batches(x, y))
+  assert int(new.metrics["num_nonfinite"]) == 1
+  for k in ("w", "b"):
+    np.testing.assert_array_equal(new.local_params["components"][k][2], state.local_params["components"][k][2])
+  np.testing.assert_array_equal(new.local_params["weights"][2], [0.5, 0.5])
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves((new.params, new.local_params)))
+
+
+def test_d_fedem_recovers_a_planted_mixture_on_a_ring():
+  planted, (x, y), _, _ = _planted_mixture(0)
+  n, s = len(planted), 5
+  batches = _node_batches(x.reshape(n, s, -1, D), y.reshape(n, s, -1))
+  algo = fo.algorithms.d_fedem(ce_loss, num_components=2, mixing=fo.graphs.ring(n), client_optimizer=optax.sgd(0.5))
+  state = algo.init({"w": jnp.zeros((D, K)), "b": jnp.zeros(K)}, jax.random.key(0))
+  state = jax.jit(lambda st: jax.lax.scan(lambda z, _: (algo.step(z, batches), None), st, None, length=150)[0])(state)
+  learned = np.asarray(state.local_params["weights"])[:, 0]
+  error = min(np.max(np.abs(learned - planted)), np.max(np.abs(1 - learned - planted)))
+  assert error < 0.1, (learned, planted)

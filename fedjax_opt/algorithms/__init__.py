@@ -16,7 +16,7 @@ from fedjax_opt.algorithms.easgd import EASGDState, easgd
 from fedjax_opt.algorithms.fedavg import FedAvgState, fedavg, fedsgd
 from fedjax_opt.algorithms.fedavg_finetune import FineTuningState, fedavg_finetune
 from fedjax_opt.algorithms.feddyn import FedDynState, feddyn
-from fedjax_opt.algorithms.fedem import FedEMState, fedem
+from fedjax_opt.algorithms.fedem import DFedEMState, FedEMState, d_fedem, fedem
 from fedjax_opt.algorithms.fedem import client_params as fedem_client_params
 from fedjax_opt.algorithms.fedem import mixture_model as fedem_mixture_model
 from fedjax_opt.algorithms.fedem import responsibilities as fedem_responsibilities
@@ -43,7 +43,7 @@ __all__ = [
     "DittoState", "easgd", "EASGDState", "fedu", "FedUState", "laplacian_penalty", "fedavg_finetune",
     "FineTuningState", "personalized_params",
     # mixtures: M shared component models, per-client mixture weights
-    "fedem", "FedEMState", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
+    "fedem", "FedEMState", "d_fedem", "DFedEMState", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
     # ADMM
     "admm_consensus", "ADMMConsensusState", "admm_sharing", "ADMMSharingState", "gadmm", "cq_ggadmm",
     "GADMMState", "stochastic_quantize", "mixture_admm", "MixtureADMMState", "prox_least_squares",

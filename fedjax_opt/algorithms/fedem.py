@@ -45,10 +45,9 @@ Metrics: `core.server.ROUND_METRICS` plus `component_share` `[M]`, the mean
 of the round's aggregated clients' new π_t (how the round's data splits
 between the components).
 
-What is not here: D-FedEM (the fully decentralized variant, components
-averaged with neighbours through a mixing matrix) is described in the paper
-and not implemented; the paper's optional re-weighting of the server average
-by responsibilities is not used (its Algorithm 1 averages with n_t).
+D-FedEM (`d_fedem`), the paper's fully decentralized variant: no server,
+every node keeps its own components and averages them with its neighbours
+through a mixing matrix after its local EM step (see `d_fedem`).
 """
 
 from __future__ import annotations
@@ -62,15 +61,16 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core.averaging import initial_fields
 from fedjax_opt.core.local import LocalResult, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
-from fedjax_opt.core.server import apply_server_update
+from fedjax_opt.core.server import apply_server_update, client_is_finite
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
-from fedjax_opt.core.validation import (check_client_batches, check_int, check_loss_fn, check_num_clients,
-                                        check_optimizer, check_positive)
+from fedjax_opt.core.validation import (check_client_batches, check_full_participation, check_int, check_key,
+                                        check_loss_fn, check_num_clients, check_optimizer, check_positive)
 
-__all__ = ["FedEMState", "client_params", "fedem", "mixture_model", "responsibilities"]
+__all__ = ["DFedEMState", "FedEMState", "client_params", "d_fedem", "fedem", "mixture_model", "responsibilities"]
 
 _WEIGHT_KEY = "__fedem_q"
 
@@ -155,6 +155,28 @@ def client_params(state: FedEMState, client_id: Any) -> PyTree:
   return {"components": state.params["components"], "weights": state.mixture_weights[client_id]}
 
 
+def _client_em(loss_fn: LossFn, optimizer: optax.GradientTransformation, components: PyTree, data: PyTree,
+               mask: jax.Array, pi: jax.Array) -> tuple[LocalResult, jax.Array]:
+  """One client's E-step, π update and q-weighted local training of every component from θ.
+
+  Returns `(LocalResult, new π)`: the result's delta is stacked `[M, ...]`, its loss the mixture's
+  −log p(y | x) with the old π, its counts those of the (shared) data.
+  """
+  q, new_pi, nll = _em_step(loss_fn, components, pi, data, mask)
+
+  def weighted_loss(params, batch):
+    rest = {k: v for k, v in batch.items() if k != _WEIGHT_KEY}
+    return batch[_WEIGHT_KEY] * loss_fn(params, rest)
+
+  def train(theta, q_m):
+    return local_train(weighted_loss, optimizer, theta, {**data, _WEIGHT_KEY: q_m}, mask)
+
+  results = jax.vmap(train, in_axes=(0, 2))(components, q)  # every component from its θ_m, on q_m
+  first = jax.tree.map(lambda a: a[0], results)  # the counts are the same for every component
+  return LocalResult(delta=results.delta, loss=nll, num_examples=first.num_examples,
+                     num_steps=first.num_steps), new_pi
+
+
 def _perturbed_components(params: PyTree, key: jax.Array, m: int, init_noise: Any) -> PyTree:
   """θ_m = params + init_noise · max(std(leaf), 0.01) · ε_m, ε_m ~ N(0, I): M distinct starting points."""
   leaves, treedef = jax.tree.flatten(params)
@@ -165,6 +187,20 @@ def _perturbed_components(params: PyTree, key: jax.Array, m: int, init_noise: An
     return leaf[None] + scale * jax.random.normal(k, (m,) + jnp.shape(leaf), leaf.dtype)
 
   return jax.tree.unflatten(treedef, [one(leaf, k) for leaf, k in zip(leaves, keys)])
+
+
+def _initial_components(name: str, params: PyTree, key: jax.Array, m: int, init_noise: Any) -> PyTree:
+  """θ `[M, ...]`: given ({"components", "weights"} params) or M perturbed copies of `params` (M = 1: itself).
+
+  The noise comes from `fold_in(key, 1)`: the state keeps `key` itself (the library's state contract).
+  """
+  if isinstance(params, dict) and set(params) == {"components", "weights"}:
+    if jnp.shape(params["weights"]) != (m,):
+      raise ValueError(f"{name}: params['weights'] must have shape [{m}]; got {jnp.shape(params['weights'])}.")
+    return params["components"]
+  if m == 1:
+    return jax.tree.map(lambda a: a[None], params)
+  return _perturbed_components(params, jax.random.fold_in(key, 1), m, init_noise)
 
 
 def fedem(
@@ -212,30 +248,12 @@ def fedem(
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
   mode = client_map_lib.resolve(client_map)
 
-  def weighted_loss(params, batch):
-    rest = {k: v for k, v in batch.items() if k != _WEIGHT_KEY}
-    return batch[_WEIGHT_KEY] * loss_fn(params, rest)
-
   def client_update(components, data, mask, pi):
-    q, new_pi, nll = _em_step(loss_fn, components, pi, data, mask)
-
-    def train(theta, q_m):
-      return local_train(weighted_loss, client_optimizer, theta, {**data, _WEIGHT_KEY: q_m}, mask)
-
-    results = jax.vmap(train, in_axes=(0, 2))(components, q)  # every component from its θ_m, on q_m
-    first = jax.tree.map(lambda a: a[0], results)  # the counts are the same for every component
-    result = LocalResult(delta=results.delta, loss=nll, num_examples=first.num_examples, num_steps=first.num_steps)
+    result, new_pi = _client_em(loss_fn, client_optimizer, components, data, mask, pi)
     return ClientOutput(result, rows=(new_pi,))
 
   def init(params: PyTree, key: jax.Array) -> FedEMState:
-    noise_key = jax.random.fold_in(key, 1)  # the state keeps `key` itself (the library's contract)
-    if isinstance(params, dict) and set(params) == {"components", "weights"}:
-      components = params["components"]
-      if jnp.shape(params["weights"]) != (m,):
-        raise ValueError(f"fedem: params['weights'] must have shape [{m}]; got {jnp.shape(params['weights'])}.")
-    else:
-      components = _perturbed_components(params, noise_key, m, init_noise) if m > 1 else jax.tree.map(
-          lambda a: a[None], params)
+    components = _initial_components("fedem", params, key, m, init_noise)
     table = jnp.full((num_clients, m), 1.0 / m, jnp.float32)
     state_params = {"components": components, "weights": jnp.mean(table, axis=0)}
     fields = initial_fields(components, key, aggregator)
@@ -278,3 +296,118 @@ def fedem(
     return {"components": comps, "weights": pi}
 
   return FederatedAlgorithm(init, step, personalize)
+
+
+@flax.struct.dataclass
+class DFedEMState:
+  """State of D-FedEM.
+
+  Attributes:
+    params: the nodes' average {"components": mean_t Θ_t `[M, ...]`, "weights": mean_t π_t `[M]`}.
+    local_params: every node's own mixture {"components": Θ_t (leaves `[N, M, ...]`), "weights": π_t
+      `[N, M]`}, so `fo.personalized_params(state, t)` is node t's model (read with `mixture_model`).
+    round: rounds applied, int32 (indexes a time-varying mixing sequence).
+    key: PRNG key (nothing is drawn after `init`; kept for the common state contract).
+    metrics: `client_loss`, `consensus_distance` (of the components), `bytes_sent` (per node),
+      `num_nonfinite`, `component_share` `[M]`.
+  """
+
+  params: PyTree
+  local_params: PyTree
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+def d_fedem(
+    loss_fn: LossFn,
+    *,
+    num_components: int,
+    mixing: Any,
+    client_optimizer: optax.GradientTransformation,
+    init_noise: Any = 1.0,
+    client_map: client_map_lib.ClientMap | str | None = None,
+) -> FederatedAlgorithm:
+  """D-FedEM (Marfoq et al. 2021, the fully decentralized variant): FedEM's client step, then gossip.
+
+  Every node t keeps its own components Θ_t = (θ_t1..θ_tM) and weights π_t. Round k, every node at once:
+
+      π_t, Θ_t + Δ_t  ← FedEM's client step on node t's round data (E-step, π update, q-weighted local
+                        training of each θ_tm from Θ_t)
+      Θ_t             ← Σ_s W^(k)_ts (Θ_s + Δ_s)            (adapt, then combine: `gossip` for components)
+
+  with W a mixing matrix over the N nodes (symmetric, doubly stochastic: `fedjax_opt.graphs`), or a
+  sequence `[T, N, N]`, or a `Graph`; π_t never leaves node t. With W = 11ᵀ/N every node holds the same
+  components after each round and the round is FedEM's with uniform weights (equal n_t: FedEM's own).
+  A node whose step is not finite keeps Θ_t and π_t and is cut out of the graph for the round
+  (`core.mixing.exclude`, as in `gossip`), counted in `num_nonfinite`.
+
+  Args:
+    loss_fn: per-example loss −log p_θ(y | x) of one component.
+    num_components: M ≥ 1.
+    mixing: W `[N, N]`, a sequence `[T, N, N]`, or a `fedjax_opt.graphs.Graph` (Metropolis–Hastings).
+    client_optimizer: every component's local solver (S masked steps).
+    init_noise: as in `fedem` (every node starts from the same M components).
+    client_map: how the nodes' steps are mapped (`fedjax_opt.core.client_map`).
+
+  Returns:
+    `FederatedAlgorithm(init, step)` with state `DFedEMState`; `step` takes every node's data
+    (C = N, client_id = arange(N)).
+  """
+  check_loss_fn(loss_fn)
+  m = check_int(num_components, "num_components", 1)
+  check_optimizer(client_optimizer, "client_optimizer")
+  check_positive(init_noise, "init_noise", allow_zero=True)
+  mix = mixing_lib.prepare(mixing)
+  n = mix.num_nodes
+  mode = client_map_lib.resolve(client_map)
+
+  def node_update(_, node):
+    data, mask, comps, pi = node
+    result, new_pi = _client_em(loss_fn, client_optimizer, comps, data, mask, pi)
+    return result.delta, new_pi, result.loss, result.num_examples
+
+  def summary(table):
+    return {"components": jax.tree.map(lambda t: jnp.mean(t, axis=0), table["components"]),
+            "weights": jnp.mean(table["weights"], axis=0)}
+
+  def init(params: PyTree, key: jax.Array) -> DFedEMState:
+    check_key(key)
+    components = _initial_components("d_fedem", params, key, m, init_noise)
+    table = {"components": jax.tree.map(lambda c: jnp.broadcast_to(c, (n,) + c.shape), components),
+             "weights": jnp.full((n, m), 1.0 / m, jnp.float32)}
+    metrics = {"client_loss": jnp.zeros((), jnp.float32), "consensus_distance": jnp.zeros((), jnp.float32),
+               "bytes_sent": jnp.zeros((), jnp.float32), "num_nonfinite": jnp.zeros((), jnp.int32),
+               "component_share": jnp.full((m,), 1.0 / m, jnp.float32)}
+    return DFedEMState(params=summary(table), local_params=table, round=jnp.zeros((), jnp.int32), key=key,
+                       metrics=metrics)
+
+  def step(state: DFedEMState, batches: ClientBatches) -> DFedEMState:
+    if isinstance(batches, ClientBatches) and batches.mask.ndim == 3 and batches.num_clients != n:
+      raise ValueError(f"d_fedem: the mixing matrix has N = {n} nodes, so batches must hold every node's data, "
+                       f"C = N = {n} (row i = node i); got C = {batches.num_clients}.")
+    check_full_participation(batches, n, ordered=True)
+    comps, weights = state.local_params["components"], state.local_params["weights"]
+    delta, new_pi, loss, count = client_map_lib.map_clients(
+        mode, node_update, None, (batches.data, batches.mask, comps, weights))
+    ok = client_is_finite(delta) & client_is_finite(new_pi) & jnp.isfinite(loss)
+    rows = lambda new, old: jax.tree.map(  # noqa: E731
+        lambda a, b: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, b.astype(a.dtype)), new, old)
+    delta = rows(delta, jax.tree.map(jnp.zeros_like, delta))
+    w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, jnp.result_type(*jax.tree.leaves(comps))), ok)
+    new_comps = rows(mixing_lib.mix(w, jax.tree.map(jnp.add, comps, delta)), comps)
+    table = {"components": new_comps, "weights": rows(new_pi, weights)}
+    used = ok & (count > 0)
+    sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * mixing_lib.model_bytes(
+        jax.tree.map(lambda t: t[0], comps))
+    metrics = {
+        "client_loss": (jnp.sum(jnp.where(used, loss, 0)) / jnp.maximum(jnp.sum(used), 1)).astype(jnp.float32),
+        "consensus_distance": mixing_lib.consensus_distance(new_comps),
+        "bytes_sent": jnp.asarray(sent, jnp.float32),
+        "num_nonfinite": jnp.sum(~ok).astype(jnp.int32),
+        "component_share": jnp.mean(table["weights"], axis=0).astype(jnp.float32),
+    }
+    return DFedEMState(params=summary(table), local_params=table, round=state.round + 1, key=state.key,
+                       metrics=metrics)
+
+  return FederatedAlgorithm(init, step)

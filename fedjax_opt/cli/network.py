@@ -1,7 +1,7 @@
 """The command line's decentralized and asynchronous runs: `--topology`, `--async` and `--delay`.
 
 * `--topology NAME` is the graph of the decentralized algorithms (gossip,
-  dpsgd, gradient_tracking): every client is a node, every node trains every
+  dpsgd, gradient_tracking, d_fedem): every client is a node, every node trains every
   round on S batches of B examples, and talks only to its neighbours through
   the graph's Metropolis–Hastings mixing matrix (`fedjax_opt.graphs`). The
   default is `ring` whenever a decentralized algorithm is named.
@@ -73,8 +73,8 @@ def check(config: dict[str, Any], names: list[str], registry: Any) -> None:
     if config["topology"] not in TOPOLOGIES:
       raise NetworkError(f"unknown topology {config['topology']!r}; choose from {', '.join(TOPOLOGIES)}")
     if not decentralized:
-      raise NetworkError("--topology applies to the decentralized algorithms (gossip, dpsgd, gradient_tracking); "
-                         f"none is in --algorithms ({','.join(names)})")
+      raise NetworkError("--topology applies to the decentralized algorithms (gossip, dpsgd, gradient_tracking, "
+                         f"d_fedem); none is in --algorithms ({','.join(names)})")
   elif decentralized:
     config["topology"] = "ring"
   if not isinstance(config["asynchronous"], bool):

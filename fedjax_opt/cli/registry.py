@@ -325,26 +325,33 @@ def _build_registry() -> dict[str, Spec]:
       "gossip": Spec("decentralized", "local SGD, then averaging with the neighbours: x ← W(x + Δ) (decentralized "
                      "FedAvg)", a.gossip, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table",
                      sampling="nodes", communication="bytes"),
-      "dpsgd": Spec("decentralized", "D-PSGD: x_i ← Σ_j W_ij x_j − η ∇f_i(x_i), one step per batch (Lian et al. "
-                    "2017)", a.dpsgd, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table", sampling="nodes",
+      "dpsgd": Spec("decentralized", "D-PSGD: x_i ← Σ_j W_ij x_j − η ∇f_i(x_i), one step per batch "
+                    "(Lian et al. 2017)", a.dpsgd, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table", sampling="nodes",
                     communication="bytes"),
       "gradient_tracking": Spec("decentralized", "DIGing: tracks the average gradient, exact under heterogeneity "
                                 "(Nedić et al. 2017)", a.gradient_tracking, {"eta": CLIENT_LR}, _decentralized_wire,
                                 evaluation="table", sampling="nodes", communication="bytes"),
+      "d_fedem": Spec("decentralized", "FedEM without a server: each node's components averaged with its "
+                      "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
+                      lambda ctx, h: {**_decentralized_wire(ctx, h), "client_optimizer": _sgd(h["client_lr"])},
+                      evaluation="table", sampling="nodes", communication="bytes", eval_model=a.fedem_mixture_model),
       # ---- asynchronous (--async) ------------------------------------------------------------------------------
       "fedbuff": Spec("asynchronous", "buffer K stale deltas, then a server step (Nguyen et al. 2022); K default C/2",
                       a.fedbuff, {"client_lr": CLIENT_LR, "buffer_size": None, "staleness_weight": "polynomial",
                                   "server_optimizer": "fedavg", "server_lr": 1.0, "history_size": None},
                       _fedbuff_wire, server_lr="server_lr", sampling="events"),
       "fedasync": Spec("asynchronous", "mix each arriving model in by a staleness weight (Xie et al. 2019)",
-                       a.fedasync, {"alpha": 0.6, "client_lr": CLIENT_LR, "staleness_weight": "polynomial", "history_size": None},
+                       a.fedasync, {"alpha": 0.6, "client_lr": CLIENT_LR, "staleness_weight": "polynomial",
+                                   "history_size": None},
                        _async_wire, sampling="events"),
       "co_op": Spec("asynchronous", "merge each arriving model by its age, drop the too old (Wang 2017); "
-                    "max_age default 4C", a.co_op, {"alpha": 0.6, "max_age": None, "client_lr": CLIENT_LR, "history_size": None},
+                    "max_age default 4C", a.co_op,
+                    {"alpha": 0.6, "max_age": None, "client_lr": CLIENT_LR, "history_size": None},
                     _co_op_wire, sampling="events"),
       "zeno_plus_plus": Spec("asynchronous", "apply a stale gradient only if it passes a validation test (Xie et "
                              "al. 2020); 64 pooled train examples on the server", a.zeno_plus_plus,
-                             {"gamma": 0.2, "rho": 0.01, "eps": 0.2, "history_size": None}, _zeno_wire, server_lr="gamma",
+                             {"gamma": 0.2, "rho": 0.01, "eps": 0.2, "history_size": None}, _zeno_wire,
+                             server_lr="gamma",
                              sampling="events"),
   }
 

@@ -432,8 +432,9 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
     try:
       state, history = train_lib.train(
           algo_run, init_state, dataset, config["rounds"] * per_round, **sampling(spec, hyper, config, dataset),
-          eval_every=config["eval_every"] * per_round, metric_fns=metric_fns, seed=data_seed, progress=not config["quiet"],
-          label=name if per_round == 1 else f"{name} (server events)", checkpoint_dir=os.path.join(out, "checkpoints", name),
+          eval_every=config["eval_every"] * per_round, metric_fns=metric_fns, seed=data_seed,
+          progress=not config["quiet"], label=name if per_round == 1 else f"{name} (server events)",
+          checkpoint_dir=os.path.join(out, "checkpoints", name),
           checkpoint_every=config["checkpoint_every"], resume=resume, **hooks)
     except KeyboardInterrupt:
       raise report.Interrupted(name) from None
