@@ -52,6 +52,10 @@ EXAMPLES = {
     "d_fedem": lambda **kw: fo.algorithms.d_fedem(loss_fn, num_components=2,
                                                   mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
                                                   client_optimizer=_sgd(), **kw),
+    "fedmd": lambda **kw: fo.algorithms.fedmd(
+        loss_fn, apply_fn=lambda p, x: (x @ p["w"] + p["b"])[:, None], num_clients=N,
+        public_data={"x": jnp.asarray(np.linspace(-1, 1, 4 * D).reshape(4, D), jnp.float32)}, public_per_round=4,
+        digest_steps=2, digest_batch_size=2, client_optimizer=_sgd(), **kw),
     "l2gd": lambda **kw: fo.algorithms.l2gd(loss_fn, 0.1, 0.1, 0.5, num_clients=N, **kw),
     "l2sgd": lambda **kw: fo.algorithms.l2sgd(loss_fn, 0.1, 0.1, 0.5, num_clients=N, **kw),
     "l2sgd_plus": lambda **kw: fo.algorithms.l2sgd_plus(loss_fn, 0.1, 0.1, 0.5, num_clients=N, num_examples=S * B,

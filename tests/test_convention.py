@@ -54,12 +54,13 @@ HELPERS = {
     "hessian_vector_product", "meta_gradient", "l2gd_max_step_size", "l2sgd_plus_step_size", "optimal_p",
     "laplacian_penalty", "prox_least_squares", "prox_quadratic", "stochastic_quantize", "personalized_params",
     "consensus_distance", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
+    "fedmd_client_params",
 }
 """Public functions of `fo.algorithms` that are not factories."""
 
 WITH_LOCAL_MODELS = {"ditto", "pfedme", "easgd", "fedu", "l2gd", "l2sgd", "l2sgd_plus", "mixture_admm",
                      "admm_consensus", "gadmm", "cq_ggadmm", "gossip", "dpsgd", "gradient_tracking", "p2p_bayes",
-                     "d_fedem"}
+                     "d_fedem", "fedmd"}
 WITH_PERSONALIZE = {"per_fedavg", "fedavg_finetune", "fedem"}
 TABLES = {"scaffold": "client_control_variates", "feddyn": "client_gradients", "ditto": "local_params",
           "pfedme": "local_params", "easgd": "local_params", "fedu": "local_params"}

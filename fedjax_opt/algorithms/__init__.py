@@ -20,6 +20,8 @@ from fedjax_opt.algorithms.fedem import DFedEMState, FedEMState, d_fedem, fedem
 from fedjax_opt.algorithms.fedem import client_params as fedem_client_params
 from fedjax_opt.algorithms.fedem import mixture_model as fedem_mixture_model
 from fedjax_opt.algorithms.fedem import responsibilities as fedem_responsibilities
+from fedjax_opt.algorithms.fedmd import FedMDState, fedmd
+from fedjax_opt.algorithms.fedmd import client_params as fedmd_client_params
 from fedjax_opt.algorithms.fednova import fednova
 from fedjax_opt.algorithms.fedprox import fedprox
 from fedjax_opt.algorithms.fedu import FedUState, fedu, laplacian_penalty
@@ -43,6 +45,8 @@ __all__ = [
     "DittoState", "easgd", "EASGDState", "fedu", "FedUState", "laplacian_penalty", "fedavg_finetune",
     "FineTuningState", "personalized_params",
     # mixtures: M shared component models, per-client mixture weights
+    # distillation: clients of different architectures share class scores on public data
+    "fedmd", "FedMDState", "fedmd_client_params",
     "fedem", "FedEMState", "d_fedem", "DFedEMState", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
     # ADMM
     "admm_consensus", "ADMMConsensusState", "admm_sharing", "ADMMSharingState", "gadmm", "cq_ggadmm",
