@@ -7,8 +7,8 @@
     state = jax.jit(algo.step)(state, batches)
 """
 
-from fedjax_opt import (aggregators, algorithms, attacks, core, data, distributed, evaluate, graphs, models,
-                        objectives, privacy, server_optimizers, sweep)
+from fedjax_opt import (aggregators, algorithms, attacks, compression, core, data, distributed, evaluate, graphs,
+                        models, objectives, privacy, server_optimizers, sweep)
 from fedjax_opt.core import ClientBatches, FederatedAlgorithm
 from fedjax_opt.core import client_map
 from fedjax_opt.core.per_client import personalized_params

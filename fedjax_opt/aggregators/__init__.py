@@ -4,3 +4,4 @@ from fedjax_opt.aggregators.base import Aggregator, mean, normalized_sum, resolv
 from fedjax_opt.core.types import StreamingSum
 from fedjax_opt.aggregators.robust import (CenteredClippingState, bulyan, centered_clipping, geometric_median, krum,
                                            marginal_median, mean_around_median, multi_krum, trimmed_mean)
+from fedjax_opt.aggregators.sign import majority_vote

@@ -31,6 +31,7 @@ from __future__ import annotations
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
+from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
 from fedjax_opt.core.local import as_single_step, local_train
@@ -51,6 +52,7 @@ def fedavg(
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
+    compression: compression_lib.Compression | None = None,
 ) -> FederatedAlgorithm:
   """Federated Averaging / FedOpt: S masked local steps per client, then a server optax step on −Δ.
 
@@ -69,6 +71,10 @@ def fedavg(
       for the uniform 1/|S_t| average of Reddi et al.
     client_map: how clients are mapped ("auto", "vmap", "sequential", "chunked:K",
       "sequential:unroll" ... or a mode from `fedjax_opt.core.client_map`).
+    compression: None (every client sends its Δ_k), or
+      `fo.compression.compressed(compressor, error_feedback=..., num_clients=N)`:
+      what a client sends instead (`fedjax_opt.compression`; the error-feedback
+      residuals are `state.residuals`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
@@ -81,7 +87,8 @@ def fedavg(
     return local_train(loss_fn, client_optimizer, params, data, mask)
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map)
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
+                             compression=compression)
 
 
 def fedsgd(
@@ -90,6 +97,7 @@ def fedsgd(
     server_optimizer: optax.GradientTransformation,
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
+    compression: compression_lib.Compression | None = None,
 ) -> FederatedAlgorithm:
   """FedSGD: each client sends the gradient of its mean loss over all its examples in the round.
 
@@ -104,6 +112,10 @@ def fedsgd(
       (e.g. `optax.sgd(η)`).
     aggregator: default `aggregators.weighted_mean()`.
     client_map: how clients are mapped (see `fedavg`).
+    compression: None (every client sends its Δ_k), or
+      `fo.compression.compressed(compressor, error_feedback=..., num_clients=N)`:
+      what a client sends instead (`fedjax_opt.compression`; the error-feedback
+      residuals are `state.residuals`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
@@ -115,4 +127,5 @@ def fedsgd(
     return local_train(loss_fn, one_gradient, params, *as_single_step(data, mask))
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map)
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
+                             compression=compression)

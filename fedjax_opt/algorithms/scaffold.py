@@ -159,7 +159,7 @@ def scaffold(
 
   def step(state: ScaffoldState, batches: ClientBatches) -> ScaffoldState:
     key, out = aggregated_round(mode, client_update, (state.params, state.control_variate), state, batches,
-                                aggregator, tables=(state.client_control_variates,))
+                                aggregator, tables=(state.client_control_variates,), uploads=2)  # Δy_i and Δc_i
     params, server_opt_state = apply_server_update(
         server_optimizer, state.params, state.server_opt_state, out.agg.update, out.agg.accepted)
     stored, = out.stored

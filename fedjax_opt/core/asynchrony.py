@@ -81,7 +81,7 @@ import numpy as np
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.server import client_is_finite
-from fedjax_opt.core.tree import global_norm, select_tree
+from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
 from fedjax_opt.core.types import ClientBatches, DeferredData, PyTree
 from fedjax_opt.core.validation import check_choice, check_int, check_positive, check_scalar, is_concrete
 
@@ -541,6 +541,7 @@ def event_metric_names() -> dict[str, Any]:
   * update_norm: ‖x after − x before‖ over the event;
   * num_clients: updates used (accepted by the rule); round_accepted: at least one was;
   * num_nonfinite: arriving clients dropped for a non-finite update or model;
+  * bits_up / bits_down: the bits of one arrival's update / of the model it pulled (every bit of each);
   * simulated_time: the clock after the event; version: the server version after it;
   * staleness_mean / staleness_max: over the updates used (0 when none);
   * num_arrivals: arrivals handled (A, less the absent rows of `drawn_staleness`);
@@ -646,6 +647,9 @@ def run_event(
       "num_nonfinite": jnp.sum(takes_part & held & ~finite) + jnp.sum(late_nonfinite),
       "num_examples": jnp.sum(n),
       "round_accepted": count > 0,
+      "bits_up": jnp.asarray(tree_bits(jax.tree.map(lambda d: jax.ShapeDtypeStruct(d.shape[1:], d.dtype),
+                                                    results.delta)), jnp.float32),
+      "bits_down": jnp.asarray(tree_bits(params), jnp.float32),
       "simulated_time": new_clock.time,
       "staleness_mean": jnp.sum(used_staleness) / jnp.maximum(count, 1),
       "staleness_max": jnp.max(used_staleness, initial=0),

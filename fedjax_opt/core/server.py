@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_opt.core.tree import global_norm, select_tree
+from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
 from fedjax_opt.core.types import Aggregator
 
 PyTree = Any
@@ -108,6 +108,8 @@ ROUND_METRICS = {
     "num_nonfinite": jnp.int32,
     "num_examples": jnp.float32,
     "round_accepted": jnp.bool_,
+    "bits_up": jnp.float32,
+    "bits_down": jnp.float32,
 }
 """The diagnostics every averaging algorithm reports in `state.metrics` after a round.
 
@@ -117,7 +119,13 @@ ROUND_METRICS = {
 * num_clients: clients aggregated (weight > 0 and a finite update);
 * num_nonfinite: clients dropped because their update held NaN/Inf;
 * num_examples: examples the aggregated clients trained on;
-* round_accepted: False when no finite client took part (model unchanged).
+* round_accepted: False when no finite client took part (model unchanged);
+* bits_up: mean bits sent per client that took part (weight > 0, whether or
+  not its update was then dropped): the compressor's exact count
+  (`fedjax_opt.compression`), or every bit of the update uncompressed (32 P
+  per float32 model-sized message); 0 when no client took part;
+* bits_down: bits each client received (the broadcast: 32 P per float32
+  model-sized message).
 """
 
 
@@ -126,9 +134,19 @@ def initial_round_metrics() -> dict[str, jax.Array]:
   return {name: jnp.zeros((), dtype) for name, dtype in ROUND_METRICS.items()}
 
 
-def round_metrics(loss: jax.Array, num_examples: jax.Array, weights: jax.Array, agg: Aggregated) -> dict[str, jax.Array]:
-  """Builds `ROUND_METRICS` from the clients' `[C]` losses and example counts and the aggregation result."""
+def round_metrics(loss: jax.Array, num_examples: jax.Array, weights: jax.Array, agg: Aggregated, *,
+                  bits_up: jax.Array | None = None, bits_down: jax.Array | None = None) -> dict[str, jax.Array]:
+  """Builds `ROUND_METRICS` from the clients' `[C]` losses, example counts and bits sent (`bits_up`), the bits
+  each received (`bits_down`, a scalar) and the aggregation result.
+
+  `bits_up` / `bits_down` None: one message the size of the aggregate each way (every bit of `agg.update`:
+  32 P for a float32 model), the round of an uncompressed algorithm; 0 without an aggregate.
+  """
   used = (weights > 0) & agg.finite & agg.accepted
+  taking_part = weights > 0
+  message = float(tree_bits(agg.update))
+  bits_up = jnp.full(weights.shape, message, jnp.float32) if bits_up is None else bits_up
+  bits_down = jnp.asarray(message, jnp.float32) if bits_down is None else bits_down
   n = jnp.where(used, num_examples, 0)
   safe_loss = jnp.where(used, loss, 0)
   values = {
@@ -138,5 +156,7 @@ def round_metrics(loss: jax.Array, num_examples: jax.Array, weights: jax.Array, 
       "num_nonfinite": agg.num_nonfinite,
       "num_examples": jnp.sum(n),
       "round_accepted": agg.accepted,
+      "bits_up": jnp.sum(jnp.where(taking_part, bits_up, 0)) / jnp.maximum(jnp.sum(taking_part), 1),
+      "bits_down": jnp.asarray(bits_down),
   }
   return {name: values[name].astype(dtype) for name, dtype in ROUND_METRICS.items()}

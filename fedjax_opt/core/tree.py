@@ -21,3 +21,17 @@ def global_norm(tree: PyTree) -> jax.Array:
   if not leaves:
     return jnp.zeros(())
   return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in leaves))
+
+
+def tree_bits(tree: PyTree) -> int:
+  """Bits to send every entry of `tree` as it is: Σ_leaves size · itemsize · 8 (32 P in float32); static.
+
+  Works on arrays and on `jax.ShapeDtypeStruct`s; 0 for a tree without leaves.
+  """
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    size = 1
+    for d in jnp.shape(leaf):
+      size *= int(d)
+    total += size * jnp.dtype(jnp.result_type(leaf)).itemsize * 8
+  return total

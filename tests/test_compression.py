@@ -1,0 +1,409 @@
+"""Compressed client-to-server updates (`fo.compression`): each claim against an independent reference.
+
+The compressors against closed forms and NumPy (QSGD's unbiasedness and
+Alistarh et al.'s Lemma 3.1 variance bound, rand-k's unbiasedness, top-k
+against argsort, sign's scale, every bit formula counted by hand); error
+feedback's telescoping identity Σ_t sent_t + e_T = Σ_t Δ_t; the integration
+in `core.rounds.client_round` (identity is FedAvg bit for bit, the stacked
+and streamed paths agree, one FedAvg round against a float64 NumPy
+transcription, a NaN client is dropped and its residual row not written);
+signSGD's majority vote against NumPy; bad arguments.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from algorithm_examples import N, example_inputs, loss_fn
+
+import fedjax_opt as fo
+from fedjax_opt.core.local import LocalResult
+from fedjax_opt.core.rounds import ClientOutput, client_round
+
+C = fo.compression
+
+
+def _vector(p, seed=0):
+  return np.random.default_rng(seed).normal(size=p).astype(np.float32)
+
+
+def _draws(compressor, x, m, seed=0):
+  """m independent compressions of x, [m, P] float64."""
+  keys = jax.random.split(jax.random.key(seed), m)
+  out, _ = jax.jit(jax.vmap(compressor.compress, in_axes=(0, None)))(keys, jnp.asarray(x))
+  return np.asarray(out, np.float64)
+
+
+# ----------------------------------------------------------------------------- the compressors
+
+
+@pytest.mark.parametrize("levels", [1, 2, 7])
+def test_qsgd_is_unbiased_with_the_closed_form_variance_within_lemma_3_1(levels):
+  p, m = 64, 20_000
+  x = _vector(p)
+  draws = _draws(C.qsgd(levels), x, m)
+  x64 = x.astype(np.float64)
+  norm = np.linalg.norm(x64)
+  # Each x̂_i / (‖x‖/s) is an integer, ⌊r_i s⌋ or ⌈r_i s⌉, with the sign of x_i.
+  r = np.abs(x64) / norm * levels
+  units = np.abs(draws) / norm * levels
+  np.testing.assert_allclose(units, np.round(units), atol=1e-3)
+  assert np.all((np.round(units) == np.floor(r)) | (np.round(units) == np.ceil(r)))
+  assert np.all((draws == 0) | (np.sign(draws) == np.sign(x64)))
+  # Unbiased: Var x̂_i = (‖x‖/s)² f_i (1 − f_i) ≤ ‖x‖²/(4 s²); the mean of m draws lies within 5 standard errors.
+  frac = r - np.floor(r)
+  coord_var = (norm / levels) ** 2 * frac * (1 - frac)
+  bound = 5 * np.sqrt(np.maximum(coord_var, 1e-12) / m) + 1e-6 * norm
+  assert np.all(np.abs(draws.mean(0) - x64) <= bound)
+  # E‖x̂ − x‖² has the closed form Σ_i Var x̂_i, and it lies within Lemma 3.1's min(P/s², √P/s) ‖x‖².
+  exact = coord_var.sum()
+  empirical = np.mean(np.sum((draws - x64) ** 2, axis=1))
+  assert abs(empirical - exact) <= 0.03 * exact
+  assert exact <= min(p / levels ** 2, math.sqrt(p) / levels) * norm ** 2
+
+
+def test_qsgd_bits_sets_the_levels_and_zero_stays_zero():
+  assert C.qsgd(bits=2).name == "qsgd(s=1)" and C.qsgd(bits=4).name == "qsgd(s=7)"
+  assert C.qsgd(bits=8).name == "qsgd(s=127)"
+  out, _ = C.qsgd(bits=4).compress(jax.random.key(0), jnp.zeros(5))
+  np.testing.assert_array_equal(out, np.zeros(5))
+
+
+def test_rand_k_is_unbiased_and_keeps_k_coordinates_scaled_by_p_over_k():
+  p, k, m = 40, 4, 40_000
+  x = _vector(p, seed=1)
+  draws = _draws(C.rand_k(k=k), x, m)
+  kept = draws != 0
+  assert np.all(kept.sum(1) == k)
+  np.testing.assert_allclose(draws[kept], (np.broadcast_to(x, draws.shape)[kept] * p / k), rtol=1e-6)
+  # Var x̂_i = x_i² (P/k − 1): the mean of m draws within 5 standard errors of x.
+  se = np.abs(x.astype(np.float64)) * np.sqrt((p / k - 1) / m)
+  assert np.all(np.abs(draws.mean(0) - x) <= 5 * se + 1e-7)
+  assert np.allclose(kept.mean(0), k / p, atol=5 * np.sqrt(k / p * (1 - k / p) / m))
+  assert C.rand_k(0.1).compress(jax.random.key(0), jnp.asarray(x))[0].shape == (p,)
+
+
+def test_top_k_keeps_exactly_the_k_largest_magnitudes_of_the_whole_pytree():
+  rng = np.random.default_rng(2)
+  tree = {"a": rng.normal(size=(3, 5)).astype(np.float32), "b": rng.normal(size=7).astype(np.float32)}
+  flat = np.concatenate([tree["a"].reshape(-1), tree["b"]])
+  for k in (1, 4, 22):
+    out, _ = jax.jit(C.top_k(k=k).compress)(jax.random.key(0), jax.tree.map(jnp.asarray, tree))
+    got = np.concatenate([np.asarray(out["a"]).reshape(-1), np.asarray(out["b"])])
+    want = np.zeros_like(flat)
+    keep = np.argsort(-np.abs(flat))[:k]
+    want[keep] = flat[keep]
+    np.testing.assert_array_equal(got, want)
+  out, _ = C.top_k(0.1).compress(jax.random.key(0), jnp.asarray(flat))
+  assert int(np.sum(np.asarray(out) != 0)) == math.ceil(0.1 * flat.size)
+
+
+def test_sign_sends_the_mean_magnitude_times_a_one_bit_sign():
+  x = np.array([1.5, -0.25, 0.0, -3.0, 2.0], np.float32)
+  out, _ = C.sign().compress(jax.random.key(0), jnp.asarray(x))
+  sgn = np.where(x >= 0, 1.0, -1.0)  # a 1-bit code has no zero
+  np.testing.assert_allclose(out, np.abs(x.astype(np.float64)).sum() / x.size * sgn, rtol=1e-6)
+  out, _ = C.sign(scaled=False).compress(jax.random.key(0), jnp.asarray(x))
+  np.testing.assert_array_equal(out, sgn)
+
+
+def _expected_bits(name, p):
+  """Each compressor's charge, counted from its message layout (not from the library's formulas)."""
+  index_bits = math.ceil(math.log2(p)) if p > 1 else 0
+  return {
+      "identity": 32 * p,
+      "qsgd7": 32 + p * (1 + 3),  # the norm, then a sign bit and ⌈log₂ 8⌉ = 3 bits for ξ ∈ {0..7}
+      "qsgd5": 32 + p * (1 + math.ceil(math.log2(6))),
+      "top_k3": 3 * (32 + index_bits),
+      "rand_k3": 32 * 3 + 32,
+      "sign": p + 32,
+      "sign_plain": p,
+  }[name]
+
+
+COMPRESSORS = {"identity": C.identity(), "qsgd7": C.qsgd(bits=4), "qsgd5": C.qsgd(5), "top_k3": C.top_k(k=3),
+               "rand_k3": C.rand_k(k=3), "sign": C.sign(), "sign_plain": C.sign(scaled=False)}
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_each_bit_count_matches_its_message_layout_in_the_compressor_and_the_round_metrics(name):
+  compressor = COMPRESSORS[name]
+  for p in (3, 8, 1000, 7850):
+    x = jnp.asarray(_vector(p))
+    want = _expected_bits(name, p)
+    assert compressor.bits(x) == want
+    assert float(compressor.compress(jax.random.key(0), x)[1]) == want
+  # In a round: FedAvg on the examples' model (P = 4), clients 2 and 3 without weight take no part.
+  params, batches = example_inputs("fedavg")
+  batches = batches.replace(weight=batches.weight.at[2:].set(0.0))
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.01), compression=C.compressed(compressor))
+  state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+  assert float(state.metrics["bits_up"]) == _expected_bits(name, 4)
+  assert float(state.metrics["bits_down"]) == 32 * 4
+
+
+def test_uncompressed_algorithms_report_every_bit_of_each_message():
+  params, batches = example_inputs("fedavg")
+  p = 4
+  for algo, up, down in [
+      (fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.01)), 32 * p, 32 * p),
+      (fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(0.01)), 32 * p, 32 * p),
+      (fo.algorithms.scaffold(loss_fn, 0.01, 1.0, num_clients=N), 2 * 32 * p, 2 * 32 * p),  # (Δy, Δc) and (x, c)
+  ]:
+    state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+    assert (float(state.metrics["bits_up"]), float(state.metrics["bits_down"])) == (up, down)
+  bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  assert fo.compression.tree_bits(bf16) == 16 * p
+
+
+def test_compressors_are_jittable_and_vmappable():
+  xs = jnp.asarray(np.random.default_rng(3).normal(size=(5, 30)).astype(np.float32))
+  keys = jax.random.split(jax.random.key(1), 5)
+  for compressor in COMPRESSORS.values():
+    batched, bits = jax.jit(jax.vmap(compressor.compress))(keys, xs)
+    for i in range(5):
+      one, one_bits = compressor.compress(keys[i], xs[i])
+      np.testing.assert_allclose(batched[i], one, rtol=1e-6, atol=1e-7)
+      assert float(bits[i]) == float(one_bits)
+
+
+# ----------------------------------------------------------------------------- error feedback in the round
+
+
+def _recording_round(compression, deltas, ids, residuals):
+  """One `client_round` whose clients send the given Δ `[C, P]` and whose aggregator records what arrived."""
+
+  def client_update(shared, data, mask):
+    del shared, mask
+    return ClientOutput(LocalResult(delta=data["delta"][0, 0], loss=jnp.float32(0), num_examples=jnp.float32(1),
+                                    num_steps=jnp.int32(1)))
+
+  record = fo.aggregators.Aggregator(lambda p: jnp.zeros((len(ids),) + p.shape, p.dtype),
+                                     lambda u, w, s, k: (jnp.mean(u, 0), u))
+  c = len(ids)
+  batches = fo.ClientBatches(data={"delta": jnp.asarray(deltas)[:, None, None]}, mask=jnp.ones((c, 1, 1), bool),
+                             weight=jnp.ones(c), client_id=jnp.asarray(ids, jnp.int32))
+  out = client_round("vmap", client_update, jnp.zeros(deltas.shape[1]), batches, aggregator=record,
+                     aggregator_state=record.init(jnp.zeros(deltas.shape[1])), key=jax.random.key(len(ids)),
+                     compression=compression, residuals=residuals)
+  return np.asarray(out.agg.state), out.residuals.table
+
+
+def test_error_feedback_telescopes_and_each_step_is_top_k_of_delta_plus_residual():
+  """Σ_t sent_{i,t} + e_{i,T} = Σ_t Δ_{i,t} per client; each sent = top_k(Δ + e) and e' = Δ + e − sent (NumPy)."""
+  n, p, k, rounds = 6, 10, 2, 8
+  comp = C.compressed(C.top_k(k=k), error_feedback=True, num_clients=n)
+  residuals = fo.core.per_client.init(jnp.zeros(p), n)
+  rng = np.random.default_rng(4)
+  sent_total, delta_total = np.zeros((n, p)), np.zeros((n, p))
+  e_ref = np.zeros((n, p))
+  for _ in range(rounds):
+    ids = np.sort(rng.choice(n, size=3, replace=False))
+    deltas = rng.normal(size=(3, p)).astype(np.float32)
+    sent, residuals = _recording_round(comp, deltas, ids, residuals)
+    for row, i in enumerate(ids):
+      v = deltas[row].astype(np.float64) + e_ref[i]
+      want = np.zeros(p)
+      keep = np.argsort(-np.abs(v))[:k]
+      want[keep] = v[keep]
+      np.testing.assert_allclose(sent[row], want, rtol=1e-6, atol=1e-6)
+      e_ref[i] = v - want
+    np.testing.assert_allclose(np.asarray(residuals), e_ref, rtol=1e-5, atol=1e-6)  # others' rows untouched
+    sent_total[ids] += sent
+    delta_total[ids] += deltas
+  np.testing.assert_allclose(sent_total + np.asarray(residuals, np.float64), delta_total, rtol=1e-5, atol=1e-5)
+
+
+def test_the_compression_key_is_the_round_key_folded_with_the_client_id():
+  """rand-k's indices (which the server must regenerate) depend on the client id, not on its position."""
+  p = 20
+  comp = C.compressed(C.rand_k(k=3), error_feedback=True, num_clients=6)
+  delta = np.ones((2, p), np.float32)
+  sent_a, _ = _recording_round(comp, delta, [3, 5], fo.core.per_client.init(jnp.zeros(p), 6))
+  sent_b, _ = _recording_round(comp, delta, [5, 3], fo.core.per_client.init(jnp.zeros(p), 6))
+  np.testing.assert_array_equal(sent_a, sent_b[::-1])
+  assert not np.array_equal(sent_a[0] != 0, sent_a[1] != 0)
+
+
+def _run(compression, mode="vmap", rounds=2, poisoned=None, **kw):
+  params, batches = example_inputs("fedavg", poisoned=poisoned)
+  batches = batches.replace(weight=jnp.asarray([6.0, 2.0, 5.0, 1.0]))
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), compression=compression, client_map=mode,
+                              **kw)
+  state = algo.init(params, jax.random.key(7))
+  step = jax.jit(algo.step)
+  for _ in range(rounds):
+    state = step(state, batches)
+  return state
+
+
+def test_identity_compression_leaves_fedavg_unchanged_bit_for_bit():
+  want = _run(None, rounds=3)
+  for comp in (C.compressed(C.identity()), C.compressed(C.identity(), error_feedback=True, num_clients=N)):
+    got = _run(comp, rounds=3)
+    for a, b in zip(jax.tree.leaves((got.params, got.server_opt_state, got.metrics)),
+                    jax.tree.leaves((want.params, want.server_opt_state, want.metrics))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert got.residuals is None or all(not np.any(np.asarray(t)) for t in jax.tree.leaves(got.residuals))
+  assert want.residuals is None
+
+
+@pytest.mark.parametrize("compressor", [C.qsgd(bits=3), C.rand_k(k=2), C.top_k(k=1), C.sign()],
+                         ids=lambda c: c.name)
+@pytest.mark.parametrize("aggregator", ["weighted_mean", "mean"])
+def test_compression_gives_the_same_state_stacked_and_streamed(compressor, aggregator):
+  """vmap stacks the updates; sequential and chunked:3 (4 clients) stream them: the same state, residuals and bits."""
+  comp = C.compressed(compressor, error_feedback=True, num_clients=N)
+  make = getattr(fo.aggregators, aggregator)
+  want = _run(comp, "vmap", aggregator=make())
+  for mode in ("sequential", "chunked:3"):
+    got = _run(comp, mode, aggregator=make())
+    for a, b in zip(jax.tree.leaves((got.params, got.residuals, got.metrics)),
+                    jax.tree.leaves((want.params, want.residuals, want.metrics))):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6, err_msg=mode)
+
+
+def _numpy_fedavg_round(params, data, weights, lr, compress, residuals):
+  """One FedAvg round in float64: S SGD steps of ½(xᵀw + b − y)² per client, compress Δ + e, weighted mean."""
+  w0, b0 = np.asarray(params["w"], np.float64), float(params["b"])
+  sent, new_res = [], []
+  for c in range(len(weights)):
+    w, b = w0.copy(), b0
+    for s in range(data["x"].shape[1]):
+      x, y = data["x"][c, s].astype(np.float64), data["y"][c, s].astype(np.float64)
+      r = x @ w + b - y
+      w, b = w - lr * x.T @ r / len(y), b - lr * r.mean()
+    v = np.concatenate([np.array([b - b0]), w - w0]) + residuals[c]  # the pytree's leaf order: b, then w
+    out = compress(v)
+    sent.append(out)
+    new_res.append(v - out)
+  mean = np.tensordot(weights / weights.sum(), np.stack(sent), axes=1)
+  return {"b": b0 + mean[0], "w": w0 + mean[1:]}, np.stack(new_res)
+
+
+def _np_top_1(v):
+  out = np.zeros_like(v)
+  i = int(np.argmax(np.abs(v)))
+  out[i] = v[i]
+  return out
+
+
+@pytest.mark.parametrize("compressor,reference", [
+    (C.top_k(k=1), _np_top_1),
+    (C.sign(), lambda v: np.abs(v).mean() * np.where(v >= 0, 1.0, -1.0)),
+], ids=["top_k1", "sign"])
+def test_two_fedavg_rounds_with_error_feedback_match_a_float64_numpy_transcription(compressor, reference):
+  params, batches = example_inputs("fedavg")
+  weights = np.array([6.0, 2.0, 5.0, 1.0])
+  data = {k: np.asarray(v) for k, v in batches.data.items()}
+  comp = C.compressed(compressor, error_feedback=True, num_clients=N)
+  state = _run(comp, rounds=1)
+  want, res = _numpy_fedavg_round(params, data, weights, 0.05, reference, np.zeros((N, 4)))
+  np.testing.assert_allclose(state.params["w"], want["w"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(state.params["b"], want["b"], rtol=1e-5, atol=1e-6)
+  got_res = np.concatenate([np.asarray(state.residuals["b"])[:, None], np.asarray(state.residuals["w"])], axis=1)
+  np.testing.assert_allclose(got_res, res, rtol=1e-5, atol=1e-6)
+  state = _run(comp, rounds=2)
+  want, res = _numpy_fedavg_round(want, data, weights, 0.05, reference, res)
+  np.testing.assert_allclose(state.params["w"], want["w"], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(state.params["b"], want["b"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["vmap", "chunked:3"])
+def test_a_nan_client_is_dropped_and_its_residual_row_is_not_written(mode):
+  comp = C.compressed(C.top_k(k=1), error_feedback=True, num_clients=N)
+  state = _run(comp, mode, rounds=2, poisoned=1)
+  assert int(state.metrics["num_nonfinite"]) == 1 and int(state.metrics["num_clients"]) == N - 1
+  assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves((state.params, state.residuals)))
+  rows = np.concatenate([np.asarray(state.residuals["b"])[:, None], np.asarray(state.residuals["w"])], axis=1)
+  assert not np.any(rows[1])  # never written: still the initial zeros
+  assert np.all(np.abs(rows[[0, 2, 3]]).sum(1) > 0)  # top-1 of 4 entries leaves a residual for the others
+  # A rejected round (every client NaN) writes no row.
+  params, batches = example_inputs("fedavg")
+  nan = batches.replace(data={**batches.data, "x": jnp.full_like(batches.data["x"], jnp.nan)})
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), compression=comp, client_map=mode)
+  s0 = algo.init(params, jax.random.key(0))
+  s1 = jax.jit(algo.step)(s0, nan)
+  assert not bool(s1.metrics["round_accepted"])
+  assert all(not np.any(np.asarray(t)) for t in jax.tree.leaves(s1.residuals))
+
+
+def test_fedsgd_and_fedprox_take_compression():
+  params, batches = example_inputs("fedavg")
+  comp = C.compressed(C.top_k(k=1), error_feedback=True, num_clients=N)
+  for algo in (fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(0.1), compression=comp),
+               fo.algorithms.fedprox(loss_fn, 0.1, client_optimizer=optax.sgd(0.05), compression=comp)):
+    state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+    assert all(np.sum(np.abs(np.asarray(r)), axis=-1).min() > 0 for r in [state.residuals["w"]])  # kept a residual
+    assert float(state.metrics["bits_up"]) == 1 * (32 + 2)  # one float32 value and a ⌈log₂ 4⌉-bit index
+
+
+# ----------------------------------------------------------------------------- majority vote
+
+
+def test_majority_vote_matches_numpy_and_streams():
+  rng = np.random.default_rng(5)
+  updates = rng.normal(size=(5, 9)).astype(np.float32)
+  updates[:, 0] = [1, 1, -1, -1, 0]  # 3 votes + (0 counts as +), 2 votes −
+  weights = np.array([1.0, 4.0, 0.0, 2.0, 1.0])  # client 2 takes no part; the others one vote each
+  agg = fo.aggregators.majority_vote()
+  got, _ = agg.aggregate(jnp.asarray(updates), jnp.asarray(weights), (), jax.random.key(0))
+  votes = np.where(updates >= 0, 1, -1) * (weights > 0)[:, None]
+  np.testing.assert_array_equal(got, np.sign(votes.sum(0)))
+  assert float(got[0]) == 1.0
+  # FedSGD with majority vote: x ← x + η sgn(Σ_k sgn(−g_k)); the server lr scales the vote; loop modes stream.
+  params, batches = example_inputs("fedavg")
+  eta = 0.01
+  finals = []
+  for mode, comp in [("vmap", None), ("chunked:3", None), ("vmap", C.compressed(C.sign(scaled=False)))]:
+    algo = fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(eta), aggregator=agg, client_map=mode,
+                                compression=comp)
+    finals.append(jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches))
+  grads = jax.vmap(lambda d, m: jax.grad(lambda p: jnp.mean(jax.vmap(lambda x, y: loss_fn(p, {"x": x, "y": y}))(
+      d["x"].reshape(-1, 3), d["y"].reshape(-1))))(params))(batches.data, batches.mask)
+  for name in ("w", "b"):
+    g = np.asarray(grads[name], np.float64).reshape(N, -1)
+    want = np.asarray(params[name]).reshape(-1) + eta * np.sign(np.where(-g >= 0, 1, -1).sum(0))
+    for s in finals:
+      np.testing.assert_allclose(np.asarray(s.params[name]).reshape(-1), want, rtol=1e-6)
+  assert float(finals[2].metrics["bits_up"]) == 4 and float(finals[0].metrics["bits_up"]) == 128
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+def test_bad_arguments_raise_clear_errors():
+  with pytest.raises(ValueError, match="exactly one of levels"):
+    C.qsgd()
+  with pytest.raises(ValueError, match="exactly one of levels"):
+    C.qsgd(3, bits=4)
+  with pytest.raises(ValueError, match="bits must be a Python int >= 2"):
+    C.qsgd(bits=1)
+  with pytest.raises(ValueError, match="levels must be a Python int >= 1"):
+    C.qsgd(0)
+  with pytest.raises(TypeError, match="levels must be a Python int"):
+    C.qsgd(2.5)
+  with pytest.raises(ValueError, match="exactly one of k"):
+    C.top_k()
+  with pytest.raises(ValueError, match="fraction must lie in the open interval"):
+    C.top_k(0.0)
+  with pytest.raises(ValueError, match="fraction must lie in the open interval"):
+    C.rand_k(1.5)
+  with pytest.raises(ValueError, match="k must be a Python int >= 1"):
+    C.rand_k(k=0)
+  with pytest.raises(ValueError, match="k=10 is larger than the update's P=4"):
+    C.top_k(k=10).compress(jax.random.key(0), jnp.zeros(4))
+  with pytest.raises(TypeError, match="scaled must be a bool"):
+    C.sign(scaled=1)
+  with pytest.raises(ValueError, match="give num_clients=N"):
+    C.compressed(C.top_k(k=1), error_feedback=True)
+  with pytest.raises(TypeError, match="compressor must be a fedjax_opt.compression.Compressor"):
+    C.compressed("qsgd")
+  with pytest.raises(TypeError, match=r"wrap the compressor, fo.compression.compressed\(qsgd"):
+    fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.1), compression=C.qsgd(bits=4))
+  assert C.rand_k(1.0).bits(jnp.zeros(5)) == 32 * 5 + 32  # fraction 1 is allowed
