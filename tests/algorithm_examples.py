@@ -48,6 +48,9 @@ EXAMPLES = {
     "fedavg_finetune": lambda **kw: fo.algorithms.fedavg_finetune(
         loss_fn, switch_round=1, personalize_steps=1, client_optimizer=_sgd(), finetune_client_optimizer=_sgd(),
         **kw),
+    "ifca": lambda **kw: fo.algorithms.ifca(loss_fn, num_clusters=2, num_clients=N, client_optimizer=_sgd(), **kw),
+    "clustered_fl": lambda **kw: fo.algorithms.clustered_fl(loss_fn, eps_1=10.0, eps_2=0.0, max_clusters=3,
+                                                            num_clients=N, client_optimizer=_sgd(), **kw),
     "fedem": lambda **kw: fo.algorithms.fedem(loss_fn, num_components=2, num_clients=N, client_optimizer=_sgd(), **kw),
     "d_fedem": lambda **kw: fo.algorithms.d_fedem(loss_fn, num_components=2,
                                                   mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),

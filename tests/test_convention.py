@@ -55,12 +55,13 @@ HELPERS = {
     "laplacian_penalty", "prox_least_squares", "prox_quadratic", "stochastic_quantize", "personalized_params",
     "consensus_distance", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
     "fedmd_client_params",
+    "fedma", "pfnm", "bbp_map",  # matched averaging: host-driven, growing widths, not FederatedAlgorithm factories
 }
 """Public functions of `fo.algorithms` that are not factories."""
 
 WITH_LOCAL_MODELS = {"ditto", "pfedme", "easgd", "fedu", "l2gd", "l2sgd", "l2sgd_plus", "mixture_admm",
                      "admm_consensus", "gadmm", "cq_ggadmm", "gossip", "dpsgd", "gradient_tracking", "p2p_bayes",
-                     "d_fedem", "fedmd"}
+                     "d_fedem", "fedmd", "ifca", "clustered_fl"}
 WITH_PERSONALIZE = {"per_fedavg", "fedavg_finetune", "fedem"}
 TABLES = {"scaffold": "client_control_variates", "feddyn": "client_gradients", "ditto": "local_params",
           "pfedme": "local_params", "easgd": "local_params", "fedu": "local_params"}

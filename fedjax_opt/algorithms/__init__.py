@@ -9,6 +9,7 @@ client_map=..., storage_dtype=...)`; tests/test_convention.py checks it.
 from fedjax_opt.algorithms.admm_consensus import ADMMConsensusState, admm_consensus
 from fedjax_opt.algorithms.admm_sharing import ADMMSharingState, admm_sharing
 from fedjax_opt.algorithms.asynchronous import AsyncState, co_op, fedasync, fedbuff, zeno_plus_plus
+from fedjax_opt.algorithms.clustered_fl import ClusteredFLState, clustered_fl
 from fedjax_opt.algorithms.decentralized import (DecentralizedState, consensus_distance, dpsgd, gossip,
                                                  gradient_tracking)
 from fedjax_opt.algorithms.ditto import DittoState, ditto
@@ -26,6 +27,8 @@ from fedjax_opt.algorithms.fednova import fednova
 from fedjax_opt.algorithms.fedprox import fedprox
 from fedjax_opt.algorithms.fedu import FedUState, fedu, laplacian_penalty
 from fedjax_opt.algorithms.gadmm import GADMMState, cq_ggadmm, gadmm, stochastic_quantize
+from fedjax_opt.algorithms.ifca import IFCAState, ifca
+from fedjax_opt.algorithms.matched_averaging import FedMAState, MatchedAveraging, bbp_map, fedma, pfnm
 from fedjax_opt.algorithms.mixture import (L2GDState, L2SGDPlusState, l2gd, l2gd_max_step_size, l2sgd, l2sgd_plus,
                                            l2sgd_plus_step_size, optimal_p)
 from fedjax_opt.algorithms.mixture_admm import MixtureADMMState, mixture_admm
@@ -44,6 +47,8 @@ __all__ = [
     "optimal_p", "per_fedavg", "meta_gradient", "hessian_vector_product", "pfedme", "PFedMeState", "ditto",
     "DittoState", "easgd", "EASGDState", "fedu", "FedUState", "laplacian_penalty", "fedavg_finetune",
     "FineTuningState", "personalized_params",
+    # clustered: K cluster models, each client served by one
+    "ifca", "IFCAState", "clustered_fl", "ClusteredFLState",
     # mixtures: M shared component models, per-client mixture weights
     # distillation: clients of different architectures share class scores on public data
     "fedmd", "FedMDState", "fedmd_client_params",
@@ -56,4 +61,6 @@ __all__ = [
     "gossip", "dpsgd", "gradient_tracking", "DecentralizedState", "consensus_distance", "p2p_bayes", "P2PBayesState",
     # asynchronous aggregation (simulated exactly: fedjax_opt.core.asynchrony)
     "fedbuff", "fedasync", "co_op", "zeno_plus_plus", "AsyncState",
+    # matched averaging (host-driven, growing widths: not FederatedAlgorithms)
+    "fedma", "FedMAState", "MatchedAveraging", "pfnm", "bbp_map",
 ]

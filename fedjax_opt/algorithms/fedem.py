@@ -61,6 +61,7 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import clusters
 from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core.averaging import initial_fields
 from fedjax_opt.core.local import LocalResult, local_train
@@ -177,18 +178,6 @@ def _client_em(loss_fn: LossFn, optimizer: optax.GradientTransformation, compone
                      num_steps=first.num_steps), new_pi
 
 
-def _perturbed_components(params: PyTree, key: jax.Array, m: int, init_noise: Any) -> PyTree:
-  """θ_m = params + init_noise · max(std(leaf), 0.01) · ε_m, ε_m ~ N(0, I): M distinct starting points."""
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
-
-  def one(leaf, k):
-    scale = init_noise * jnp.maximum(jnp.std(leaf), 0.01).astype(leaf.dtype)
-    return leaf[None] + scale * jax.random.normal(k, (m,) + jnp.shape(leaf), leaf.dtype)
-
-  return jax.tree.unflatten(treedef, [one(leaf, k) for leaf, k in zip(leaves, keys)])
-
-
 def _initial_components(name: str, params: PyTree, key: jax.Array, m: int, init_noise: Any) -> PyTree:
   """θ `[M, ...]`: given ({"components", "weights"} params) or M perturbed copies of `params` (M = 1: itself).
 
@@ -200,7 +189,7 @@ def _initial_components(name: str, params: PyTree, key: jax.Array, m: int, init_
     return params["components"]
   if m == 1:
     return jax.tree.map(lambda a: a[None], params)
-  return _perturbed_components(params, jax.random.fold_in(key, 1), m, init_noise)
+  return clusters.perturbed(params, jax.random.fold_in(key, 1), m, init_noise)
 
 
 def fedem(

@@ -103,12 +103,14 @@ class Spec:
       `algorithm.personalize`).
     sampling: "clients" (C sampled clients, S steps of B examples), "full" (every client, its whole train
       split as one batch, every round), "full_fixed" (the same, examples in slot order: per-example tables),
-      "nodes" (every client every round, S steps of B examples: decentralized) or "events" (every client's
+      "nodes" (every client every round, S steps of B examples: decentralized), "all" (the same, for a
+      server-based algorithm that needs every client: CFL's splits) or "events" (every client's
       S steps of B examples every server event, of which the arriving client's are used: asynchronous).
     messages: (model-sized uploads per client taking part, broadcasts) per round, counted when
       `communication` is "rounds"; "bits": the algorithm's `bits` metric; "communicated": (n uploads + 1
       broadcast) in the rounds whose `communicated` metric is set; "bytes": the algorithm's `bytes_sent` per
-      node (decentralized).
+      node (decentralized); "metrics": the round's `bits_up` per client taking part and `bits_down` per client
+      (IFCA broadcasts its K models).
     objective: None, "pooled" (the example-weighted pooled risk of state.params) or "mixture" (the mixture
       objective of the per-client table, `fo.objectives.mixture`), for the objective gap.
     data_steps: `data_steps(hyper, S) -> S'`, the batches per client and round the algorithm needs when the
@@ -292,6 +294,16 @@ def _build_registry() -> dict[str, Spec]:
                     "2021)", a.fedem, {"num_components": 3, "client_lr": CLIENT_LR, "server_optimizer": "fedavg",
                                        "server_lr": 1.0}, _client_server, server_lr="server_lr",
                     evaluation="adapt", eval_model=a.fedem_mixture_model),
+      "ifca": Spec("personalized", "K cluster models, each client trains the one of lowest loss (Ghosh et al. 2020)",
+                   a.ifca, {"num_clusters": 4, "client_lr": CLIENT_LR, "averaging": "model", "server_lr": 1.0},
+                   lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]),
+                                   **({"server_optimizer": _sgd(h["server_lr"])} if h["averaging"] == "gradient"
+                                      else {})},
+                   server_lr="server_lr", evaluation="table", communication="metrics"),
+      "clustered_fl": Spec("personalized", "FedAvg per cluster, split by the cosine similarity of updates at a "
+                           "stationary point (Sattler et al. 2020)", a.clustered_fl,
+                           {"eps_1": 0.4, "eps_2": 1.6, "max_clusters": 8, "client_lr": CLIENT_LR}, _client,
+                           evaluation="table", sampling="all"),
       "l2gd": Spec("personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
                    a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
                    evaluation="table", sampling="full", communication="communicated"),

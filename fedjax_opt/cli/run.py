@@ -93,7 +93,7 @@ def sampling(spec: registry.Spec, hyper: dict[str, Any], config: dict[str, Any],
     if privacy.enabled(config):  # the sampling the accountant is given (fixed: the same as without DP)
       out.update(privacy.train_kwargs(privacy.sampling(config, dataset.num_clients)))
     return out
-  if spec.sampling in ("nodes", "events"):  # every client's S batches of B: every node, or whoever arrives
+  if spec.sampling in ("nodes", "all", "events"):  # every client's S batches of B: every node, or whoever arrives
     return dict(clients_per_round=dataset.num_clients, client_sampling="all", local_steps=config["local_steps"],
                 batch_size=config["batch_size"])
   out = dict(clients_per_round=dataset.num_clients, client_sampling="all", local_epochs=1,
@@ -124,9 +124,12 @@ def bits_per_round(spec: registry.Spec, round_metrics: dict, num_params: int, cl
     values = np.asarray(values, np.float64)
     return values[0] if values.ndim == 2 else values
 
-  rounds = len(member0(next(iter(round_metrics.values()))))
+  scalar = min(round_metrics.values(), key=np.ndim)  # [R], or [K, R] for a sweep (vector metrics have one more)
+  rounds = len(member0(scalar))
   if spec.communication == "bits":
     return member0(round_metrics["bits"])
+  if spec.communication == "metrics":
+    return member0(round_metrics["bits_up"]) * clients + member0(round_metrics["bits_down"])  # one broadcast
   if spec.communication == "bytes":
     return member0(round_metrics["bytes_sent"]) * 8 * num_clients
   if spec.communication == "communicated":
@@ -304,6 +307,8 @@ def _notes(built, config) -> list[str]:
     if spec.sampling == "nodes":
       notes.append(f"{name}: every client is a node of the {config['topology']} graph and trains every round "
                    f"(--clients-per-round does not apply)")
+    elif spec.sampling == "all":
+      notes.append(f"{name}: every client takes part in every round (--clients-per-round does not apply)")
     elif spec.sampling == "events":
       notes.append(f"{name}: {config['clients_per_round']} clients in flight, one server event per arrival; "
                    f"--rounds {config['rounds']} runs {config['rounds'] * config['clients_per_round']} events")

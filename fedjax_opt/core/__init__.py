@@ -1,6 +1,6 @@
 """Shared mechanics: the contracts, client mapping, local training, server-side aggregation."""
 
-from fedjax_opt.core import asynchrony, client_map, per_client, validation
+from fedjax_opt.core import asynchrony, client_map, clusters, per_client, validation
 from fedjax_opt.core.client_map import map_clients
 from fedjax_opt.core.local import LocalResult, as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.server import (Aggregated, aggregate_updates, apply_server_update, check_aggregator,

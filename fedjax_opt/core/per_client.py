@@ -286,6 +286,8 @@ def personalized_params(state: Any, client_id: Any = None) -> PyTree:
   Ditto's v_i, pFedMe's θ_i, EASGD's and FedU's x_i, L2GD / L2SGD / L2SGD+'s
   and mixture ADMM's x_i, consensus ADMM's x_i, GADMM's θ_n: every such state
   stores them as one per-client table named `local_params` (leaves `[N, ...]`).
+  The clustered states (IFCA, CFL: `cluster_params` and `cluster_of`) give
+  each client its cluster's model (`core.clusters.client_models`).
 
   Args:
     state: the algorithm's state.
@@ -300,6 +302,9 @@ def personalized_params(state: Any, client_id: Any = None) -> PyTree:
       fine-tuning make a client's model at evaluation time, from the global
       model and the client's data: `algorithm.personalize(params, data, mask)`.
   """
+  if hasattr(state, "cluster_of") and hasattr(state, "cluster_params"):  # IFCA, CFL: a client's cluster model
+    from fedjax_opt.core.clusters import client_models  # pylint: disable=import-outside-toplevel
+    return client_models(state, client_id)
   table = getattr(state, TABLE_FIELD, None)
   if table is None:
     hint = ""

@@ -1,0 +1,351 @@
+"""PFNM and FedMA (fedjax_opt/algorithms/matched_averaging.py) against independent references.
+
+* Permutation invariance (both papers' argument): J copies of one network whose
+  hidden units were randomly permuted are matched back to that network exactly
+  (up to a permutation, undone here by nearest-neuron search), for an MLP and
+  for the EMNIST CNN's conv channels; the coordinate-wise average of the
+  copies computes another function. One client: its own model comes back.
+* The BBP-MAP assignment of one client equals a brute-force NumPy search: over
+  permutations (squared distance, the flat-prior equal-count case) and over all
+  assignments with new neurons (the log posterior evaluated term by term).
+* Growth: with a flat prior, J = 2 and one global neuron u, a client neuron v
+  opens a new neuron exactly when ‖u − v‖² > 4σ² log(2/γ₀) (closed form).
+* Moving a layer's units and the next layer's inputs (dense, conv → conv,
+  conv → flatten → dense) leaves the network's outputs unchanged (flax apply of
+  the original as reference).
+* End to end (slow): FedMA on digits, Dirichlet(0.5), an MLP, against FedAvg
+  with the same communication.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import fedjax_opt as fo
+from fedjax_opt.algorithms import matched_averaging as ma
+
+MLP_LAYERS = ("hidden_0", "hidden_1", "output")
+CNN_LAYERS = ("conv_0", "conv_1", "dense", "output")
+
+
+def _random_params(shapes, seed):
+  """Parameters of the given kernel shapes drawn in NumPy (no flax init to compile), biases nonzero."""
+  rng = np.random.default_rng(seed)
+  return {name: {"kernel": (rng.normal(size=shape) / math.sqrt(math.prod(shape[:-1]))).astype(np.float32),
+                 "bias": (0.1 * rng.normal(size=shape[-1])).astype(np.float32)} for name, shape in shapes.items()}
+
+
+def _mlp(input_dim=6, hidden=(5, 4), classes=3, seed=0):
+  """`fo.models.MLP` (the flax module: the reference apply) and random params of its shapes."""
+  model = fo.models.from_flax(fo.models.MLP(input_dim, hidden, classes), (input_dim,))
+  dims = (input_dim, *hidden, classes)
+  names = [f"hidden_{i}" for i in range(len(hidden))] + ["output"]
+  return model, _random_params({n: (dims[i], dims[i + 1]) for i, n in enumerate(names)}, seed)
+
+
+def _cnn(seed=0):
+  """`fo.models.emnist_cnn` on 8×8 images, 4 classes, and random params of its shapes."""
+  model = fo.models.emnist_cnn(4, image_shape=(8, 8))
+  return model, _random_params({"conv_0": (3, 3, 1, 32), "conv_1": (3, 3, 32, 64), "dense": (256, 128),
+                                "output": (128, 4)}, seed)
+
+
+def _permuted(params, layers, rng):
+  """The same network with every hidden layer's units in a random order."""
+  for n, name in enumerate(layers[:-1]):
+    width = np.shape(params[name]["bias"])[0]
+    params = ma.apply_assignment(params, layers, n, rng.permutation(width), width)
+  return params
+
+
+def _unpermute(candidate, reference, layers):
+  """`candidate` with each hidden layer's units moved to the position of the nearest unit of `reference`."""
+  for n, name in enumerate(layers[:-1]):
+    got, want = ma._as_neurons(candidate[name]), ma._as_neurons(reference[name])  # pylint: disable=protected-access
+    order = np.argmin(((got[:, None] - want[None]) ** 2).sum(-1), axis=1)
+    assert sorted(order) == list(range(len(want))), "matched units are not a permutation of the reference's"
+    candidate = ma.apply_assignment(jax.tree.map(np.asarray, candidate), layers, n, order, len(want))
+  return candidate
+
+
+def _assert_same_params(a, b, atol=1e-6):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0)
+
+
+# ---- permutation invariance ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, layers, x_shape", [(_mlp, MLP_LAYERS, (7, 6)), (_cnn, CNN_LAYERS, (5, 8, 8, 1))])
+def test_permuted_copies_are_matched_back_to_the_network_and_coordinate_averaging_is_not(make, layers, x_shape):
+  model, params = make()
+  rng = np.random.default_rng(1)
+  copies = [_permuted(params, layers, rng) for _ in range(4)]
+  x = rng.normal(size=x_shape).astype(np.float32)
+  reference = np.asarray(model.apply(params, x))
+  for c in copies:  # the copies compute the reference function (the invariance itself)
+    np.testing.assert_allclose(model.apply(c, x), reference, atol=1e-5)
+  matched = fo.algorithms.pfnm(copies, layers=layers)
+  _assert_same_params(_unpermute(matched, params, layers), params)
+  apply = ma.mlp_apply if layers == MLP_LAYERS else ma.emnist_cnn_apply
+  np.testing.assert_allclose(apply(matched, x), reference, atol=1e-5)
+  averaged = jax.tree.map(lambda *a: np.mean(a, axis=0), *copies)
+  assert np.abs(np.asarray(model.apply(averaged, x)) - reference).max() > 1e-2
+
+
+def test_fedma_match_without_training_returns_permuted_copies_as_one_network():
+  model, params = _mlp()
+  rng = np.random.default_rng(2)
+  copies = [_permuted(params, MLP_LAYERS, rng) for _ in range(3)]
+  batches = _batches(rng, num_clients=3, input_dim=6, classes=3)
+  fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
+                              client_optimizer=optax.sgd(0.0), client_map="vmap")
+  matched, info = fedma.match(jax.tree.map(lambda *a: np.stack(a), *copies), batches)
+  assert info["widths"] == [5, 4] and info["num_clients"] == 3
+  _assert_same_params(_unpermute(matched, params, MLP_LAYERS), params)
+
+
+def test_a_single_client_gets_its_own_model_back():
+  _, params = _mlp()
+  _assert_same_params(fo.algorithms.pfnm([params], layers=MLP_LAYERS), params, atol=0)
+  _, cnn = _cnn()
+  _assert_same_params(fo.algorithms.pfnm([cnn], layers=CNN_LAYERS), cnn, atol=0)
+  fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
+                              client_optimizer=optax.sgd(0.0), client_map="vmap")
+  batches = _batches(np.random.default_rng(0), num_clients=1, input_dim=6, classes=3)
+  matched, _ = fedma.match(jax.tree.map(lambda a: a[None], params), batches)
+  _assert_same_params(matched, params, atol=0)
+
+
+# ---- one layer's matching against brute force --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_assignment_with_equal_counts_and_a_flat_prior_is_the_nearest_permutation(seed):
+  """σ₀ = ∞, every m_i = m: G_il = −m‖ū_i − v_l‖²/((m+1)σ²) + const(l), so BBP-MAP minimizes Σ‖ū_π(l) − v_l‖²."""
+  rng = np.random.default_rng(seed)
+  m, width, dim = 2, 5, 4
+  means = rng.normal(size=(width, dim))
+  neurons = rng.normal(size=(width, dim))
+  got = ma.match_client(m * means, np.full(width, m), neurons, num_clients=4, sigma=0.7, sigma0=math.inf,
+                        gamma=1e-6)
+  best = min(itertools.permutations(range(width)),
+             key=lambda p: sum(np.sum((means[p[l]] - neurons[l]) ** 2) for l in range(width)))
+  np.testing.assert_array_equal(got, best)
+
+
+def _log_posterior_x2(atoms, num_clients, sigma, sigma0, gamma, mu0, new_count):
+  """2 × the log posterior (at the MAP θ, up to constants) of one client's assignment, term by term.
+
+  `atoms`: per global neuron, the list of its matched vectors (the client's included) and m_i^{−j} (−1: new).
+  """
+  total = 0.0
+  for vectors, m_other in atoms:
+    vectors = np.asarray(vectors)
+    precision = 1 / sigma0**2 + len(vectors) / sigma**2
+    theta = (mu0 / sigma0**2 + vectors.sum(0) / sigma**2) / precision
+    total += 2 * (-np.sum((theta - mu0) ** 2) / (2 * sigma0**2) - np.sum((vectors - theta) ** 2) / (2 * sigma**2))
+    if m_other > 0 and len(vectors) > m_other:  # the client uses an existing neuron
+      total += 2 * np.log(m_other / (num_clients - m_other))
+  # new neurons: Poisson(γ₀/J) many, in any order: (γ₀/J)^k / k!
+  total += 2 * (new_count * np.log(gamma / num_clients) - math.lgamma(new_count + 1))
+  return total
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_assignment_with_growth_maximizes_the_log_posterior_by_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  num_clients, sigma, sigma0, gamma, mu0 = 5, 0.6, 1.5, 1.0, 0.1
+  counts = np.array([1, 2, 3])
+  atoms = [rng.normal(size=(m, 3)) for m in counts]
+  # client neurons: one near atom 1, one near atom 0, one far from all
+  neurons = np.stack([atoms[1].mean(0) + 0.1 * rng.normal(size=3), atoms[0][0] + 0.2 * rng.normal(size=3),
+                      4.0 * rng.normal(size=3) + 3.0])
+  got = ma.match_client(np.stack([a.sum(0) for a in atoms]), counts, neurons, num_clients=num_clients, sigma=sigma,
+                        sigma0=sigma0, gamma=gamma, mu0=mu0)
+  best, best_value = None, -np.inf
+  choices = list(range(len(atoms))) + ["new"]
+  for choice in itertools.product(choices, repeat=len(neurons)):
+    used = [c for c in choice if c != "new"]
+    if len(used) != len(set(used)):
+      continue
+    groups = [(list(a) + [neurons[l] for l, c in enumerate(choice) if c == i], m) for i, (a, m) in
+              enumerate(zip(atoms, counts))]
+    groups += [([neurons[l]], -1) for l, c in enumerate(choice) if c == "new"]
+    value = _log_posterior_x2(groups, num_clients, sigma, sigma0, gamma, mu0, choice.count("new"))
+    if value > best_value:
+      best, best_value = choice, value
+  as_choice = tuple(int(i) if i < len(atoms) else "new" for i in got)
+  assert as_choice == best, (as_choice, best)
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0])
+def test_a_new_neuron_opens_exactly_beyond_the_closed_form_distance(gamma):
+  """σ₀ = ∞, J = 2, one global neuron u (m = 1): new iff ‖u − v‖² > 4σ² log(2/γ₀)."""
+  sigma, rng = 0.3, np.random.default_rng(0)
+  u = rng.normal(size=6)
+  direction = rng.normal(size=6)
+  direction /= np.linalg.norm(direction)
+  threshold = math.sqrt(4 * sigma**2 * math.log(2 / gamma))
+  for scale, opens in ((0.99, False), (1.01, True)):
+    v = u + scale * threshold * direction
+    got = ma.match_client(u[None], np.ones(1), v[None], num_clients=2, sigma=sigma, sigma0=math.inf, gamma=gamma)
+    assert (got[0] == 1) == opens
+    matching = fo.algorithms.bbp_map([u[None], v[None]], sigma=sigma, sigma0=math.inf, gamma=gamma, iterations=2)
+    assert matching.width == (2 if opens else 1)
+
+
+def test_the_global_layer_grows_for_a_client_unit_far_from_every_global_unit():
+  _, params = _mlp()
+  other = jax.tree.map(np.copy, params)
+  other["hidden_0"]["kernel"][:, 2] = 50.0  # unit 2 of the second client is far from every unit
+  matched = fo.algorithms.pfnm([params, other], layers=MLP_LAYERS, sigma=0.5)
+  assert matched["hidden_0"]["kernel"].shape == (6, 6) and matched["hidden_1"]["kernel"].shape == (6, 4)
+  # the new unit holds the far unit alone; its outgoing row is the second client's (the first has none)
+  new = int(np.argmax(np.asarray(matched["hidden_0"]["kernel"])[0]))
+  np.testing.assert_allclose(matched["hidden_0"]["kernel"][:, new], other["hidden_0"]["kernel"][:, 2], atol=1e-6)
+  np.testing.assert_allclose(matched["hidden_1"]["kernel"][new], other["hidden_1"]["kernel"][2], atol=1e-6)
+
+
+# ---- moving units keeps the network's function ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make, layers, x_shape", [(_mlp, MLP_LAYERS, (7, 6)), (_cnn, CNN_LAYERS, (5, 8, 8, 1))])
+def test_moving_units_into_a_wider_layer_and_the_next_inputs_keeps_the_outputs(make, layers, x_shape):
+  model, params = make()
+  rng = np.random.default_rng(3)
+  x = rng.normal(size=x_shape).astype(np.float32)
+  apply = ma.mlp_apply if layers == MLP_LAYERS else ma.emnist_cnn_apply
+  np.testing.assert_allclose(apply(params, x), model.apply(params, x), atol=1e-5)  # the width-agnostic apply
+  moved = params
+  for n, name in enumerate(layers[:-1]):  # conv -> conv, conv -> flatten -> dense, dense -> dense
+    width = np.shape(params[name]["bias"])[0]
+    assignment = rng.permutation(width + 3)[:width]
+    moved = ma.apply_assignment(moved, layers, n, assignment, width + 3)
+    assert np.shape(moved[name]["bias"]) == (width + 3,)
+  np.testing.assert_allclose(apply(moved, x), model.apply(params, x), atol=1e-5)
+
+
+# ---- FedMA rounds ------------------------------------------------------------------------------------------------
+
+
+def _batches(rng, num_clients, input_dim, classes, steps=3, batch=4):
+  x = rng.normal(size=(num_clients, steps, batch, input_dim)).astype(np.float32)
+  y = rng.integers(0, classes, size=(num_clients, steps, batch)).astype(np.int32)
+  return fo.ClientBatches(data={"x": jnp.asarray(x), "y": jnp.asarray(y)},
+                          mask=jnp.ones((num_clients, steps, batch), bool),
+                          weight=jnp.full((num_clients,), float(steps * batch)),
+                          client_id=jnp.arange(num_clients, dtype=jnp.int32))
+
+
+def test_fedma_round_reports_its_communication_and_leaves_out_a_poisoned_client():
+  _, params = _mlp()
+  rng = np.random.default_rng(4)
+  batches = _batches(rng, num_clients=3, input_dim=6, classes=3)
+  x = np.array(batches.data["x"])
+  x[1, 0, 0, 0] = np.nan
+  batches = batches.replace(data={"x": jnp.asarray(x), "y": batches.data["y"]})
+  fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
+                              client_optimizer=optax.sgd(0.1), client_map="vmap")
+  state = fedma.init(params, jax.random.key(0))
+  state = fedma.run(state, batches)
+  assert int(state.round) == 1
+  assert float(state.metrics["num_nonfinite"]) == 1 and float(state.metrics["num_clients"]) == 2
+  assert float(state.metrics["communication_rounds"]) == 3
+  widths = [int(w) for w in state.metrics["widths"]]
+  assert widths == [np.shape(state.params[n]["bias"])[0] for n in MLP_LAYERS[:-1]]
+  # each of the 2 clients uploads each layer once, its inputs in the global widths of the layer below
+  expected = 2 * ((6 + 1) * 5 + (widths[0] + 1) * 4 + (widths[1] + 1) * 3)
+  assert float(state.metrics["uploaded_floats"]) == expected
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))
+
+
+def test_invalid_inputs_raise_clear_errors():
+  _, params = _mlp()
+  with pytest.raises(ValueError, match="exactly the layers"):
+    fo.algorithms.pfnm([params], layers=("hidden_0", "output"))
+  with pytest.raises(ValueError, match="gamma"):
+    fo.algorithms.pfnm([params], layers=MLP_LAYERS, gamma=0.0)
+  with pytest.raises(ValueError, match="counts"):
+    ma.match_client(np.zeros((2, 3)), np.array([1, 4]), np.zeros((2, 3)), num_clients=4)
+
+
+# ---- end to end --------------------------------------------------------------------------------------------------
+
+
+def fedma_against_fedavg(fedma_rounds=3, num_clients=10, local_steps=50, batch_size=20, hidden=(32, 32), eta_l=0.5, seed=0):
+  """FedMA vs FedAvg on digits, Dirichlet(0.5), all clients per round; returns test accuracies and uploads."""
+  ds = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=num_clients, seed=seed)
+  model, params = _mlp(64, hidden, 10, seed)
+  loss_fn = fo.models.classification_loss(ma.mlp_apply)
+  metric = {"accuracy": fo.models.classification_accuracy(ma.mlp_apply)}
+  key = jax.random.key(seed)
+
+  def sample(r):
+    return fo.data.sample_round(jax.random.fold_in(key, r), ds, num_clients, local_steps, batch_size,
+                                client_sampling="all")
+
+  def accuracy(p):
+    return float(fo.evaluate.global_model(p, ds, metric)["accuracy"])
+
+  fedma = fo.algorithms.fedma(loss_fn, layers=MLP_LAYERS, client_optimizer=optax.sgd(eta_l))
+  state = fedma.init(params, key)
+  fedma_uploaded = 0.0
+  for r in range(fedma_rounds):
+    state = fedma.run(state, sample(r))
+    fedma_uploaded += float(state.metrics["uploaded_floats"])
+  fedavg = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(eta_l))
+  step = jax.jit(fedavg.step)
+  avg_state = fedavg.init(params, key)
+  per_round = num_clients * fo.models.count_params(params)
+  results = {"fedma": accuracy(state.params), "fedma_uploaded": fedma_uploaded,
+             "fedma_widths": [int(w) for w in state.metrics["widths"]],
+             "communication_rounds": fedma_rounds * len(MLP_LAYERS)}
+  for r in range(fedma_rounds * len(MLP_LAYERS)):
+    avg_state = step(avg_state, sample(r))
+    if r + 1 == fedma_rounds:
+      results["fedavg_same_upload"] = accuracy(avg_state.params)
+  results["fedavg_same_rounds"] = accuracy(avg_state.params)
+  results["fedavg_uploaded_same_rounds"] = per_round * fedma_rounds * len(MLP_LAYERS)
+  return results
+
+
+@pytest.mark.slow
+def test_one_matching_of_local_models_beats_one_more_fedavg_round_from_a_fedavg_model():
+  """From a model FedAvg trained for 3 rounds, the clients train locally once more; matched averaging of those
+  local models (one `fedma.match`) is more accurate than FedAvg's average of the same local models.
+
+  The full FedMA loop from scratch does not reach FedAvg with the default prior (docs/algorithms.md:
+  `fedma_against_fedavg()` measured 0.26 against 0.42 at the same upload); this is the part that works.
+  """
+  num_clients, local_steps, batch_size, eta_l = 10, 50, 20, 0.5
+  ds = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=num_clients, seed=0)
+  _, params = _mlp(64, (32, 32), 10, 0)
+  loss_fn = fo.models.classification_loss(ma.mlp_apply)
+  metric = {"accuracy": fo.models.classification_accuracy(ma.mlp_apply)}
+  key = jax.random.key(0)
+  fedavg = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(eta_l))
+  step = jax.jit(fedavg.step)
+  state = fedavg.init(params, key)
+  sample = lambda r: fo.data.sample_round(jax.random.fold_in(key, r), ds, num_clients, local_steps,  # noqa: E731
+                                          batch_size, client_sampling="all")
+  for r in range(3):
+    state = step(state, sample(r))
+  batches = sample(3)
+  local = jax.vmap(lambda d, m: jax.tree.map(
+      jnp.add, state.params, fo.core.local_train(loss_fn, optax.sgd(eta_l), state.params, d, m).delta))(
+          fo.core.materialize(batches.data), batches.mask)
+  fedma = fo.algorithms.fedma(loss_fn, layers=MLP_LAYERS, client_optimizer=optax.sgd(eta_l))
+  matched, info = fedma.match(local, batches)
+  averaged = step(state, batches).params
+  accuracy = lambda p: float(fo.evaluate.global_model(p, ds, metric)["accuracy"])  # noqa: E731
+  assert info["num_clients"] == num_clients
+  assert accuracy(matched) > accuracy(averaged) + 0.05, (accuracy(matched), accuracy(averaged))
