@@ -94,6 +94,7 @@ from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import cycle_steps, local_train, masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.tree import select_rows
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_full_participation, check_key, check_loss_fn, check_optional_int,
                                         check_positive, check_scalar)
@@ -136,11 +137,6 @@ class DecentralizedState:
 def consensus_distance(table: PyTree) -> jax.Array:
   """(1/N) Σ_i ‖x_i − x̄‖² of a per-node table (leaves `[N, ...]`), a scalar."""
   return mixing_lib.consensus_distance(table)
-
-
-def _rows_where(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-  """Row i of `new` where ok_i, else row i of `old` (bit for bit), leaf-wise."""
-  return jax.tree.map(lambda a, b: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, b.astype(a.dtype)), new, old)
 
 
 def _metrics(loss: jax.Array, count: jax.Array, ok: jax.Array, table: PyTree, sent: jax.Array) -> dict[str, jax.Array]:
@@ -208,13 +204,13 @@ def _local_sgd(name: str, loss_fn: LossFn, eta: Any, mixing: Any, local_steps: i
     dtype = jnp.result_type(*jax.tree.leaves(x))
     delta, loss, count = client_map_lib.map_clients(mode, node_update, None, (batches.data, batches.mask, x))
     ok = client_is_finite(delta) & jnp.isfinite(loss)
-    delta = _rows_where(ok, delta, jax.tree.map(jnp.zeros_like, delta))  # a NaN times a zero weight is still NaN
+    delta = select_rows(ok, delta, jax.tree.map(jnp.zeros_like, delta))  # a NaN times a zero weight is still NaN
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
     if adapt_then_combine:
       new = mixing_lib.mix(w, jax.tree.map(jnp.add, x, delta))
     else:
       new = jax.tree.map(jnp.add, mixing_lib.mix(w, x), delta)
-    table = _rows_where(ok, new, x)
+    table = select_rows(ok, new, x)
     sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * mixing_lib.model_bytes(state.params)
     return state.replace(params=_average(table, state.params), local_params=table, round=state.round + 1,
                          metrics=_metrics(loss, count, ok, table, sent))
@@ -355,14 +351,14 @@ def gradient_tracking(
     dtype = jnp.result_type(*jax.tree.leaves(x))
     g, loss, count = client_map_lib.map_clients(mode, node_gradient, None, (batches.data, batches.mask, x))
     ok = client_is_finite(g) & jnp.isfinite(loss)
-    g = _rows_where(ok & (count > 0), g, g_old)  # no data, or not finite: the last gradient (no change to y)
+    g = select_rows(ok & (count > 0), g, g_old)  # no data, or not finite: the last gradient (no change to y)
     w_x = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
     w_y = mixing_lib.exclude(mixing_lib.at_round(mix, state.round - 1, dtype), ok)
     y_new = jax.tree.map(lambda a, b, c: a + b - c, mixing_lib.mix(w_y, y), g, g_old)
     step_size = jnp.asarray(eta, dtype)
     x_new = jax.tree.map(lambda a, b: a - step_size.astype(a.dtype) * b, mixing_lib.mix(w_x, x), y_new)
-    table = _rows_where(ok, x_new, x)
-    tracker = _rows_where(ok, y_new, y)
+    table = select_rows(ok, x_new, x)
+    tracker = select_rows(ok, y_new, y)
     messages = mixing_lib.messages_sent(w_x) + mixing_lib.messages_sent(w_y)
     sent = jnp.mean(messages.astype(jnp.float32)) * mixing_lib.model_bytes(state.params)
     return state.replace(params=_average(table, state.params), local_params=table, tracker=tracker, gradients=g,

@@ -67,6 +67,7 @@ from fedjax_opt.core.averaging import initial_fields
 from fedjax_opt.core.local import LocalResult, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
 from fedjax_opt.core.server import apply_server_update, client_is_finite
+from fedjax_opt.core.tree import select_rows
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_client_batches, check_full_participation, check_int, check_key,
                                         check_loss_fn, check_num_clients, check_optimizer, check_positive)
@@ -380,8 +381,7 @@ def d_fedem(
     delta, new_pi, loss, count = client_map_lib.map_clients(
         mode, node_update, None, (batches.data, batches.mask, comps, weights))
     ok = client_is_finite(delta) & client_is_finite(new_pi) & jnp.isfinite(loss)
-    rows = lambda new, old: jax.tree.map(  # noqa: E731
-        lambda a, b: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, b.astype(a.dtype)), new, old)
+    rows = lambda new, old: select_rows(ok, new, old)  # noqa: E731
     delta = rows(delta, jax.tree.map(jnp.zeros_like, delta))
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, jnp.result_type(*jax.tree.leaves(comps))), ok)
     new_comps = rows(mixing_lib.mix(w, jax.tree.map(jnp.add, comps, delta)), comps)

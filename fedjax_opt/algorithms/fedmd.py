@@ -60,6 +60,7 @@ import optax
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.local import cycle_steps, local_train
 from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.tree import select_rows
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, PyTree
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key,
                                         check_optimizer, check_positive)
@@ -265,8 +266,7 @@ def fedmd(
       new, loss, _, digest_value = client_map_lib.map_clients(
           mode, client_step(a), (x_pub, consensus), (data, mask, tables[a]))
       ok = finite[a] & client_is_finite(new) & jnp.isfinite(loss) & jnp.isfinite(digest_value)
-      keep = lambda fresh, old, ok=ok: jnp.where(ok.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh, old)  # noqa: E731
-      new_tables.append(jax.tree.map(keep, new, tables[a]))
+      new_tables.append(select_rows(ok, new, tables[a]))
       loss_sum = loss_sum + jnp.sum(jnp.where(ok, loss, 0.0))
       digest_sum = digest_sum + jnp.sum(jnp.where(ok, digest_value, 0.0))
       ok_count = ok_count + jnp.sum(ok)

@@ -15,6 +15,11 @@ def select_tree(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
   return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def select_rows(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+  """Row i of `new` where `ok[i]`, else row i of `old` (bit for bit, cast to `new`'s dtype), for leaves `[N, ...]`."""
+  return jax.tree.map(lambda a, b: jnp.where(ok.reshape((-1,) + (1,) * (a.ndim - 1)), a, b.astype(a.dtype)), new, old)
+
+
 def global_norm(tree: PyTree) -> jax.Array:
   """‖tree‖₂ over all leaves."""
   leaves = jax.tree.leaves(tree)
