@@ -24,9 +24,8 @@ def test_every_factory_of_fo_algorithms_is_on_the_command_line_or_named_here():
                and inspect.signature(getattr(fo.algorithms, name)).return_annotation == "FederatedAlgorithm"}
   # admm_sharing is vertical FL (clients hold feature blocks of the same samples); l2sgd is L2SGD+ without its
   # variance reduction, a building block for tests; p2p_bayes learns a belief over a finite set of candidate models,
-  # not a model trained on a dataset's clients; fedmd needs a public dataset and clients of several architectures,
-  # where the command line trains one model on one dataset.
-  assert factories - on_cli == {"admm_sharing", "l2sgd", "p2p_bayes", "fedmd"}
+  # not a model trained on a dataset's clients.
+  assert factories - on_cli == {"admm_sharing", "l2sgd", "p2p_bayes"}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +43,8 @@ def test_every_entry_builds_and_steps_with_its_defaults(name, digits):
   model = run_lib.build_model(config, digits)
   hyper = config_lib.hyper_parameters(config, name)
   ctx = registry.Context(loss_fn=model.loss_fn, num_clients=6, max_train=digits.max_train, local_steps=4,
-                         rounds=10, client_map="auto", clients_per_round=3,
-                         **run_lib.network_context(config, digits))
+                         rounds=10, client_map="auto", clients_per_round=3, apply_fn=model.apply,
+                         pooled=run_lib.pooled_sample(digits, 0), **run_lib.network_context(config, digits))
   algo = registry.build(name, ctx, hyper)
   state = jax.eval_shape(algo.init, model.init(jax.random.key(0)), jax.random.key(1))
   kwargs = run_lib.sampling(spec, hyper, config, digits)

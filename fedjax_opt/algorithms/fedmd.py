@@ -44,7 +44,11 @@ reaches another client.
 Metrics: `client_loss` (the private revisit loss over finite clients),
 `digest_loss` (mean d before each digest step, over finite clients),
 `consensus_accuracy` (accuracy of argmax f̃ on the round's public subset when
-D₀ has labels "y"; −1 otherwise), `num_nonfinite`, `num_clients`.
+D₀ has labels "y"; −1 otherwise), `num_nonfinite`, `num_clients`, and what
+travels: `bits_up` = 32·|X_k|·K per client (its float32 scores) and
+`bits_down` = 32·|X_k|·K per client (the consensus; which examples form X_k
+follows from the shared round key, so no index is sent). No model ever
+travels; with `digest_steps=0` nothing does (both 0).
 """
 
 from __future__ import annotations
@@ -232,7 +236,8 @@ def fedmd(
     local = tables[0] if arch_count == 1 else tables
     metrics = {"client_loss": jnp.zeros((), jnp.float32), "digest_loss": jnp.zeros((), jnp.float32),
                "consensus_accuracy": jnp.full((), -1.0, jnp.float32), "num_nonfinite": jnp.zeros((), jnp.int32),
-               "num_clients": jnp.zeros((), jnp.int32)}
+               "num_clients": jnp.zeros((), jnp.int32), "bits_up": jnp.zeros((), jnp.float32),
+               "bits_down": jnp.zeros((), jnp.float32)}
     first = jax.tree.map(lambda t: t[0], tables[int(np.argmax([0 in g for g in groups]))])
     return FedMDState(params=first, local_params=local, round=jnp.zeros((), jnp.int32), key=key, metrics=metrics)
 
@@ -248,6 +253,7 @@ def fedmd(
       total = sum(jnp.sum(jnp.where(f[:, None, None], s, 0.0), axis=0) for s, f in zip(scores, finite))
       count = sum(jnp.sum(f) for f in finite)
       consensus = total / jnp.maximum(count, 1)
+      score_bits = 32.0 * consensus.size  # |X_k| · K float32 scores, each way
       if labelled:
         y_pub = jnp.take(jnp.asarray(public_data["y"]), pick, axis=0)
         accuracy = jnp.mean(jnp.argmax(consensus, axis=-1) == y_pub).astype(jnp.float32)
@@ -258,6 +264,7 @@ def fedmd(
       consensus = None
       finite = [jnp.ones((g.size,), bool) for g in groups]
       accuracy = jnp.full((), -1.0, jnp.float32)
+      score_bits = 0.0
     new_tables, loss_sum, digest_sum, ok_count, bad = [], 0.0, 0.0, 0, 0
     for a, g in enumerate(groups):
       rows = jnp.asarray(g)
@@ -274,7 +281,8 @@ def fedmd(
     metrics = {"client_loss": (loss_sum / jnp.maximum(ok_count, 1)).astype(jnp.float32),
                "digest_loss": (digest_sum / jnp.maximum(ok_count, 1)).astype(jnp.float32),
                "consensus_accuracy": accuracy, "num_nonfinite": jnp.asarray(bad, jnp.int32),
-               "num_clients": jnp.asarray(ok_count, jnp.int32)}
+               "num_clients": jnp.asarray(ok_count, jnp.int32),
+               "bits_up": jnp.full((), score_bits, jnp.float32), "bits_down": jnp.full((), score_bits, jnp.float32)}
     local = new_tables[0] if arch_count == 1 else tuple(new_tables)
     holder = int(np.argmax([0 in g for g in groups]))
     return FedMDState(params=jax.tree.map(lambda t: t[0], new_tables[holder]), local_params=local,

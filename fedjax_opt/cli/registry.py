@@ -49,12 +49,14 @@ PSEUDO = {
     "local_lr": "L2GD: the local step α/(n(1 − p)); α is derived from it unless alpha is set",
     "example_lr": "L2SGD+: the per-example step α/n; α is derived from it unless alpha is set",
     "l2": "ridge (l2/2)‖θ‖² added to every example's loss (the convex family: a unique minimiser)",
+    "public_size": "FedMD: |D₀|, the public examples, drawn once from the pooled train split (the run's seed)",
 }
 """Hyper-parameters that are not factory parameters: each builds what the factory takes."""
 
 WIRED = ("loss_fn", "num_clients", "num_examples", "client_map", "client_optimizer", "server_optimizer", "graph",
          "aggregator", "storage_dtype", "prox", "finetune_client_optimizer", "finetune_server_optimizer",
-         "personalize_optimizer", "edge_weights", "mixing", "schedule", "validation_data", "validation_mask")
+         "personalize_optimizer", "edge_weights", "mixing", "schedule", "validation_data", "validation_mask",
+         "apply_fn", "public_data", "digest_optimizer", "architecture_of")
 """Factory parameters the command line fills itself (never `--set`)."""
 
 FAMILIES = {
@@ -84,6 +86,8 @@ class Context:
   mixing: Any = None  # --topology's mixing matrix (decentralized algorithms)
   schedule: Any = None  # --async: the `core.asynchrony.wall_clock` of the asynchronous algorithms
   validation: Any = None  # --async: Zeno++'s server-side validation batch (pooled train examples)
+  apply_fn: Any = None  # the model's `apply(params, x) -> scores` (FedMD's public scores)
+  pooled: Any = None  # `pooled(n) -> {"x", "y"}`: n pooled train examples at random (the run's seed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +245,11 @@ def _zeno_wire(ctx, hyper):
   return {**_async_wire(ctx, hyper), "validation_data": ctx.validation}
 
 
+def _fedmd_wire(ctx, hyper):
+  return {"apply_fn": ctx.apply_fn, "public_data": ctx.pooled(hyper["public_size"]),
+          "client_optimizer": _sgd(hyper["client_lr"])}
+
+
 def _fedu_wire(ctx, hyper):
   from fedjax_opt import graphs
 
@@ -304,6 +313,11 @@ def _build_registry() -> dict[str, Spec]:
                            "stationary point (Sattler et al. 2020)", a.clustered_fl,
                            {"eps_1": 0.4, "eps_2": 1.6, "max_clusters": 8, "client_lr": CLIENT_LR}, _client,
                            evaluation="table", sampling="all"),
+      "fedmd": Spec("personalized", "no model is shared: clients distil towards the mean of their scores on "
+                    "public examples, then train on their own (Li & Wang 2019); test acc is client 0's model", a.fedmd,
+                    {"public_size": 1000, "public_per_round": 500, "digest_steps": 10, "digest_batch_size": 50,
+                     "client_lr": CLIENT_LR}, _fedmd_wire, evaluation="table", sampling="all",
+                    communication="metrics"),
       "l2gd": Spec("personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
                    a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
                    evaluation="table", sampling="full", communication="communicated"),

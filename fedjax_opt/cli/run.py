@@ -251,7 +251,8 @@ def _prepared(config: dict[str, Any]):
     ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
                            local_steps=config["local_steps"], rounds=config["rounds"],
                            client_map=effective_client_map(config), aggregator=aggregator,
-                           clients_per_round=config["clients_per_round"], **network_context(config, dataset))
+                           clients_per_round=config["clients_per_round"], apply_fn=model.apply,
+                           pooled=pooled_sample(dataset, config["seed"]), **network_context(config, dataset))
   except network.NetworkError as e:
     raise UsageError(str(e)) from None
   built = []
@@ -280,21 +281,30 @@ def network_context(config: dict[str, Any], dataset) -> dict[str, Any]:
   if config["topology"] is not None:
     out["mixing"] = network.mixing(config["topology"], dataset.num_clients, config["seed"])
   if config["asynchronous"]:
-    import jax.numpy as jnp
-    import numpy as np
-
     from fedjax_opt.core import asynchrony
 
     out["schedule"] = asynchrony.wall_clock(network.compute_time(config["delay"]),
                                             concurrency=min(config["clients_per_round"], dataset.num_clients))
+    out["validation"] = pooled_sample(dataset, config["seed"])(ZENO_VALIDATION)
+  return out
+
+
+def pooled_sample(dataset, seed: int) -> Callable[[int], dict]:
+  """`sample(n)`: n of the pooled train examples (all of them if fewer), drawn without replacement by `seed`."""
+
+  def sample(n: int) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+
     from fedjax_opt import data as data_lib
 
     train = data_lib.unpack(dataset, "train")
     pooled = {k: np.concatenate([c[k] for c in train]) for k in train[0]}
     size = len(next(iter(pooled.values())))
-    pick = np.random.default_rng(config["seed"]).choice(size, min(ZENO_VALIDATION, size), replace=False)
-    out["validation"] = {k: jnp.asarray(v[pick]) for k, v in pooled.items()}
-  return out
+    pick = np.random.default_rng(seed).choice(size, min(n, size), replace=False)
+    return {k: jnp.asarray(v[pick]) for k, v in pooled.items()}
+
+  return sample
 
 
 ZENO_VALIDATION = 64
