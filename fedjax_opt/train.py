@@ -50,6 +50,17 @@
   examples, which is never drawn), and every aggregator — the default
   `weighted_mean()` included — averages the draws uniformly, a client drawn
   twice counting twice (`proportional_weights`).
+* Host-driven algorithms. An algorithm whose round cannot be one compiled
+  program (FedMA: a Hungarian matching per layer on the host, hidden widths
+  that grow) is an object with `init(params, key)` and `run(state, batches)
+  -> state` (`fo.algorithms.fedma`, `is_host_driven`). It runs under the same
+  driver: the rounds of a chunk are a Python loop, each drawing its batches
+  with the same jitted `sample_round` and key as above, so sampling, seeds,
+  evaluation, progress, history, checkpoints, resume (bit for bit), Ctrl-C
+  and divergence behave as for a `FederatedAlgorithm`. Its checkpoints are
+  restored in the shapes they were saved in (a grown model), not the
+  template's. The memory check does not apply (nothing is compiled as one
+  program); the metric functions must accept every width the model reaches.
 * Sweeps: a `fedjax_opt.sweep.SweptAlgorithm` (K runs vmapped into one
   program) runs the same way. Its state, the round metrics and every
   evaluated value carry a leading sweep axis `[K]`; `seed` may then be K
@@ -205,6 +216,25 @@ def _placed_like(restored: Any, template: Any) -> Any:
   return restored
 
 
+def _saved_like(restored: Any, template: PyTree) -> PyTree:
+  """`template`'s structure with the arrays of `restored` (orbax's nested dicts), found by each leaf's path."""
+
+  def find(path, _):
+    node = restored
+    for entry in path:
+      name = getattr(entry, "name", getattr(entry, "key", getattr(entry, "idx", None)))
+      node = node[name] if name in node or not isinstance(node, dict) else node[str(name)]
+    return node
+
+  return jax.tree_util.tree_map_with_path(find, template)
+
+
+def is_host_driven(algorithm: Any) -> bool:
+  """True for an algorithm `train` runs round by round on the host: `init` and `run(state, batches)`, no `step`."""
+  return (not isinstance(algorithm, (FederatedAlgorithm, SweptAlgorithm)) and callable(getattr(algorithm, "init", None))
+          and callable(getattr(algorithm, "run", None)))
+
+
 def _from_raw(raw: PyTree, template: PyTree) -> PyTree:
   return jax.tree.map(
       lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_typed_key(t) else r, raw, template)
@@ -227,10 +257,11 @@ class Checkpointer:
   raises `CheckpointError` when none can. Used by `train`; usable on its own.
   """
 
-  def __init__(self, directory: str, max_to_keep: int = 2):
+  def __init__(self, directory: str, max_to_keep: int = 2, saved_shapes: bool = False):
     import orbax.checkpoint as ocp  # a dependency of the driver only, not of `import fedjax_opt`
 
     self._ocp = ocp
+    self._saved_shapes = saved_shapes  # restore arrays in the shapes saved (a grown model), not the template's
     self.directory = os.path.abspath(directory)
     self._max_to_keep = max_to_keep
     self._manager = self._open()
@@ -254,8 +285,13 @@ class Checkpointer:
 
   def _restore_step(self, step: int, template: PyTree) -> tuple[PyTree, History]:
     ocp = self._ocp
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_to_raw(template)), history=ocp.args.JsonRestore()))
+    if self._saved_shapes:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(), history=ocp.args.JsonRestore()))
+      restored = dict(restored, state=_saved_like(restored["state"], _to_raw(template)))
+    else:
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_to_raw(template)), history=ocp.args.JsonRestore()))
     raw = jax.tree.map(_placed_like, restored["state"], _to_raw(template))
     state = _from_raw(raw, template)
     history = History.from_dict(restored["history"])
@@ -431,8 +467,9 @@ def _personalized_summary(params, table, personalize, dataset, metric_fns, batch
 
 
 def _check_args(algorithm, dataset, rounds, clients_per_round, eval_every, checkpoint_every):
-  if not isinstance(algorithm, (FederatedAlgorithm, SweptAlgorithm)):
-    raise TypeError(f"algorithm must be a fedjax_opt.FederatedAlgorithm (or a fedjax_opt.sweep.SweptAlgorithm); "
+  if not isinstance(algorithm, (FederatedAlgorithm, SweptAlgorithm)) and not is_host_driven(algorithm):
+    raise TypeError(f"algorithm must be a fedjax_opt.FederatedAlgorithm (or a fedjax_opt.sweep.SweptAlgorithm, or "
+                    f"a host-driven algorithm with init and run, like fo.algorithms.fedma); "
                     f"got {type(algorithm).__name__}.")
   if not isinstance(dataset, FederatedDataset):
     raise TypeError(f"dataset must be a fedjax_opt.data.FederatedDataset; got {type(dataset).__name__}.")
@@ -584,7 +621,8 @@ def train(
 
   Args:
     algorithm: any `FederatedAlgorithm`, or a `fedjax_opt.sweep.SweptAlgorithm`
-      (K runs in one program; state, metrics and evaluations gain a leading [K]).
+      (K runs in one program; state, metrics and evaluations gain a leading [K]),
+      or a host-driven algorithm (`init`, `run`: FedMA; module docstring).
     state: its state, e.g. `algorithm.init(params, key)`; with `resume`, the
       template the checkpoint is restored into.
     dataset: a packed `FederatedDataset` (train split sampled, test split evaluated).
@@ -652,7 +690,8 @@ def train(
   swept = isinstance(algorithm, SweptAlgorithm)
   if isinstance(resume, str):
     checkpoint_dir = checkpoint_dir or resume
-  checkpointer = Checkpointer(checkpoint_dir) if checkpoint_dir else None
+  host = is_host_driven(algorithm)
+  checkpointer = Checkpointer(checkpoint_dir, saved_shapes=host) if checkpoint_dir else None
   history = History(sweep_size=algorithm.size if swept else None)
   if resume:
     if checkpointer is None:
@@ -708,7 +747,19 @@ def train(
     run_eval = lambda params, table, dataset, holdout: jax.vmap(single_eval, in_axes=(0, 0, None, None))(
         params, table, dataset, holdout)
 
-  run_key = ((algorithm.init, algorithm.step), tuple(sorted(sample_kwargs.items())), seed)
+  def run_host_chunk(state, dataset, length):
+    """The rounds of a chunk of a host-driven algorithm: a Python loop, the batches drawn by the jitted sampler."""
+    sampler = _compiled(("sample", tuple(sorted(sample_kwargs.items())), seed, _signature((state.round, dataset))),
+                        lambda r, d: sample(jax.random.fold_in(jax.random.key(seed), r), d), (state.round, dataset),
+                        history)
+    rows = []
+    for _ in range(length):
+      state = algorithm.run(state, sampler(state.round, dataset))
+      rows.append(jax.device_get(state.metrics))
+    return state, {k: np.stack([np.asarray(row[k]) for row in rows]) for k in rows[0]}
+
+  run_key = ((algorithm.init, getattr(algorithm, "step", None) or algorithm.run), tuple(sorted(sample_kwargs.items())),
+             seed)
   eval_key = (tuple(sorted((metric_fns or {}).items())), eval_params, eval_batch_size, swept, personalized_params,
               personalize, personalized_client_map)
   table_fn = personalized_params or _no_table
@@ -729,8 +780,12 @@ def train(
     while current_round(state) < rounds and history.diverged_at_round is None:
       current = current_round(state)
       length = min(rounds, (current // eval_every + 1) * eval_every) - current
-      chunk = _compiled(("chunk", run_key, length, _signature((state, dataset))), run_chunk,
-                        (state, dataset, length), history, static_argnums=2)
+      if host:
+        chunk = lambda state, dataset, length=length: run_host_chunk(state, dataset, length)  # noqa: E731
+        checked_memory = True
+      else:
+        chunk = _compiled(("chunk", run_key, length, _signature((state, dataset))), run_chunk,
+                          (state, dataset, length), history, static_argnums=2)
       if not checked_memory:
         check_fits(chunk, f"a chunk of {length} round(s) ({clients_per_round} clients × "
                           f"{local_steps or local_epochs} {'steps' if local_steps else 'epochs'} × batch {batch_size})",

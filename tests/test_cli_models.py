@@ -60,3 +60,48 @@ def test_fedmd_public_set_is_drawn_from_the_pooled_train_split():
   assert len({tuple(v) for v in x.tolist()}) == 300  # drawn without replacement (digits has no duplicate image)
   assert all(rows[tuple(v)] == int(y) for v, y in zip(x.tolist(), np.asarray(public["y"])))  # pairs kept
   assert "public_size" in registry.REGISTRY["fedmd"].settable()
+
+
+FEDMA = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-steps", "2",
+         "--batch-size", "16", "--eval-every", "1", "--quiet", "--algorithms", "fedma", "--set", "fedma.sigma=0.001",
+         "--set", "fedma.iterations=1", "--set", "fedma.max_width=260"]
+
+
+def test_fedma_runs_grows_counts_its_messages_and_resumes_bit_for_bit(tmp_path):
+  whole, half = tmp_path / "whole", tmp_path / "half"
+  result = run_cli("run", *FEDMA, "--rounds", "2", "--out", str(whole))
+  assert result.returncode == 0, result.stderr
+  (row,) = json.loads((whole / "results.json").read_text())
+  assert row["status"] == "finished" and row["rounds"] == 2 and row["family"] == "matched"
+  metrics = json.loads((whole / "history.json").read_text())["fedma"]["round_metrics"]
+  widths = np.asarray(metrics["widths"])  # [R, 2]: the global hidden widths after each round
+  assert widths.shape == (2, 2) and widths.max() > 200 and widths.max() <= 260  # σ tiny: new neurons, capped
+  # Down: the new global model once per round, 64 → w₁ → w₂ → 10.
+  params = [(64 + 1) * w1 + (w1 + 1) * w2 + (w2 + 1) * 10 for w1, w2 in widths]
+  np.testing.assert_array_equal(metrics["bits_down"], [32 * p for p in params])
+  # Up: each of the 3 clients uploads every layer once (`uploaded_floats` floats in all).
+  np.testing.assert_allclose(np.asarray(metrics["bits_up"]) * 3, 32 * np.asarray(metrics["uploaded_floats"]))
+  sent = (np.asarray(metrics["bits_up"]) * 3 + np.asarray(metrics["bits_down"])).sum() / 8e6
+  assert row["megabytes_sent"] == pytest.approx(sent)
+  # Stopped after round 1, resumed with only --rounds: the same run as the whole one, grown model restored.
+  assert run_cli("run", *FEDMA, "--rounds", "1", "--out", str(half)).returncode == 0
+  result = run_cli("run", "--resume", "--rounds", "2", "--out", str(half), "--quiet")
+  assert result.returncode == 0, result.stderr
+  resumed = json.loads((half / "history.json").read_text())["fedma"]
+  assert resumed["round_metrics"] == metrics
+  assert [e["test_accuracy"] for e in resumed["evals"]] == [
+      e["test_accuracy"] for e in json.loads((whole / "history.json").read_text())["fedma"]["evals"]]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "logreg"], "fedma: FedMA matches the hidden units of fo.models' MLP"),
+    (["--seeds", "2"], "fedma runs round by round on the host (its layers grow): --seeds 2 needs one vmapped program"),
+    (["--aggregator", "marginal_median"], "--aggregator marginal_median acts on the aggregation of client updates, "
+                                          "which fedma"),
+])
+def test_fedma_refusals_are_one_line(args, needle, tmp_path):
+  result = run_cli("run", *FEDMA, "--rounds", "1", "--out", str(tmp_path / "x"), *args)
+  assert result.returncode != 0
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and needle in lines[0], result.stderr
+  assert not (tmp_path / "x").exists()

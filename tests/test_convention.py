@@ -55,7 +55,8 @@ HELPERS = {
     "laplacian_penalty", "prox_least_squares", "prox_quadratic", "stochastic_quantize", "personalized_params",
     "consensus_distance", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
     "fedmd_client_params",
-    "fedma", "pfnm", "bbp_map",  # matched averaging: host-driven, growing widths, not FederatedAlgorithm factories
+    # matched averaging: host-driven, growing widths, not FederatedAlgorithm factories
+    "fedma", "pfnm", "bbp_map", "fedma_model",
 }
 """Public functions of `fo.algorithms` that are not factories."""
 

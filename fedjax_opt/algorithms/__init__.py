@@ -29,6 +29,7 @@ from fedjax_opt.algorithms.fedu import FedUState, fedu, laplacian_penalty
 from fedjax_opt.algorithms.gadmm import GADMMState, cq_ggadmm, gadmm, stochastic_quantize
 from fedjax_opt.algorithms.ifca import IFCAState, ifca
 from fedjax_opt.algorithms.matched_averaging import FedMAState, MatchedAveraging, bbp_map, fedma, pfnm
+from fedjax_opt.algorithms.matched_averaging import matchable as fedma_model
 from fedjax_opt.algorithms.mixture import (L2GDState, L2SGDPlusState, l2gd, l2gd_max_step_size, l2sgd, l2sgd_plus,
                                            l2sgd_plus_step_size, optimal_p)
 from fedjax_opt.algorithms.mixture_admm import MixtureADMMState, mixture_admm
@@ -50,9 +51,9 @@ __all__ = [
     # clustered: K cluster models, each client served by one
     "ifca", "IFCAState", "clustered_fl", "ClusteredFLState",
     # mixtures: M shared component models, per-client mixture weights
+    "fedem", "FedEMState", "d_fedem", "DFedEMState", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
     # distillation: clients of different architectures share class scores on public data
     "fedmd", "FedMDState", "fedmd_client_params",
-    "fedem", "FedEMState", "d_fedem", "DFedEMState", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
     # ADMM
     "admm_consensus", "ADMMConsensusState", "admm_sharing", "ADMMSharingState", "gadmm", "cq_ggadmm",
     "GADMMState", "stochastic_quantize", "mixture_admm", "MixtureADMMState", "prox_least_squares",
@@ -61,6 +62,6 @@ __all__ = [
     "gossip", "dpsgd", "gradient_tracking", "DecentralizedState", "consensus_distance", "p2p_bayes", "P2PBayesState",
     # asynchronous aggregation (simulated exactly: fedjax_opt.core.asynchrony)
     "fedbuff", "fedasync", "co_op", "zeno_plus_plus", "AsyncState",
-    # matched averaging (host-driven, growing widths: not FederatedAlgorithms)
-    "fedma", "FedMAState", "MatchedAveraging", "pfnm", "bbp_map",
+    # matched averaging (host-driven, growing widths: not FederatedAlgorithms; fo.train runs them on the host)
+    "fedma", "FedMAState", "MatchedAveraging", "pfnm", "bbp_map", "fedma_model",
 ]

@@ -86,9 +86,13 @@ the permutations of two layers), attention, and layers without bias.
 How it fits the library. The matching runs on the host between layers
 (one small Hungarian problem per layer) and the global layers grow, so
 neither the round's control flow nor the model's shapes are static: FedMA is
-not a `FederatedAlgorithm(init, step)` and does not run under `fo.train`'s
-jitted scan. Each local training in between is one jitted program over the
-clients (`core.client_map`, compiled once per set of widths). The price: a
+not a `FederatedAlgorithm(init, step)` but a host-driven `(init, run)`.
+`fo.train` runs it round by round on the host with the same sampling, keys,
+evaluation, checkpoints and resume as any algorithm (`fedjax_opt.train`,
+"Host-driven algorithms"), and so does `fedjax-opt run --algorithms fedma`
+(the model applied for any widths: `matchable`, exported as
+`fo.algorithms.fedma_model`). Each local training in between is one jitted
+program over the clients (`core.client_map`, compiled once per set of widths). The price: a
 round returns to Python N times, and a model whose width changed recompiles.
 A fixed maximum width with a mask of active units would keep the shapes
 static, but the growth is decided by the Hungarian solutions of all the layers
@@ -97,11 +101,11 @@ shapes, so a grown model is applied with a width-agnostic function:
 `mlp_apply` and `emnist_cnn_apply` below compute exactly `MLP` / `EmnistCNN`
 for any widths.
 
-    fedma = fo.algorithms.fedma(loss_fn, layers=("hidden_0", "hidden_1", "output"),
-                                client_optimizer=optax.sgd(0.05))
-    state = fedma.init(params, key)
-    for r in range(rounds):                      # a Python loop: one FedMA round = N communications
-      state = fedma.run(state, fo.data.sample_round(jax.random.fold_in(key, r), ds, 10, 40, 20))
+    model, layers = fo.algorithms.fedma_model(fo.models.mlp_2nn())   # any widths; ("hidden_0", "hidden_1", "output")
+    fedma = fo.algorithms.fedma(model.loss_fn, layers=layers, client_optimizer=optax.sgd(0.05))
+    state = fedma.init(model.init(key), key)
+    state, history = fo.train(fedma, state, ds, rounds, clients_per_round=10, local_steps=20, batch_size=20,
+                              metric_fns={"accuracy": model.accuracy_fn})   # one FedMA round = N communications
     global_params = fo.algorithms.pfnm([p_1, ..., p_J], layers=...)   # one-shot, no retraining
 """
 
@@ -123,7 +127,7 @@ from fedjax_opt.core.types import ClientBatches, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import check_client_batches, check_int, check_loss_fn, check_optimizer
 
 __all__ = ["FedMAState", "LayerMatching", "MatchedAveraging", "apply_assignment", "bbp_map", "emnist_cnn_apply",
-           "fedma", "match_client", "mlp_apply", "pfnm"]
+           "fedma", "match_client", "matchable", "mlp_apply", "pfnm"]
 
 
 # ---- BBP-MAP: matching one layer's neurons (host, float64) ------------------------------------------------------
@@ -479,7 +483,8 @@ def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float
 
 # ---- FedMA ------------------------------------------------------------------------------------------------------
 
-METRICS = ("loss", "num_clients", "num_nonfinite", "communication_rounds", "uploaded_floats")
+METRICS = ("client_loss", "num_clients", "num_nonfinite", "communication_rounds", "uploaded_floats", "bits_up",
+           "bits_down")
 
 
 @flax.struct.dataclass
@@ -490,12 +495,15 @@ class FedMAState:
     params: the global model; its hidden widths grow as matching opens new neurons.
     round: FedMA rounds done (each is N communication rounds, one per layer).
     key: PRNG key (seeds BBP-MAP's refinement order, folded with the round).
-    metrics: `loss` (mean client loss of the round's first local training),
+    metrics: `client_loss` (mean client loss of the round's first local training),
       `num_clients` (clients matched), `num_nonfinite` (clients left out: a
       non-finite model after training), `communication_rounds` (N: one
       upload and broadcast per layer), `uploaded_floats` (Σ over the layers
-      and the matched clients of the layer's parameter count), `widths`
-      (`[N − 1]` global hidden widths).
+      and the matched clients of the layer's parameter count), `bits_up`
+      (32 · uploaded_floats / matched clients: float32 bits per client),
+      `bits_down` (32 · the new global model's parameter count: each global
+      layer is broadcast once, as it is matched), `widths` (`[N − 1]`
+      global hidden widths).
   """
 
   params: PyTree
@@ -663,8 +671,10 @@ def fedma(
     if params is None:  # no finite client: the round is rejected, the model kept
       return state.replace(round=state.round + 1, metrics=metrics)
     metrics.update(
-        loss=jnp.float32(np.sum(losses[ok] * weight[ok]) / max(np.sum(weight[ok]), 1e-30)),
+        client_loss=jnp.float32(np.sum(losses[ok] * weight[ok]) / max(np.sum(weight[ok]), 1e-30)),
         communication_rounds=jnp.float32(len(layers)), uploaded_floats=jnp.float32(info["uploaded_floats"]),
+        bits_up=jnp.float32(32 * info["uploaded_floats"] / info["num_clients"]),
+        bits_down=jnp.float32(32 * sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))),
         widths=jnp.asarray(info["widths"], jnp.int32))
     return state.replace(params=params, round=state.round + 1, metrics=metrics)
 
@@ -706,3 +716,33 @@ def emnist_cnn_apply(params: PyTree, x: jax.Array) -> jax.Array:
   h = jnp.reshape(h, (b, -1))
   h = jax.nn.relu(h @ params["dense"]["kernel"] + params["dense"]["bias"])
   return h @ params["output"]["kernel"] + params["output"]["bias"]
+
+
+CNN_LAYERS = ("conv_0", "conv_1", "dense", "output")
+
+
+def matchable(model: Any) -> tuple[Any, tuple[str, ...]]:
+  """(the same network applied for any widths, its layers in forward order) for `fo.models`' MLP and EmnistCNN.
+
+  `model` is a `fo.models.Model` of `fo.models.MLP` (e.g. `mlp_2nn`; layers
+  `hidden_0 … hidden_{H−1}, output`) or `emnist_cnn` (`conv_0, conv_1,
+  dense, output`). The returned `Model` has the same `init`; its `apply` is
+  `mlp_apply` / `emnist_cnn_apply`, and its loss and accuracy are built on
+  that apply, so they score FedMA's grown models too. Anything else (e.g.
+  logistic regression: no hidden unit to match) raises ValueError.
+  """
+  from fedjax_opt.models import base  # pylint: disable=import-outside-toplevel
+
+  params = model.init(jax.random.key(0))
+  names = set(params) if isinstance(params, dict) else set()
+  hidden = sorted((k for k in names if k.startswith("hidden_") and k[7:].isdigit()), key=lambda k: int(k[7:]))
+  if hidden and names == set(hidden) | {"output"} and [int(k[7:]) for k in hidden] == list(range(len(hidden))):
+    apply, layers = mlp_apply, (*hidden, "output")
+  elif names == set(CNN_LAYERS):
+    apply, layers = emnist_cnn_apply, CNN_LAYERS
+  else:
+    raise ValueError(f"FedMA matches the hidden units of fo.models' MLP (hidden_0 …, output) or EmnistCNN "
+                     f"({', '.join(CNN_LAYERS)}); model {model.name!r} has layers {sorted(names)}: use an MLP or CNN.")
+  agnostic = model._replace(apply=apply, loss_fn=base.classification_loss(apply),
+                            accuracy_fn=base.classification_accuracy(apply), module=None)
+  return agnostic, layers

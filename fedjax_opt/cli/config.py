@@ -311,7 +311,23 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
     network.check(config, names, registry)
   except network.NetworkError as e:
     raise UsageError(str(e)) from None
+  _check_host_driven(config, names)
   return config
+
+
+def _check_host_driven(config: dict[str, Any], names: list[str]) -> None:
+  """The matched family runs round by round on the host: no sweep over seeds, no wrapper around its rounds."""
+  matched = [n for n in names if registry.REGISTRY[n].family == "matched"]
+  if not matched:
+    return
+  what = f"{matched[0]} runs round by round on the host (its layers grow)"
+  if config["seeds"] > 1:
+    raise UsageError(f"{what}: --seeds {config['seeds']} needs one vmapped program; run one seed at a time "
+                     f"(--seed N)")
+  if config["asynchronous"]:
+    raise UsageError(f"{what}: --async does not apply; run it without --async")
+  if config["attack"] is not None:
+    raise UsageError(f"{what}: --attack {config['attack']} does not apply to it")
 
 
 def check_devices(config: dict[str, Any]) -> None:

@@ -56,7 +56,7 @@ PSEUDO = {
 WIRED = ("loss_fn", "num_clients", "num_examples", "client_map", "client_optimizer", "server_optimizer", "graph",
          "aggregator", "storage_dtype", "prox", "finetune_client_optimizer", "finetune_server_optimizer",
          "personalize_optimizer", "edge_weights", "mixing", "schedule", "validation_data", "validation_mask",
-         "apply_fn", "public_data", "digest_optimizer", "architecture_of")
+         "apply_fn", "public_data", "digest_optimizer", "architecture_of", "layers")
 """Factory parameters the command line fills itself (never `--set`)."""
 
 FAMILIES = {
@@ -66,6 +66,8 @@ FAMILIES = {
             "objective gap to a centralized solve",
     "decentralized": "no server: every client is a node of --topology and trains every round; evaluated on the "
                      "nodes' average and per node; consensus distance",
+    "matched": "matched averaging on the host (an MLP or CNN): C sampled clients train, then their hidden units are "
+               "matched layer by layer and the global layers grow; one round uploads each layer once per client",
     "asynchronous": "--async: clients arrive on a simulated clock, one server event per arrival; --rounds R runs "
                     "R × --clients-per-round events; history_size (past models kept) default max(16, 4C)",
 }
@@ -88,6 +90,7 @@ class Context:
   validation: Any = None  # --async: Zeno++'s server-side validation batch (pooled train examples)
   apply_fn: Any = None  # the model's `apply(params, x) -> scores` (FedMD's public scores)
   pooled: Any = None  # `pooled(n) -> {"x", "y"}`: n pooled train examples at random (the run's seed)
+  model: Any = None  # the run's `fo.models.Model` (FedMA applies it for any widths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +124,8 @@ class Spec:
       run asks for S local steps (None: S itself).
     eval_model: None, or `eval_model(model) -> Model` whose loss and accuracy score the algorithm's
       `state.params` and personalized models (FedEM's mixtures of components).
+    train_model: None, or `train_model(model) -> Model` whose loss the factory is given instead of the
+      run's model's (FedMA: the same network applied for any widths); ValueError: the model does not fit.
   """
 
   family: str
@@ -136,6 +141,7 @@ class Spec:
   objective: str | None = None
   data_steps: Callable[[dict, int], int] | None = None
   eval_model: Callable[[Any], Any] | None = None
+  train_model: Callable[[Any], Any] | None = None
 
   def settable(self) -> dict[str, Any]:
     """Every hyper-parameter a user may set, with its default (`inspect.Parameter.empty`: none)."""
@@ -250,6 +256,18 @@ def _fedmd_wire(ctx, hyper):
           "client_optimizer": _sgd(hyper["client_lr"])}
 
 
+def _fedma_model(model):
+  from fedjax_opt import algorithms
+
+  return algorithms.fedma_model(model)[0]
+
+
+def _fedma_wire(ctx, hyper):
+  from fedjax_opt import algorithms
+
+  return {"layers": algorithms.fedma_model(ctx.model)[1], "client_optimizer": _sgd(hyper["client_lr"])}
+
+
 def _fedu_wire(ctx, hyper):
   from fedjax_opt import graphs
 
@@ -361,6 +379,11 @@ def _build_registry() -> dict[str, Spec]:
                       "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
                       lambda ctx, h: {**_decentralized_wire(ctx, h), "client_optimizer": _sgd(h["client_lr"])},
                       evaluation="table", sampling="nodes", communication="bytes", eval_model=a.fedem_mixture_model),
+      # ---- matched averaging (host-driven) --------------------------------------------------------------------
+      "fedma": Spec("matched", "match hidden units layer by layer (BBP-MAP, Hungarian), average, retrain the layers "
+                    "above (Wang et al. 2020); widths grow", a.fedma,
+                    {"client_lr": CLIENT_LR, "sigma": 1.0, "sigma0": 1.0, "gamma": 1.0, "iterations": 3},
+                    _fedma_wire, communication="metrics", eval_model=_fedma_model, train_model=_fedma_model),
       # ---- asynchronous (--async) ------------------------------------------------------------------------------
       "fedbuff": Spec("asynchronous", "buffer K stale deltas, then a server step (Nguyen et al. 2022); K default C/2",
                       a.fedbuff, {"client_lr": CLIENT_LR, "buffer_size": None, "staleness_weight": "polynomial",
@@ -462,8 +485,9 @@ def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
   spec = REGISTRY[name]
   hyper = dict(hyper)
   params = inspect.signature(spec.factory).parameters
-  loss_fn = _ridge(ctx.loss_fn, hyper.get("l2", 0.0))
   try:
+    loss_fn = _ridge(ctx.loss_fn if spec.train_model is None else spec.train_model(ctx.model).loss_fn,
+                     hyper.get("l2", 0.0))
     kwargs = spec.wire(ctx, hyper)
     for key, value in hyper.items():  # a value set by the user wins over the wiring; None leaves the wiring
       if key not in PSEUDO and (value is not None or key not in kwargs):

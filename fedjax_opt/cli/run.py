@@ -36,11 +36,13 @@ def load_dataset(config: dict[str, Any]):
 
 
 def model_choice(config: dict[str, Any], dataset) -> str:
-  """The model name: `--model`, or by dataset (rnn for text, mlp for images, logreg for feature vectors)."""
+  """The model name: `--model`, or by dataset (rnn for text, mlp for images, logreg for feature vectors; mlp
+  whenever FedMA runs)."""
   import math as _math
 
   names = config["algorithms"].split(",")
   convex = [n for n in names if registry.REGISTRY[n].family == "admm"]
+  matched = [n for n in names if registry.REGISTRY[n].family == "matched"]
   choice = config["model"]
   text = dataset.sequence_length > 0  # windows of a token stream (Shakespeare)
   if choice == "auto":
@@ -48,6 +50,8 @@ def model_choice(config: dict[str, Any], dataset) -> str:
       choice = "rnn"
     elif convex:
       choice = "logreg"
+    elif matched:  # hidden units to match
+      choice = "mlp"
     else:
       shape = tuple(dataset.examples["x"].shape[2:])
       choice = "mlp" if len(shape) >= 2 and _math.prod(shape) >= 256 else "logreg"
@@ -251,7 +255,7 @@ def _prepared(config: dict[str, Any]):
     ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
                            local_steps=config["local_steps"], rounds=config["rounds"],
                            client_map=effective_client_map(config), aggregator=aggregator,
-                           clients_per_round=config["clients_per_round"], apply_fn=model.apply,
+                           clients_per_round=config["clients_per_round"], apply_fn=model.apply, model=model,
                            pooled=pooled_sample(dataset, config["seed"]), **network_context(config, dataset))
   except network.NetworkError as e:
     raise UsageError(str(e)) from None

@@ -1,0 +1,75 @@
+"""`fo.train` with a host-driven algorithm (FedMA): the same rounds as a hand loop, resume across grown widths."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import fedjax_opt as fo
+
+
+@pytest.fixture(scope="module")
+def setup():
+  dataset = fo.data.load("digits", num_clients=6, seed=0)
+  model = fo.models.mlp_2nn(num_classes=10, hidden=8, input_dim=64)
+  agnostic, layers = fo.algorithms.fedma_model(model)
+  # σ small: client neurons rarely match, so the global layers grow over the rounds.
+  algo = fo.algorithms.fedma(agnostic.loss_fn, layers=layers, client_optimizer=optax.sgd(0.1), sigma=0.05,
+                             iterations=1)
+  state = algo.init(model.init(jax.random.key(0)), jax.random.key(1))
+  kwargs = dict(clients_per_round=3, local_steps=2, batch_size=8, seed=5, progress=False,
+                metric_fns={"loss": agnostic.loss_fn, "accuracy": agnostic.accuracy_fn})
+  return dataset, agnostic, algo, state, kwargs
+
+
+def test_the_rounds_are_those_of_a_hand_loop_with_the_documented_keys(setup):
+  dataset, _, algo, state, kwargs = setup
+  trained, history = fo.train(algo, state, dataset, 3, eval_every=2, **kwargs)
+  expected = state
+  for r in range(3):
+    batches = fo.data.sample_round(jax.random.fold_in(jax.random.key(5), r), dataset, clients_per_round=3,
+                                   local_steps=2, batch_size=8)
+    expected = algo.run(expected, batches)
+  jax.tree.map(np.testing.assert_array_equal, trained.params, expected.params)
+  assert history.num_rounds == 3 and [e["round"] for e in history.evals] == [2, 3]
+  np.testing.assert_array_equal(history.round_metrics["widths"][-1], expected.metrics["widths"])
+  assert np.asarray(history.round_metrics["client_loss"]).shape == (3,)
+
+
+def test_resume_restores_a_grown_model_and_finishes_bit_for_bit(setup, tmp_path):
+  dataset, _, algo, state, kwargs = setup
+  whole, whole_history = fo.train(algo, state, dataset, 4, eval_every=2, **kwargs)
+  half, _ = fo.train(algo, state, dataset, 2, eval_every=2, checkpoint_dir=str(tmp_path), **kwargs)
+  grown = [int(np.shape(half.params[name]["bias"])[0]) for name in ("hidden_0", "hidden_1")]
+  assert max(grown) > 8  # the checkpoint holds wider layers than the template `state`
+  resumed, history = fo.train(algo, state, dataset, 4, eval_every=2, checkpoint_dir=str(tmp_path), resume=True,
+                              **kwargs)
+  jax.tree.map(np.testing.assert_array_equal, resumed.params, whole.params)
+  assert history.evals[-1]["test_accuracy"] == whole_history.evals[-1]["test_accuracy"]
+
+
+def test_bits_count_each_layer_once_per_client_and_the_new_model_once(setup):
+  dataset, _, algo, state, kwargs = setup
+  trained, history = fo.train(algo, state, dataset, 1, eval_every=1, **kwargs)
+  metrics = history.round_metrics
+  clients = float(metrics["num_clients"][0])
+  assert float(metrics["bits_up"][0]) * clients == pytest.approx(32 * float(metrics["uploaded_floats"][0]))
+  # Every client uploads every layer once, in the widths the layers below were matched to (input rows moved).
+  assert float(metrics["bits_down"][0]) == 32 * sum(np.size(x) for x in jax.tree.leaves(trained.params))
+
+
+def test_what_is_not_an_algorithm_is_refused(setup):
+  dataset, _, _, state, kwargs = setup
+  with pytest.raises(TypeError, match="host-driven algorithm with init and run"):
+    fo.train(object(), state, dataset, 1, **kwargs)
+
+
+def test_fedma_model_refuses_a_model_without_hidden_units():
+  with pytest.raises(ValueError, match="FedMA matches the hidden units"):
+    fo.algorithms.fedma_model(fo.models.logistic_regression(64, 10))
+  cnn = fo.models.emnist_cnn(num_classes=10, image_shape=(8, 8))
+  agnostic, layers = fo.algorithms.fedma_model(cnn)
+  assert layers == ("conv_0", "conv_1", "dense", "output")
+  params = cnn.init(jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (4, 8, 8, 1))
+  np.testing.assert_allclose(agnostic.apply(params, x), cnn.apply(params, x), rtol=1e-5, atol=1e-5)
