@@ -28,6 +28,26 @@ Otherwise c_i is left as it was (zero-weight padding clients never write).
 The average of Δy_i goes through the aggregator seam (default: the uniform
 mean of the paper; the non-finite guard of `core.server.aggregate_updates`
 around it), and the server step is `apply_server_update` with `optax.sgd(η_g)`.
+
+Compression (`compression=fo.compression.compressed(C, ...)`): both uploads
+are messages, and both are compressed with C, each with its own key and,
+with error feedback, its own residual table (e^y_i in `residuals`, e^c_i in
+`control_residuals`):
+
+    Δ̂y_i = C(Δy_i + e^y_i),  e^y_i ← Δy_i + e^y_i − Δ̂y_i      (e ≡ 0 without error feedback)
+    Δ̂c_i = C(Δc_i + e^c_i),  e^c_i ← Δc_i + e^c_i − Δ̂c_i
+    server:  x ← x + η_g Agg_{i∈S}(Δ̂y_i),   c ← c + (1/N) Σ_{i∈S} Δ̂c_i
+    client:  c_i ← c_i⁺                                          (its exact control variate)
+
+so with error feedback c = (1/N) Σ_i (c_i − e^c_i) at every round (what c
+has not received yet is the residuals), and without it c drifts from the
+mean of the c_i by the accumulated compression errors (zero-mean for an
+unbiased C). Δy_i goes through the seam of `core.rounds.client_round` (inside
+the client map, key fold_in(fold_in(k, "comp"), i) with k the round's
+aggregator key); Δc_i is compressed after the map, per client, with key
+fold_in(fold_in(k, "ctrl"), i). `bits_up` is C's count for Δy_i plus C's
+count for Δc_i. Δc_i is compressed too because under option II it is
+−c − Δy_i / (K η_l): sent in full it would hand the server Δy_i exactly.
 """
 
 from __future__ import annotations
@@ -40,12 +60,13 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
+from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
-from fedjax_opt.core.averaging import aggregated_round, initial_fields
+from fedjax_opt.core.averaging import aggregated_round, initial_fields, initial_residuals
 from fedjax_opt.core.local import as_single_step, local_train
-from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import apply_server_update
+from fedjax_opt.core.rounds import ClientOutput, Round
+from fedjax_opt.core.server import apply_server_update, client_is_finite
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_loss_fn, check_num_clients, check_positive
@@ -53,6 +74,9 @@ from fedjax_opt.core.validation import check_choice, check_loss_fn, check_num_cl
 __all__ = ["ScaffoldState", "scaffold"]
 
 CONTROL_UPDATES = ("I", "II")
+
+CONTROL_STREAM = 0x6374726C
+"""Folded into the round's aggregator key for the keys that compress Δc_i (ASCII "ctrl"); Δy_i's use "comp"."""
 
 
 @flax.struct.dataclass
@@ -69,6 +93,10 @@ class ScaffoldState:
     round: t, rounds applied, int32.
     key: PRNG key, split once per round (aggregator randomness).
     metrics: `core.server.ROUND_METRICS` plus `control_variate_norm` = ‖c‖₂.
+    residuals: with error-feedback compression, the residuals e^y_i of the
+      Δy_i messages (a per-client table like the model, leaves `[N, ...]`); else None.
+    control_residuals: with error-feedback compression, the residuals e^c_i
+      of the Δc_i messages (leaves `[N, ...]`); else None.
   """
 
   params: PyTree
@@ -79,6 +107,8 @@ class ScaffoldState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
+  residuals: PyTree = None
+  control_residuals: PyTree = None
 
 
 def _option_i(loss_fn: LossFn, x: PyTree, data: PyTree, mask: jax.Array) -> PyTree:
@@ -104,6 +134,7 @@ def scaffold(
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
     storage_dtype: Any = None,
+    compression: compression_lib.Compression | None = None,
 ) -> FederatedAlgorithm:
   """SCAFFOLD (Karimireddy et al. 2020): local SGD corrected by c − c_i, control variates updated per round.
 
@@ -125,6 +156,21 @@ def scaffold(
     client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
     storage_dtype: dtype of the stored c_i (e.g. `jnp.bfloat16` to halve the
       table's memory); None keeps the model's dtype.
+    compression: None (every client sends Δy_i and Δc_i in full, 2 · 32 P
+      bits in float32), or `fo.compression.compressed(compressor,
+      error_feedback=..., num_clients=N)`: each client sends
+
+          Δ̂y_i = C(Δy_i + e^y_i)   and   Δ̂c_i = C(Δc_i + e^c_i)
+
+      (e ≡ 0 without error feedback; with it e^y_i ← Δy_i + e^y_i − Δ̂y_i and
+      e^c_i ← Δc_i + e^c_i − Δ̂c_i, in `state.residuals` and
+      `state.control_residuals`), each with its own key; the server steps
+      x ← x + η_g Agg(Δ̂y_i) and c ← c + (1/N) Σ_{i∈S} Δ̂c_i, the client keeps
+      its exact c_i⁺, so with error feedback c = (1/N) Σ_i (c_i − e^c_i).
+      Δc_i is the change of the *stored* c_i (after rounding to
+      `storage_dtype`), so `compressed(identity())` is the uncompressed
+      round bit for bit. `bits_up` = bits_C(Δy_i) + bits_C(Δc_i). With error
+      feedback the compression's `num_clients` must be N.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `ScaffoldState`.
@@ -134,6 +180,10 @@ def scaffold(
   check_positive(eta_g, "eta_g")
   num_clients = check_num_clients(num_clients)
   check_choice(control_update, "control_update", CONTROL_UPDATES)
+  compression = compression_lib.check_compression(compression)
+  if compression is not None and compression.error_feedback and compression.num_clients != num_clients:
+    raise ValueError(f"scaffold: the compression's error-feedback table has num_clients={compression.num_clients} "
+                     f"rows but SCAFFOLD has num_clients={num_clients}: give the same N to both.")
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
   mode = client_map_lib.resolve(client_map)
   client_optimizer = optax.sgd(eta_l)
@@ -147,7 +197,12 @@ def scaffold(
       new_c_i = _option_i(loss_fn, x, data, mask)
     else:
       new_c_i = _option_ii(c_i, c, result.delta, result.num_steps, eta_l)
-    return ClientOutput(result, rows=(new_c_i,))
+    if compression is None:
+      return ClientOutput(result, rows=(new_c_i,))
+    # Δc_i, the message: the change of the stored c_i (rounded to the table's dtype as `per_client.scatter` does).
+    stored_c_i = new_c_i if storage_dtype is None else jax.tree.map(
+        lambda n: n.astype(storage_dtype).astype(n.dtype), new_c_i)
+    return ClientOutput(result, rows=(new_c_i,), extras=jax.tree.map(jnp.subtract, stored_c_i, c_i))
 
   def init(params: PyTree, key: jax.Array) -> ScaffoldState:
     return ScaffoldState(
@@ -155,15 +210,24 @@ def scaffold(
         control_variate=jax.tree.map(jnp.zeros_like, params),
         client_control_variates=per_client.init(params, num_clients, storage_dtype=storage_dtype),
         server_opt_state=server_optimizer.init(params),
+        residuals=initial_residuals(params, compression),
+        control_residuals=initial_residuals(params, compression),
     )
 
   def step(state: ScaffoldState, batches: ClientBatches) -> ScaffoldState:
+    # Uncompressed, Δy_i and Δc_i are two full messages; compressed, Δy_i's bits come from the seam, Δc_i's below.
     key, out = aggregated_round(mode, client_update, (state.params, state.control_variate), state, batches,
-                                aggregator, tables=(state.client_control_variates,), uploads=2)  # Δy_i and Δc_i
+                                aggregator, tables=(state.client_control_variates,), compression=compression,
+                                uploads=2 if compression is None else 1)
     params, server_opt_state = apply_server_update(
         server_optimizer, state.params, state.server_opt_state, out.agg.update, out.agg.accepted)
     stored, = out.stored
-    control_variate = jax.tree.map(lambda cc, dc: cc + dc / num_clients, state.control_variate, stored.change)
+    if compression is None:
+      control_change, control_residuals = stored.change, None
+    else:
+      control_change, control_residuals, control_bits = _send_control_deltas(compression, state, batches, out)
+      out = out._replace(bits_up=out.bits_up + control_bits)
+    control_variate = jax.tree.map(lambda cc, dc: cc + dc / num_clients, state.control_variate, control_change)
     return ScaffoldState(
         params=params,
         control_variate=control_variate,
@@ -173,6 +237,39 @@ def scaffold(
         round=state.round + 1,
         key=key,
         metrics={**out.metrics(), "control_variate_norm": global_norm(control_variate).astype(jnp.float32)},
+        residuals=None if out.residuals is None else out.residuals.table,
+        control_residuals=control_residuals,
     )
 
   return FederatedAlgorithm(init, step)
+
+
+def _send_control_deltas(compression: compression_lib.Compression, state: ScaffoldState, batches: ClientBatches,
+                         out: Round) -> tuple[PyTree, PyTree, jax.Array]:
+  """The compressed Δc_i messages of a round: `(Σ of those the server counts, new e^c table or None, bits [C])`.
+
+  Client i's key is fold_in(fold_in(k, CONTROL_STREAM), i), k the round's aggregator key. The server counts
+  the message of every client whose c_i was written (it took part, its Δy_i was aggregated, the round was
+  accepted, c_i⁺ is finite; the last copy of a duplicated id) and whose message is finite; the residual row of
+  exactly those clients is written.
+  """
+  stored, = out.stored
+  _, aggregator_key = jax.random.split(state.key)  # the key `aggregated_round` gave the round's aggregator
+  base = jax.random.fold_in(aggregator_key, CONTROL_STREAM)
+  keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(batches.client_id)
+  old_rows = rows = None
+  if compression.error_feedback:
+    old_rows = per_client.gather(state.control_residuals, batches.client_id)
+    rows = jax.tree.map(lambda r, p: r.astype(jnp.result_type(p)), old_rows, state.params)
+  sent, new_rows, bits = jax.vmap(lambda k, u, e: compression_lib.send(compression, k, u, e))(keys, out.extras, rows)
+  counted = stored.written & client_is_finite(sent)
+
+  def total(s):
+    keep = counted.reshape((-1,) + (1,) * (s.ndim - 1))
+    return jnp.sum(jnp.where(keep, s, jnp.zeros_like(s)), axis=0)
+
+  table = None
+  if compression.error_feedback:
+    table = per_client.scatter(state.control_residuals, batches.client_id, new_rows,
+                               counted & client_is_finite(new_rows), old_rows=old_rows).table
+  return jax.tree.map(total, sent), table, bits.astype(jnp.float32)
