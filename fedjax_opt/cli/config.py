@@ -30,7 +30,7 @@ DEFAULTS: dict[str, Any] = dict(
     aggregator=None, attack=None, attackers=None, compile_cache=None, devices="auto",
     dp_noise=None, dp_clip=None, dp_delta=None, dp_epsilon=None, dp_accountant=None, dp_sampling=None,
     dp_quantile=None, dp_clip_lr=None, dp_count_noise=None, dp_noise_multiplier=None,
-    topology=None, asynchronous=False, delay=None,
+    topology=None, asynchronous=False, delay=None, planted=None,
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="an algorithm's hyper-parameter, e.g. ditto.lam=0.1 (repeatable; defaults in `fedjax-opt list algorithms`)")
   add("--dataset", metavar="NAME", help="an embedded dataset (`fedjax-opt list datasets`; default mnist5k)")
   add("--partition", metavar="NAME", help=f"image datasets: one of {', '.join(PARTITIONS)} (default dirichlet)")
+  add("--planted", metavar="KIND:G",
+      help="split the clients into G planted groups that one model cannot serve: labels:G permutes each group's "
+           "labels, rotate:G rotates its images by g·90° (G ≤ 4); clustering algorithms report their adjusted Rand "
+           "index against the groups")
   add("--alpha", metavar="X", type=_positive("alpha", float, "number"), help="--partition dirichlet: concentration α (default 0.5)")
   add("--num-clients", metavar="N", type=_positive("num-clients", int, "integer"),
       help="clients: an image dataset is split into N, a synthetic one generates N devices, Shakespeare keeps N "
@@ -268,6 +272,8 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
       raise UsageError(f"--{key} does not apply to {info.name!r}, whose clients are natural ({info.clients})")
   if info.name == "shakespeare" and config["num_clients"] is None:
     config["num_clients"] = SHAKESPEARE_ROLES
+  if config["planted"] is not None:
+    config["planted"] = _planted(config["planted"])
   if not natural:
     config["partition"] = config["partition"] or "dirichlet"
     if config["partition"] not in PARTITIONS:
@@ -328,6 +334,17 @@ def _check_host_driven(config: dict[str, Any], names: list[str]) -> None:
     raise UsageError(f"{what}: --async does not apply; run it without --async")
   if config["attack"] is not None:
     raise UsageError(f"{what}: --attack {config['attack']} does not apply to it")
+
+
+def _planted(value: Any) -> str:
+  """`KIND:G` checked (`labels:3`, `rotate:4`)."""
+  from fedjax_opt.data import PLANTED_KINDS
+
+  kind, _, count = str(value).partition(":")
+  if kind not in PLANTED_KINDS or not count.isdigit() or int(count) < 1:
+    raise UsageError(f"--planted must be KIND:G with KIND one of {', '.join(PLANTED_KINDS)} and G ≥ 1 groups "
+                     f"(e.g. labels:3); got {value!r}")
+  return f"{kind}:{int(count)}"
 
 
 def check_devices(config: dict[str, Any]) -> None:

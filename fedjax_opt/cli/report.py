@@ -36,6 +36,10 @@ def results_table(rows: list[dict[str, Any]]) -> str:
   if any("personalized_accuracy" in r for r in rows):
     columns += [("pers. acc", lambda r: _cell(r, "personalized_accuracy")),
                 ("pers. p10", lambda r: _cell(r, "personalized_accuracy_p10"))]
+  if any("ari" in r for r in rows):
+    columns += [("clusters", lambda r: "-" if "num_clusters" not in r else
+                 str(r["num_clusters"] if isinstance(r["num_clusters"], int) else max(r["num_clusters"]))),
+                ("ARI", lambda r: _cell(r, "ari", ".3f"))]
   if any("objective_gap" in r for r in rows):
     columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
   if any("dp_epsilon" in r for r in rows):

@@ -17,7 +17,25 @@ FLOAT_BITS = 32
 
 
 def load_dataset(config: dict[str, Any]):
-  """The federated dataset the config names."""
+  """The federated dataset the config names (with `--planted`, its clients' examples mapped per group)."""
+  return load_dataset_and_groups(config)[0]
+
+
+def load_dataset_and_groups(config: dict[str, Any]):
+  """(the federated dataset, the planted group of each client `[N]` or None)."""
+  from fedjax_opt import data
+
+  dataset = _load_split(config)
+  if config.get("planted") is None:
+    return dataset, None
+  kind, _, count = config["planted"].partition(":")
+  try:
+    return data.plant_groups(dataset, int(count), kind=kind, seed=config["seed"])
+  except ValueError as e:
+    raise UsageError(f"--planted {config['planted']}: {str(e).splitlines()[0].removeprefix('plant_groups: ')}") from None
+
+
+def _load_split(config: dict[str, Any]):
   from fedjax_opt import data
 
   name = config["dataset"]
@@ -235,9 +253,27 @@ def _last(values: Any) -> Any:
   return float(values[-1]) if values.ndim == 1 else values[:, -1].tolist()
 
 
+def cluster_recovery(state, groups, size: int) -> dict[str, Any]:
+  """The clients' clustering against the planted groups ({} without either): `ari`, `num_clusters` (clusters in
+  use), `cluster_of` (each client's cluster; per seed for a sweep) and `planted_groups`."""
+  import numpy as np
+
+  from fedjax_opt.core import clusters
+
+  found = [clusters.assignment(m) for m in _members(state, size)]
+  if groups is None or found[0] is None:
+    return {}
+  ari = [clusters.adjusted_rand_index(groups, f) for f in found]
+  used = [int(np.unique(f).size) for f in found]
+  out = {"planted_groups": groups.tolist(), "cluster_of": [f.tolist() for f in found]}
+  if size == 1:
+    return {**out, "ari": ari[0], "num_clusters": used[0], "cluster_of": found[0].tolist()}
+  return {**out, "ari": float(np.mean(ari)), "ari_per_seed": ari, "num_clusters": used}
+
+
 def _prepared(config: dict[str, Any]):
-  """(dataset, model, [(name, spec, hyper, algorithm)]): everything built and checked before anything runs."""
-  dataset = load_dataset(config)
+  """(dataset, model, [(name, spec, hyper, algorithm)], planted groups or None): built and checked before running."""
+  dataset, groups = load_dataset_and_groups(config)
   if config["num_clients"] is not None and config["clients_per_round"] > dataset.num_clients:
     raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds the dataset's "
                      f"{dataset.num_clients} clients")
@@ -276,7 +312,7 @@ def _prepared(config: dict[str, Any]):
     except ValueError as e:  # the attack's own checks
       raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
     built.append((name, spec, dict(hyper, **robust_used), algo))
-  return dataset, model, built
+  return dataset, model, built, groups
 
 
 def network_context(config: dict[str, Any], dataset) -> dict[str, Any]:
@@ -412,13 +448,18 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   use_cpu_devices(config["devices"])
   train_lib = _train_module()
   say: Callable[..., None] = (lambda *a: None) if config["quiet"] else print
-  dataset, model, built = _prepared(config)
+  dataset, model, built, groups = _prepared(config)
   if overwrite and not resume:
     config_lib.clear_previous(out)
   created = not os.path.exists(out)
   os.makedirs(out, exist_ok=True)
   config_lib.write_json(os.path.join(out, "config.json"), config, indent=1)
   say(dataset.summary())
+  if groups is not None:
+    kind = config["planted"].partition(":")[0]
+    say(f"planted groups: {len(set(groups.tolist()))} groups of clients, "
+        + ("each group's labels permuted" if kind == "labels" else "each group's images rotated by g·90°")
+        + "; clusterings scored by their adjusted Rand index (ARI) against them")
   say(f"model {model.name}; {len(built)} algorithm(s), {config['rounds']} rounds"
       + (f"; {config['seeds']} seeds per algorithm (one vmapped program)" if config["seeds"] > 1 else ""))
   if privacy.enabled(config):
@@ -486,6 +527,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
       if diverged is None:
         row["personalized_accuracy_per_client"] = personalized_per_client(
             spec, algo, state, dataset, {"accuracy": scored.accuracy_fn}, config["seeds"])
+    row.update(cluster_recovery(state, groups, config["seeds"]))
     if spec.objective is not None and diverged is None:
       row.update(objective_gap(spec, hyper, model, state, dataset, config["seeds"]))
     bits = bits_per_round(spec, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),

@@ -38,6 +38,7 @@ from fedjax_opt.core.server import Aggregated, aggregate_updates, apply_server_u
 from fedjax_opt.core.types import Aggregator, LossFn, PyTree
 
 __all__ = [
+    "adjusted_rand_index", "assignment",
     "ClusterAggregated", "Bipartition", "select", "stack", "perturbed", "cluster_losses", "lowest_loss",
     "aggregate_per_cluster", "apply_per_cluster", "cluster_counts", "most_populated", "client_models",
     "cosine_similarity", "minimax_bipartition", "round_aggregated",
@@ -274,3 +275,57 @@ def round_aggregated(agg: ClusterAggregated) -> Aggregated:
   the finite ones (a client of a rejected cluster is not aggregated), `update` is the `[K, ...]` stack."""
   return Aggregated(update=agg.update, state=agg.state, finite=agg.used, num_nonfinite=agg.num_nonfinite,
                     accepted=jnp.any(agg.accepted))
+
+
+def adjusted_rand_index(labels_true: Any, labels_pred: Any) -> float:
+  """The adjusted Rand index of two partitions of the same n items (Hubert & Arabie 1985), on the host, float64.
+
+  With the contingency table n_ij (items in class i of `labels_true` and
+  cluster j of `labels_pred`), row sums a_i and column sums b_j,
+
+      ARI = (Σ_ij C(n_ij, 2) − E) / (½ (Σ_i C(a_i, 2) + Σ_j C(b_j, 2)) − E),   E = Σ_i C(a_i, 2) Σ_j C(b_j, 2) / C(n, 2).
+
+  1 when the partitions agree up to renaming the clusters, about 0 for a
+  random assignment (negative below chance). Two partitions that are both
+  trivial (every item alone, or all in one) give 1, as scikit-learn does.
+  Labels are any integers (only equality matters).
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  a = np.asarray(labels_true).reshape(-1)
+  b = np.asarray(labels_pred).reshape(-1)
+  if a.shape != b.shape:
+    raise ValueError(f"adjusted_rand_index: the two labelings must have the same length; got {a.size} and {b.size}.")
+  n = a.size
+  _, ia = np.unique(a, return_inverse=True)
+  _, ib = np.unique(b, return_inverse=True)
+  table = np.zeros((ia.max(initial=-1) + 1, ib.max(initial=-1) + 1), np.float64)
+  np.add.at(table, (ia, ib), 1.0)
+  pairs = lambda m: m * (m - 1) / 2  # noqa: E731
+  index = pairs(table).sum()
+  rows, cols = pairs(table.sum(axis=1)).sum(), pairs(table.sum(axis=0)).sum()
+  expected = rows * cols / pairs(n) if n > 1 else 0.0
+  top = 0.5 * (rows + cols)
+  if top == expected:  # both partitions trivial (all singletons or one cluster): identical up to renaming
+    return 1.0
+  return float((index - expected) / (top - expected))
+
+
+def assignment(state: Any) -> Any:
+  """Each client's cluster `[N]` (host int array), or None when the state has no clustering of the clients.
+
+  IFCA and CFL: `cluster_of`. FedEM: the component of largest mixture weight,
+  argmax_m π_km (`mixture_weights`); D-FedEM: the same from each node's
+  `local_params["weights"]`. What `adjusted_rand_index` scores against planted
+  groups (`fo.data.plant_groups`).
+  """
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  if hasattr(state, "cluster_of"):
+    return np.asarray(state.cluster_of)
+  if hasattr(state, "mixture_weights"):
+    return np.argmax(np.asarray(state.mixture_weights), axis=-1)
+  local = getattr(state, "local_params", None)
+  if isinstance(local, dict) and "weights" in local and "components" in local:
+    return np.argmax(np.asarray(local["weights"]), axis=-1)
+  return None

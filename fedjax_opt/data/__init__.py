@@ -28,6 +28,7 @@ from fedjax_opt.data.embedded import (
     load_mnist5k,
     mnist5k_arrays,
 )
+from fedjax_opt.data.planted import PLANTED_KINDS, plant_groups
 from fedjax_opt.data.partition import (
     Partition,
     dirichlet_partition,
@@ -62,6 +63,7 @@ __all__ = [
     "DatasetInfo",
     "FederatedDataset",
     "LEAF_VOCAB",
+    "PLANTED_KINDS",
     "Partition",
     "SyntheticData",
     "SyntheticParams",
@@ -91,6 +93,7 @@ __all__ = [
     "natural_partition",
     "pack",
     "pack_sequences",
+    "plant_groups",
     "power_law_partition",
     "read_idx",
     "read_idx_images",
