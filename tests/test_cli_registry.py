@@ -107,7 +107,9 @@ def test_bits_per_round_counts_each_message_once():
   np.testing.assert_array_equal(run_lib.bits_per_round(r["scaffold"], metrics, p, 10, 50), [22 * 32 * p] * 3)
   np.testing.assert_array_equal(run_lib.bits_per_round(r["fedu"], metrics, p, 10, 50), [10 * 32 * p] * 3)
   np.testing.assert_array_equal(run_lib.bits_per_round(r["cq_ggadmm"], metrics, p, 50, 50), [5.0, 0.0, 7.0])
-  np.testing.assert_array_equal(run_lib.bits_per_round(r["l2gd"], metrics, p, 50, 50), [0, 51 * 32 * p, 51 * 32 * p])
+  l2 = {"client_loss": np.zeros(3), "bits_up": np.array([0.0, 32.0 * p, 32.0 * p]),
+        "bits_down": np.array([0.0, 32.0 * p, 32.0 * p])}  # L2GD: a model each way when it communicates
+  np.testing.assert_array_equal(run_lib.bits_per_round(r["l2gd"], l2, p, 50, 50), [0, 51 * 32 * p, 51 * 32 * p])
 
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -70,6 +70,17 @@ participation this is exactly the iteration above. A client whose update is
 not finite is such a client: its non-finite x̂_i never enters z, nor its λ_i
 update, its x_i, λ_i and w_i stay at their last finite values, and it is
 counted in `metrics["num_nonfinite"]`.
+
+Communication (`metrics["bits_up"]`, `metrics["bits_down"]`, float32, per
+client). A client taking part receives z^k and sends one model-sized vector,
+its term of the z-average, x̂_i + λ_i^k/ρ (Boyd's x_i + u_i), and applies its
+dual update itself when z^{k+1} arrives (the code applies it in `step`, with
+the same result). So bits_down = 32 P (the broadcast, P the model's
+parameters in float32) and bits_up = 32 P per client taking part (0 in an
+iteration no client took part in), as for FedAvg. Scalars (ρ, the client's
+example count, its objective) are not counted. With every client in every
+iteration z^{k+1} is the next broadcast; with partial participation a
+client needs it once more at the end of its round, 32 P not counted here.
 """
 
 from __future__ import annotations
@@ -87,7 +98,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import LocalResult, masked_mean_loss
 from fedjax_opt.core.rounds import ClientOutput, client_round
-from fedjax_opt.core.tree import global_norm
+from fedjax_opt.core.tree import global_norm, tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_client_batches, check_key, check_loss_fn, check_num_clients,
                                         check_positive, is_concrete)
@@ -104,6 +115,8 @@ CONSENSUS_METRICS = {
     "rho": jnp.float32,
     "num_clients": jnp.int32,
     "num_nonfinite": jnp.int32,
+    "bits_up": jnp.float32,
+    "bits_down": jnp.float32,
 }
 """`state.metrics` of `admm_consensus` after an iteration.
 
@@ -113,7 +126,9 @@ CONSENSUS_METRICS = {
 * converged: Boyd's stopping test ‖r‖ ≤ ε_pri and ‖s‖ ≤ ε_dual;
 * rho: the penalty used in this iteration;
 * num_clients: clients whose x_i, λ_i were updated;
-* num_nonfinite: clients that took part but whose update was not finite (kept x_i, λ_i).
+* num_nonfinite: clients that took part but whose update was not finite (kept x_i, λ_i);
+* bits_up: bits sent per client that took part, 32 P (x̂_i + λ_i/ρ; 0 when none took part);
+* bits_down: bits each client received, 32 P (z).
 """
 
 
@@ -278,6 +293,7 @@ def admm_consensus(
     else:
       next_rho = rho_k
     metric_weight = jnp.where(write, weight, 0)
+    message = float(tree_bits(z))  # one model-sized vector each way (module docstring)
     values = {
         "objective": jnp.sum(jnp.where(write, weight * objective, 0)) / jnp.maximum(jnp.sum(metric_weight), 1),
         "primal_residual": primal,
@@ -288,6 +304,8 @@ def admm_consensus(
         "rho": rho_k,
         "num_clients": jnp.sum(clients.stored[0].written, dtype=jnp.int32),
         "num_nonfinite": clients.agg.num_nonfinite,
+        "bits_up": jnp.where(jnp.any(clients.weights > 0), message, 0.0),
+        "bits_down": message,
     }
     return ADMMConsensusState(
         params=new_z,

@@ -69,6 +69,14 @@ iteration above (equal up to floating-point rounding). The residuals are then �
 ‖s‖ = ρ √N ‖\\bar{z}^{k+1} − \\bar{z}^k‖. An iteration with no finite client
 changes nothing. The labels are the server's (client 0's `targets`) and are
 not guarded.
+
+Communication (`metrics["bits_up"]`, `metrics["bits_down"]`, float32, per
+client; every client takes part in every iteration). Messages are vectors
+over the static sample axis of m_max = `num_samples` entries, never the
+coefficients: a client sends A_i x_i, and h_i as well when α ≠ 1, so
+bits_up = 32 m_max (α = 1) or 64 m_max (α ≠ 1); it receives one vector,
+\\bar{z} − h̄ − u (with its own h_i, its next target is z_i − u = h_i +
+\\bar{z} − h̄ − u; Boyd §8.3), bits_down = 32 m_max (float32).
 """
 
 from __future__ import annotations
@@ -95,10 +103,13 @@ SHARING_METRICS = {
     "primal_residual": jnp.float32,
     "dual_residual": jnp.float32,
     "num_nonfinite": jnp.int32,
+    "bits_up": jnp.float32,
+    "bits_down": jnp.float32,
 }
 """`state.metrics` of `admm_sharing`: the objective at the new x, ‖r‖ = √N_F ‖h̄ − t‖
 (= √N ‖h̄ − \\bar{z}‖ when every client is finite; h̄ = \\bar{Ax} when α = 1),
-‖s‖ = ρ √N ‖\\bar{z}^{k+1} − \\bar{z}^k‖, and the clients frozen because their update was not finite."""
+‖s‖ = ρ √N ‖\\bar{z}^{k+1} − \\bar{z}^k‖, the clients frozen because their update was not finite, and the
+bits each client sent (32 m_max, 64 m_max when α ≠ 1) and received (32 m_max) (module docstring)."""
 
 SHARING_LOSSES = ("squared", "logistic")
 """The data losses of `admm_sharing` (see the module docstring)."""
@@ -321,11 +332,14 @@ def admm_sharing(
     else:
       data_loss = jnp.sum(jnp.where(real, jax.nn.softplus(combined) - b * combined, 0)) / m
     objective = data_loss + l1 * jnp.sum(jnp.abs(params)) + 0.5 * l2 * jnp.sum(jnp.square(params))
+    vector_bits = float(8 * m_max * jnp.dtype(b.dtype).itemsize)  # one [m] vector (module docstring)
     values = {
         "objective": objective,
         "primal_residual": jnp.where(accepted, jnp.sqrt(n_f) * jnp.linalg.norm(mean_relaxed - t), 0),
         "dual_residual": rho_k * np.sqrt(n) * jnp.linalg.norm(z_bar - state.z_bar),
         "num_nonfinite": jnp.sum(~finite),
+        "bits_up": jnp.where(jnp.asarray(relaxation) == 1, 1.0, 2.0) * vector_bits,
+        "bits_down": vector_bits,
     }
     return ADMMSharingState(
         params=params, z_bar=z_bar, scaled_dual=scaled_dual, mean_prediction=mean_prediction,

@@ -77,7 +77,14 @@ before the round's update; for R local steps the mean loss along the
 steps), `consensus_distance` ((1/N) Σ_i ‖x_i − x̄‖² after the round),
 `bytes_sent` (per node, averaged over the nodes: the models a node sends to
 its neighbours, #{i ≠ j : W̃_ij ≠ 0} × the model's bytes; gradient tracking
-sends two vectors, x through W^(k) and y through W^(k−1)), `num_nonfinite`.
+sends two vectors, x through W^(k) and y through W^(k−1)), `bits_up` (the
+same in bits, 8 × `bytes_sent`: 32 P per neighbour for a float32 model of P
+entries), `bits_down` (per node, averaged: what a node receives from its
+neighbours, (1/N) Σ_i #{j ≠ i : W̃_ij ≠ 0} × 32 P, the row counts of W̃; for
+gradient tracking the rows of W̃^(k) and W̃^(k−1)), `num_nonfinite`. Every
+entry W̃_ij ≠ 0 off the diagonal is one message, from j to i, so the two
+means agree (2|E| × 32 P / N per vector gossiped over |E| edges); a node cut
+out of the graph sends and receives nothing.
 """
 
 from __future__ import annotations
@@ -106,6 +113,8 @@ DECENTRALIZED_METRICS = {
     "client_loss": jnp.float32,
     "consensus_distance": jnp.float32,
     "bytes_sent": jnp.float32,
+    "bits_up": jnp.float32,
+    "bits_down": jnp.float32,
     "num_nonfinite": jnp.int32,
 }
 """The diagnostics of a decentralized round (module docstring)."""
@@ -139,12 +148,17 @@ def consensus_distance(table: PyTree) -> jax.Array:
   return mixing_lib.consensus_distance(table)
 
 
-def _metrics(loss: jax.Array, count: jax.Array, ok: jax.Array, table: PyTree, sent: jax.Array) -> dict[str, jax.Array]:
+def _metrics(loss: jax.Array, count: jax.Array, ok: jax.Array, table: PyTree, sent: jax.Array, received: jax.Array,
+             message_bytes: int) -> dict[str, jax.Array]:
+  """The round's `DECENTRALIZED_METRICS`; `sent` / `received` `[N]` count each node's messages of `message_bytes`."""
   used = ok & (count > 0)
+  mean_sent = jnp.mean(sent.astype(jnp.float32))
   values = {
       "client_loss": jnp.sum(jnp.where(used, loss, 0)) / jnp.maximum(jnp.sum(used), 1),
       "consensus_distance": mixing_lib.consensus_distance(table),
-      "bytes_sent": sent,
+      "bytes_sent": mean_sent * message_bytes,
+      "bits_up": mean_sent * (8 * message_bytes),
+      "bits_down": jnp.mean(received.astype(jnp.float32)) * (8 * message_bytes),
       "num_nonfinite": jnp.sum(~ok),
   }
   return {name: jnp.asarray(values[name]).astype(dtype) for name, dtype in DECENTRALIZED_METRICS.items()}
@@ -211,9 +225,10 @@ def _local_sgd(name: str, loss_fn: LossFn, eta: Any, mixing: Any, local_steps: i
     else:
       new = jax.tree.map(jnp.add, mixing_lib.mix(w, x), delta)
     table = select_rows(ok, new, x)
-    sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * mixing_lib.model_bytes(state.params)
+    metrics = _metrics(loss, count, ok, table, mixing_lib.messages_sent(w), mixing_lib.messages_received(w),
+                       mixing_lib.model_bytes(state.params))
     return state.replace(params=_average(table, state.params), local_params=table, round=state.round + 1,
-                         metrics=_metrics(loss, count, ok, table, sent))
+                         metrics=metrics)
 
   return FederatedAlgorithm(init, step)
 
@@ -359,9 +374,10 @@ def gradient_tracking(
     x_new = jax.tree.map(lambda a, b: a - step_size.astype(a.dtype) * b, mixing_lib.mix(w_x, x), y_new)
     table = select_rows(ok, x_new, x)
     tracker = select_rows(ok, y_new, y)
-    messages = mixing_lib.messages_sent(w_x) + mixing_lib.messages_sent(w_y)
-    sent = jnp.mean(messages.astype(jnp.float32)) * mixing_lib.model_bytes(state.params)
+    sent = mixing_lib.messages_sent(w_x) + mixing_lib.messages_sent(w_y)
+    received = mixing_lib.messages_received(w_x) + mixing_lib.messages_received(w_y)
+    metrics = _metrics(loss, count, ok, table, sent, received, mixing_lib.model_bytes(state.params))
     return state.replace(params=_average(table, state.params), local_params=table, tracker=tracker, gradients=g,
-                         round=state.round + 1, metrics=_metrics(loss, count, ok, table, sent))
+                         round=state.round + 1, metrics=metrics)
 
   return FederatedAlgorithm(init, step)

@@ -47,7 +47,12 @@ between the components).
 
 D-FedEM (`d_fedem`), the paper's fully decentralized variant: no server,
 every node keeps its own components and averages them with its neighbours
-through a mixing matrix after its local EM step (see `d_fedem`).
+through a mixing matrix after its local EM step (see `d_fedem`). Its metrics
+(`DFedEMState`) count what a node sends as in `gossip`, its M components per
+message: `bytes_sent` = (1/N) Σ_j #{i ≠ j : W̃_ij ≠ 0} × 4 M P (P the
+parameters of one component, float32), `bits_up` = 8 × `bytes_sent`, and
+`bits_down` = (1/N) Σ_i #{j ≠ i : W̃_ij ≠ 0} × 32 M P, the components a node
+receives from its neighbours (the π_t never leave their node).
 """
 
 from __future__ import annotations
@@ -298,8 +303,9 @@ class DFedEMState:
       `[N, M]`}, so `fo.personalized_params(state, t)` is node t's model (read with `mixture_model`).
     round: rounds applied, int32 (indexes a time-varying mixing sequence).
     key: PRNG key (nothing is drawn after `init`; kept for the common state contract).
-    metrics: `client_loss`, `consensus_distance` (of the components), `bytes_sent` (per node),
-      `num_nonfinite`, `component_share` `[M]`.
+    metrics: `client_loss`, `consensus_distance` (of the components), `bytes_sent`, `bits_up` and
+      `bits_down` (per node, averaged over the nodes; module docstring), `num_nonfinite`,
+      `component_share` `[M]`.
   """
 
   params: PyTree
@@ -367,7 +373,8 @@ def d_fedem(
     table = {"components": jax.tree.map(lambda c: jnp.broadcast_to(c, (n,) + c.shape), components),
              "weights": jnp.full((n, m), 1.0 / m, jnp.float32)}
     metrics = {"client_loss": jnp.zeros((), jnp.float32), "consensus_distance": jnp.zeros((), jnp.float32),
-               "bytes_sent": jnp.zeros((), jnp.float32), "num_nonfinite": jnp.zeros((), jnp.int32),
+               "bytes_sent": jnp.zeros((), jnp.float32), "bits_up": jnp.zeros((), jnp.float32),
+               "bits_down": jnp.zeros((), jnp.float32), "num_nonfinite": jnp.zeros((), jnp.int32),
                "component_share": jnp.full((m,), 1.0 / m, jnp.float32)}
     return DFedEMState(params=summary(table), local_params=table, round=jnp.zeros((), jnp.int32), key=key,
                        metrics=metrics)
@@ -387,12 +394,15 @@ def d_fedem(
     new_comps = rows(mixing_lib.mix(w, jax.tree.map(jnp.add, comps, delta)), comps)
     table = {"components": new_comps, "weights": rows(new_pi, weights)}
     used = ok & (count > 0)
-    sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * mixing_lib.model_bytes(
-        jax.tree.map(lambda t: t[0], comps))
+    message_bytes = mixing_lib.model_bytes(jax.tree.map(lambda t: t[0], comps))  # one node's M components
+    sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * message_bytes
+    received = jnp.mean(mixing_lib.messages_received(w).astype(jnp.float32)) * message_bytes
     metrics = {
         "client_loss": (jnp.sum(jnp.where(used, loss, 0)) / jnp.maximum(jnp.sum(used), 1)).astype(jnp.float32),
         "consensus_distance": mixing_lib.consensus_distance(new_comps),
         "bytes_sent": jnp.asarray(sent, jnp.float32),
+        "bits_up": jnp.asarray(8 * sent, jnp.float32),
+        "bits_down": jnp.asarray(8 * received, jnp.float32),
         "num_nonfinite": jnp.sum(~ok).astype(jnp.int32),
         "component_share": jnp.mean(table["weights"], axis=0).astype(jnp.float32),
     }

@@ -96,7 +96,14 @@ generalized GADMM (GGADMM), and on a chain exactly `gadmm`.
 
 Communication accounting (`state.metrics`): an unquantized transmission is
 32 P bits (P model parameters sent as float32); a quantized one b P + 32 bits
-(b bits per coordinate and R as one float32). Duals are never sent.
+(b bits per coordinate and R as one float32). Duals are never sent. A
+transmission is one broadcast to the worker's neighbours, counted once in
+`bits` (the iteration's total). Per worker, averaged over the N workers:
+`bits_up` = `bits` / N = (1/N) Σ_n t_n q, what a worker sends, and
+`bits_down` = (1/N) Σ_n t_n d_n q, what a worker receives (each of its
+neighbours' transmissions), with t_n = 1 if worker n transmitted, d_n its
+degree and q the bits of one message. On a chain with every worker
+transmitting, bits_up = q and bits_down = 2(N − 1) q / N.
 
 Data. GADMM is decentralized and every worker computes every iteration, so
 `step` takes a `ClientBatches` with every worker's data: C = N rows, row n
@@ -160,6 +167,8 @@ GADMM_METRICS = {
     "bits_cumulative": jnp.float32,
     "censor_threshold": jnp.float32,
     "num_nonfinite": jnp.int32,
+    "bits_up": jnp.float32,
+    "bits_down": jnp.float32,
 }
 """`state.metrics` of `gadmm` and `cq_ggadmm` after an iteration.
 
@@ -171,7 +180,9 @@ GADMM_METRICS = {
   never sent); *_cumulative: since `init`;
 * censor_threshold: τ₀ ξ^k used in this iteration (0 for `gadmm`);
 * num_nonfinite: workers whose update was not finite (kept their model, sent nothing,
-  their edges' duals not updated).
+  their edges' duals not updated);
+* bits_up, bits_down: per worker, the mean over the N workers of the bits it sent
+  (`bits` / N) and received (its neighbours' transmissions; module docstring).
 """
 
 
@@ -325,7 +336,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
     return new, objective
 
   def group_update(group, key, theta, sent, dual_term, rho_k, threshold, batches, scale, weight):
-    """One group's parallel update; returns the new tables and (objective, transmissions, finite `[G]`)."""
+    """One group's parallel update; returns the new tables and (objective, transmitted `[G]`, finite `[G]`)."""
     dtype = jnp.result_type(*jax.tree.leaves(theta))
     d = jnp.asarray(degree[group], dtype)
     neighbours = _rows(_neighbour_sum(sent, edges, n), group)
@@ -340,7 +351,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
     objective = jnp.sum(jnp.where(finite, jnp.take(weight, group) * objective, 0))
     theta = per_client.scatter(theta, ids, new, finite).table
     if not compress:
-      return theta, theta, (objective, jnp.sum(finite, dtype=jnp.int32), finite)
+      return theta, theta, (objective, finite, finite)
     sent_old = per_client.gather(sent, ids)
     change = jax.tree.map(jnp.subtract, new, sent_old)
     if bits is None:
@@ -352,7 +363,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
       candidate = jax.tree.map(jnp.add, sent_old, change)
     transmit = finite & (_row_norms(change) >= threshold)
     sent = per_client.scatter(sent, ids, candidate, transmit).table
-    return theta, sent, (objective, jnp.sum(transmit, dtype=jnp.int32), finite)
+    return theta, sent, (objective, transmit, finite)
 
   def init(params: PyTree, key: jax.Array) -> GADMMState:
     check_key(key)
@@ -387,11 +398,12 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
       scale, weight = n * counts / total, counts / total
     else:
       scale = weight = jnp.ones((n,), dtype)
-    objective, transmissions, finite = 0.0, 0, jnp.ones((n,), bool)
+    objective, transmitted, finite = 0.0, jnp.zeros((n,), bool), jnp.ones((n,), bool)
     for group, group_key in zip(groups, jax.random.split(round_key)):  # heads, then tails: two static phases
       theta, sent, (f, t, ok) = group_update(group, group_key, theta, sent, dual_term, rho_k, threshold, batches,
                                              scale, weight)
-      objective, transmissions, finite = objective + f, transmissions + t, finite.at[group].set(ok)
+      objective, transmitted, finite = objective + f, transmitted.at[group].set(t), finite.at[group].set(ok)
+    transmissions = jnp.sum(transmitted, dtype=jnp.int32)
 
     residual = _edge_difference(sent, edges)
     # An edge with a non-finite end keeps its dual (module docstring).
@@ -402,6 +414,8 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
     num_params = sum(int(np.prod(jnp.shape(p))) for p in jax.tree.leaves(state.params))
     per_message = FLOAT_BITS * num_params if bits is None else bits * num_params + FLOAT_BITS
     round_bits = transmissions.astype(jnp.float32) * per_message
+    # Each transmission reaches the worker's d_n neighbours: Σ_n t_n d_n messages received in all.
+    receptions = jnp.sum(jnp.where(transmitted, jnp.asarray(degree, jnp.float32), 0))
     values = {
         "objective": objective,
         "primal_residual": global_norm(residual),
@@ -411,6 +425,8 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
         "bits_cumulative": state.metrics["bits_cumulative"] + round_bits,
         "censor_threshold": threshold,
         "num_nonfinite": jnp.sum(~finite),
+        "bits_up": round_bits / n,
+        "bits_down": receptions * per_message / n,
     }
     average = jax.tree.map(lambda t, p: jnp.mean(t, axis=0).astype(jnp.result_type(p)), theta, state.params)
     return GADMMState(

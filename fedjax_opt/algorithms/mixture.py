@@ -49,6 +49,17 @@ to upload models only (at the first two aggregation steps of a run; see
 `l2sgd_plus`). The counters count communication *rounds*;
 `num_vectors_sent` counts the vectors each device sent.
 
+Bits (`metrics["bits_up"]`, `metrics["bits_down"]`, float32, per client:
+every client takes part in every iteration). In an iteration with
+`communicated` set, each device uploads v model-sized vectors and the master
+sends v back, 32 P each for a float32 model of P entries; 0 in every other
+iteration: bits_up = bits_down = 32 P v · communicated. L2GD and L2SGD: v = 1
+(x_i up, x̄ down; x̄ does not move during the run, so the devices take its
+aggregation steps themselves). L2SGD+ "plain": v = 3 (x_i, J̄_i, Ψ_i up; x̄,
+mean J̄_i and mean Ψ_i down, what a device needs to follow x̄'s drift through
+the run). "efficient": v = 1 at the first two aggregation steps of a run
+(x_i up, x̄ down; the second x̄ minus the first is the drift).
+
 Data layout (all three): one `step` is one iteration with all n clients.
 `ClientBatches` carries every client's full data set, `C = n` (full
 participation), `client_id` a permutation of `arange(n)` (normally
@@ -91,6 +102,7 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key, check_loss_fn,
                                         check_num_clients, check_positive, check_probability, is_concrete)
@@ -115,8 +127,9 @@ class L2GDState:
     metrics: `aggregated` (ξ_k, bool), `communicated` (ξ_{k−1} = 0 and ξ_k = 1),
       `num_communications` (int32, since init), `num_nonfinite` (int32, the
       clients that sat this iteration out because what they computed was not
-      finite); L2GD adds `objective`, F(x^k) at the iterate the step started
-      from (over the clients whose loss is finite).
+      finite), `bits_up` = `bits_down` = 32 P · communicated (float32, per
+      client; module docstring); L2GD adds `objective`, F(x^k) at the iterate
+      the step started from (over the clients whose loss is finite).
   """
 
   params: PyTree
@@ -142,7 +155,8 @@ class L2SGDPlusState:
       `num_nonfinite` as in `L2GDState` (no `objective`), and
       `num_vectors_sent`: d-dimensional vectors each device has sent since
       init (3 per communication for "plain": x_i, J̄_i, Ψ_i; 1 for
-      "efficient": x_i).
+      "efficient": x_i); `bits_up` = `bits_down` = 32 P v · communicated
+      (v = 3 "plain", 1 "efficient"; module docstring).
     master_average: `variant="efficient"` only (None otherwise): the master's
       copy of x̄, used by the aggregation steps.
     master_drift: "efficient" only: the master's estimate of x̄'s change per
@@ -279,9 +293,16 @@ def _communication_metrics(state: Any, coin: jax.Array) -> dict[str, jax.Array]:
   return {"aggregated": coin, "communicated": communicated, "num_communications": total}
 
 
+def _bits_metrics(communicated: jax.Array, vectors: int, model: PyTree) -> dict[str, jax.Array]:
+  """`bits_up` = `bits_down` = `vectors` model-sized messages each way per client when `communicated`, else 0."""
+  bits = communicated.astype(jnp.float32) * float(vectors * tree_bits(model))
+  return {"bits_up": bits, "bits_down": bits}
+
+
 def _initial_communication_metrics() -> dict[str, jax.Array]:
   return {"aggregated": jnp.ones((), bool), "communicated": jnp.zeros((), bool),
-          "num_communications": jnp.zeros((), jnp.int32), "num_nonfinite": jnp.zeros((), jnp.int32)}
+          "num_communications": jnp.zeros((), jnp.int32), "num_nonfinite": jnp.zeros((), jnp.int32),
+          "bits_up": jnp.zeros((), jnp.float32), "bits_down": jnp.zeros((), jnp.float32)}
 
 
 def _finite_clients(*computed: PyTree) -> tuple[jax.Array, jax.Array]:
@@ -384,6 +405,7 @@ def _loopless_local(loss_fn, lam, alpha, p, num_clients, stochastic, smoothness,
     finite, num_nonfinite = _finite_clients(grads, new_x)
     table = per_client.scatter(state.local_params, batches.client_id, new_x, finite).table
     metrics = {**_communication_metrics(state, coin), "num_nonfinite": num_nonfinite}
+    metrics.update(_bits_metrics(metrics["communicated"], 1, state.params))
     if not stochastic:
       objective = _finite_mean(losses) + lam * consensus_penalty(state.local_params)
       metrics["objective"] = objective.astype(state.metrics["objective"].dtype)
@@ -624,6 +646,7 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
                  "num_communications": state.metrics["num_communications"] + uploaded.astype(jnp.int32)}
     metrics["num_vectors_sent"] = state.metrics["num_vectors_sent"] + vectors_per_communication * (
         metrics["communicated"].astype(jnp.int32))
+    metrics.update(_bits_metrics(metrics["communicated"], vectors_per_communication, state.params))
     pull = jax.tree.map(lambda a, b: lam * (a - b), x, x_bar)  # λ(x_i − x̄)
     local = jax.tree.map(lambda g, o, jm, ps: (g - o) / (1.0 - p) + jm + ps, grad, old, mean, psi)
     toward = jax.tree.map(lambda pl, jm, ps: (pl - ps) / p + jm + ps, pull, mean, psi)

@@ -68,6 +68,8 @@ i.e. ∇f_i(x_i) + λ(x_i − x̄) = 0: exactly the stationarity of Φ (and of F
 
 Per round every client receives one vector, ρκ(z − x̄) − y (with its own
 x_i^k it forms v_i), and sends x_i^{k+1}; the x_i' of "split" are never stored.
+So `metrics["bits_up"]` = `metrics["bits_down"]` = 32 P per client (P the
+model's parameters, sent as float32), every client taking part every round.
 
 Exact or inexact x-update (`core.prox.prox_update`). With
 `prox(v, rho, data, mask)` (e.g. `core.prox.prox_least_squares`,
@@ -113,7 +115,8 @@ mixture objective, library scale), `primal_residual` √n ‖x̄^{k+1} − z^{k+
 `dual_residual` ρ√n ‖z^{k+1} − z^k‖, `stationarity`
 max_i ‖x_i − x̄ + (1/λ)∇f_i(x_i)‖ at x^{k+1} (+inf when λ = 0) and
 `gradient_residual` max_i ‖∇f_i(x_i) + λ(x_i − x̄)‖ (= n max_i ‖∂F/∂x_i‖, also
-defined at λ = 0). They cost one extra gradient per client per round.
+defined at λ = 0), `bits_up` and `bits_down` (32 P each, float32; above).
+The residuals cost one extra gradient per client per round.
 
 A client whose update is not finite (a NaN in its data, say: its x_i^{k+1} or
 its gradient holds a NaN or Inf) makes no step: its x_i stays at its last
@@ -148,7 +151,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
-from fedjax_opt.core.tree import global_norm
+from fedjax_opt.core.tree import global_norm, tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_key, check_loss_fn,
                                         check_num_clients, check_positive, is_concrete)
@@ -159,9 +162,13 @@ __all__ = ["MixtureADMMState", "mixture_admm", "VARIANTS"]
 VARIANTS = ("jacobi", "split")
 """The two ADMM forms of the mixture problem (see the module docstring)."""
 
-METRICS = ("objective", "primal_residual", "dual_residual", "stationarity", "gradient_residual", "num_nonfinite")
+METRICS = ("objective", "primal_residual", "dual_residual", "stationarity", "gradient_residual", "num_nonfinite",
+           "bits_up", "bits_down")
 """Names of `state.metrics` (scalars in the model's dtype; `num_nonfinite`, the clients whose update was not
-finite and which kept their x_i, int32); see the module docstring."""
+finite and which kept their x_i, int32; `bits_up`, `bits_down`, float32); see the module docstring."""
+
+_METRIC_DTYPES = {"num_nonfinite": jnp.int32, "bits_up": jnp.float32, "bits_down": jnp.float32}
+"""The metrics not in the model's dtype."""
 
 
 @flax.struct.dataclass
@@ -272,7 +279,7 @@ def mixture_admm(
         dual=jax.tree.map(lambda p: (-lam * p).astype(jnp.result_type(p)), params),
         round=jnp.zeros((), jnp.int32),
         key=key,
-        metrics={name: jnp.zeros((), jnp.int32 if name == "num_nonfinite" else dtype) for name in METRICS},
+        metrics={name: jnp.zeros((), _METRIC_DTYPES.get(name, dtype)) for name in METRICS},
     )
 
   def step(state: MixtureADMMState, batches: ClientBatches) -> MixtureADMMState:
@@ -302,6 +309,7 @@ def mixture_admm(
     num_finite = jnp.sum(finite)
     safe_lam = jnp.where(lam > 0, lam, 1.0)
     stationarity = jnp.where(lam > 0, gradient_residual / safe_lam, jnp.inf)
+    message = float(tree_bits(z))  # x_i^{k+1} up, ρκ(z − x̄) − y down: one model-sized vector each way
     values = {
         "objective": (jnp.sum(jnp.where(finite, losses, 0)) / jnp.maximum(num_finite, 1)
                       + lam * consensus_penalty(local_params)),
@@ -310,6 +318,8 @@ def mixture_admm(
         "stationarity": stationarity,
         "gradient_residual": gradient_residual,
         "num_nonfinite": n - num_finite,
+        "bits_up": message,
+        "bits_down": message,
     }
     return MixtureADMMState(
         params=new_z,

@@ -53,7 +53,10 @@ State (`P2PBayesState`): `log_beliefs` `[N, K]` (normalized log b_i),
 network-average log-belief (Σ_i log b_i). Metrics: `belief_entropy` (mean over
 nodes of −Σ_θ b_i log b_i), `map_agreement` (fraction of nodes whose most
 probable hypothesis is `params`), `bytes_sent` (per node, averaged: K log-beliefs
-to each neighbour), `num_nonfinite`.
+to each neighbour), `bits_up` (the same in bits: (1/N) Σ_j #{i ≠ j : W̃_ij ≠ 0}
+× 32 K for float32 beliefs), `bits_down` (per node, averaged: the K
+log-beliefs of each neighbour it averages, (1/N) Σ_i #{j ≠ i : W̃_ij ≠ 0} × 32 K),
+`num_nonfinite`. No model is sent: the hypotheses are known to every node.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ P2P_BAYES_METRICS = {
     "belief_entropy": jnp.float32,
     "map_agreement": jnp.float32,
     "bytes_sent": jnp.float32,
+    "bits_up": jnp.float32,
+    "bits_down": jnp.float32,
     "num_nonfinite": jnp.int32,
 }
 """The diagnostics of a P2P Bayesian round (module docstring)."""
@@ -241,11 +246,15 @@ def p2p_bayes(
     log_beliefs = jnp.where(ok[:, None], mixed, old)
     best, table, agree = summarize(log_beliefs, state.params)
     beliefs = jnp.exp(log_beliefs)
-    sent = (jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * k * jnp.dtype(old.dtype).itemsize)
+    itemsize = jnp.dtype(old.dtype).itemsize  # a message is K log-beliefs
+    sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * k * itemsize
+    received = jnp.mean(mixing_lib.messages_received(w).astype(jnp.float32)) * k * itemsize
     values = {
         "belief_entropy": jnp.mean(-jnp.sum(beliefs * log_beliefs, axis=1)),
         "map_agreement": jnp.mean(agree.astype(jnp.float32)),
         "bytes_sent": sent,
+        "bits_up": 8 * sent,
+        "bits_down": 8 * received,
         "num_nonfinite": jnp.sum(~ok),
     }
     return state.replace(params=best, local_params=table, log_beliefs=log_beliefs, round=state.round + 1,

@@ -114,10 +114,10 @@ class Spec:
       server-based algorithm that needs every client: CFL's splits) or "events" (every client's
       S steps of B examples every server event, of which the arriving client's are used: asynchronous).
     messages: (model-sized uploads per client taking part, broadcasts) per round, counted when
-      `communication` is "rounds"; "bits": the algorithm's `bits` metric; "communicated": (n uploads + 1
-      broadcast) in the rounds whose `communicated` metric is set; "bytes": the algorithm's `bytes_sent` per
-      node (decentralized); "metrics": the round's `bits_up` per client taking part and `bits_down` per client
-      (IFCA broadcasts its K models).
+      `communication` is "rounds"; "bits": the algorithm's `bits` metric; "bytes": the algorithm's
+      `bytes_sent` per node (decentralized); "metrics": the round's `bits_up` per client taking part and
+      `bits_down` once, as one broadcast (IFCA's K models, FedMD's scores, FedMA's layers, L2GD / L2SGD+ only
+      in the iterations that communicate).
     objective: None, "pooled" (the example-weighted pooled risk of state.params) or "mixture" (the mixture
       objective of the per-client table, `fo.objectives.mixture`), for the objective gap.
     data_steps: `data_steps(hyper, S) -> S'`, the batches per client and round the algorithm needs when the
@@ -338,10 +338,10 @@ def _build_registry() -> dict[str, Spec]:
                     communication="metrics"),
       "l2gd": Spec("personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
                    a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
-                   evaluation="table", sampling="full", communication="communicated"),
+                   evaluation="table", sampling="full", communication="metrics"),
       "l2sgd_plus": Spec("personalized", "L2GD with per-example variance reduction (Hanzely & Richtárik 2020)",
                          a.l2sgd_plus, {"lam": 0.1, "alpha": None, "p": 0.2, "example_lr": 0.003},
-                         _l2sgd_plus_wire, evaluation="table", sampling="full_fixed", communication="communicated"),
+                         _l2sgd_plus_wire, evaluation="table", sampling="full_fixed", communication="metrics"),
       "fedu": Spec("personalized", "decentralized Laplacian-regularized personal models on a ring (Dinh et al. 2021)",
                    a.fedu, {"lam": 0.1, "eta": CLIENT_LR},
                    lambda ctx, h: {**_fedu_wire(ctx, h), "local_steps": ctx.local_steps},

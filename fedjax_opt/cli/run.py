@@ -154,8 +154,6 @@ def bits_per_round(spec: registry.Spec, round_metrics: dict, num_params: int, cl
     return member0(round_metrics["bits_up"]) * clients + member0(round_metrics["bits_down"])  # one broadcast
   if spec.communication == "bytes":
     return member0(round_metrics["bytes_sent"]) * 8 * num_clients
-  if spec.communication == "communicated":
-    return member0(round_metrics["communicated"]) * (num_clients + 1) * FLOAT_BITS * num_params
   uploads, broadcasts = spec.messages
   return np.full(rounds, (clients * uploads + broadcasts) * FLOAT_BITS * num_params, np.float64)
 

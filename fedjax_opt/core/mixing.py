@@ -28,7 +28,8 @@ from fedjax_opt import graphs as graphs_lib
 from fedjax_opt.core.types import PyTree
 from fedjax_opt.core.validation import is_concrete
 
-__all__ = ["Mixing", "prepare", "at_round", "exclude", "mix", "messages_sent", "consensus_distance", "model_bytes"]
+__all__ = ["Mixing", "prepare", "at_round", "exclude", "mix", "messages_sent", "messages_received",
+           "consensus_distance", "model_bytes"]
 
 
 class Mixing(NamedTuple):
@@ -103,6 +104,12 @@ def messages_sent(w: jax.Array) -> jax.Array:
   """`[N]` int32: how many neighbours node j sends to in a gossip round, #{i ≠ j : W_ij ≠ 0}."""
   n = w.shape[0]
   return jnp.sum((w != 0) & ~jnp.eye(n, dtype=bool), axis=0, dtype=jnp.int32)
+
+
+def messages_received(w: jax.Array) -> jax.Array:
+  """`[N]` int32: how many neighbours node i receives from in a gossip round, #{j ≠ i : W_ij ≠ 0}."""
+  n = w.shape[0]
+  return jnp.sum((w != 0) & ~jnp.eye(n, dtype=bool), axis=1, dtype=jnp.int32)
 
 
 def model_bytes(params: PyTree) -> int:
