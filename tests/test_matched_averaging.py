@@ -268,6 +268,22 @@ def test_fedma_round_reports_its_communication_and_leaves_out_a_poisoned_client(
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(state.params))
 
 
+def test_a_client_whose_retraining_diverges_is_left_out_of_the_later_layers():
+  """`match` on finite client models whose data make the retraining above layer 1 NaN for client 1."""
+  _, params = _mlp()
+  rng = np.random.default_rng(5)
+  batches = _batches(rng, num_clients=3, input_dim=6, classes=3)
+  x = np.array(batches.data["x"])
+  x[1, 0, 0, 0] = np.nan
+  batches = batches.replace(data={"x": jnp.asarray(x), "y": batches.data["y"]})
+  fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
+                              client_optimizer=optax.sgd(0.1), client_map="vmap")
+  clients = jax.tree.map(lambda a: jnp.stack([a, a * 1.01, a * 0.99]), params)  # finite: the first check passes
+  merged, info = fedma.match(clients, batches)
+  assert info["num_nonfinite"] == 1 and info["num_clients"] == 2 and info["uploaders"] == 3
+  assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves(merged))
+
+
 def test_invalid_inputs_raise_clear_errors():
   _, params = _mlp()
   with pytest.raises(ValueError, match="exactly the layers"):

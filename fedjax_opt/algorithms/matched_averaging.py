@@ -397,16 +397,23 @@ class _Layerwise(NamedTuple):
 
 
 def _matched_averaging(client_params: list[dict], layers: tuple[str, ...], client_weights: np.ndarray,
-                       class_counts: np.ndarray | None, retrain: Callable[[list[dict], int], list[dict]] | None,
-                       seed: int, **prior: Any) -> tuple[dict, list[int], int]:
+                       class_counts: np.ndarray | None,
+                       retrain: Callable[[list[dict], int, np.ndarray], list[dict]] | None,
+                       seed: int, **prior: Any) -> tuple[dict | None, list[int], int, int]:
   """Algorithm 1 of FedMA (PFNM one-shot when `retrain` is None).
 
+  `retrain(params_list, first, rows)` trains layers[first:] of the clients `rows` (indices into
+  `client_params`). A client whose retrained model is not finite is left out of every later layer and of the
+  classifier (counted in the last return value); if none is left, the params are None.
+
   Returns:
-    (global params, the global hidden widths, the floats the clients uploaded: each layer once per client).
+    (global params, the global hidden widths, the floats the clients uploaded: each layer once per client, the
+    clients left out after a retraining diverged).
   """
   state = _Layerwise(params=[dict(p) for p in client_params],
                      owned=[np.ones(_as_neurons(p[layers[0]]).shape[1]) for p in client_params])
   widths, uploaded = [], 0
+  alive = np.arange(len(client_params))
   for n, name in enumerate(layers[:-1]):
     vectors = [_as_neurons(p[name]) for p in state.params]
     uploaded += sum(v.size for v in vectors)
@@ -426,17 +433,25 @@ def _matched_averaging(client_params: list[dict], layers: tuple[str, ...], clien
                 for p, a in zip(state.params, matching.assignments)],
         owned=owned)
     if retrain is not None:  # clients train layers n+1 … N with layers 1 … n frozen: every input row is theirs now
-      state = _Layerwise(params=retrain(state.params, n + 1), owned=[np.ones_like(o) for o in owned])
+      trained = retrain(state.params, n + 1, alive)
+      finite = np.asarray([all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(p)) for p in trained])
+      if not finite.all():  # a client whose retraining diverged leaves the round: it is not matched any further
+        if not finite.any():
+          return None, widths, uploaded, len(client_params)
+        trained, alive = [p for p, ok in zip(trained, finite) if ok], alive[finite]
+      state = _Layerwise(params=trained, owned=[np.ones_like(o) for o, ok in zip(owned, finite) if ok])
     widths.append(matching.width)
   name = layers[-1]
   vectors = [_as_neurons(p[name]) for p in state.params]
   uploaded += sum(v.size for v in vectors)
-  weights = _class_weights(class_counts, client_weights, vectors[0].shape[0])
+  weights = _class_weights(None if class_counts is None else class_counts[alive], client_weights[alive],
+                           vectors[0].shape[0])
   identity = [np.arange(v.shape[0]) for v in vectors]
   merged = _average(vectors, identity, state.owned, weights, vectors[0].shape[0])
   out = dict(state.params[0])
   out[name] = _from_neurons(merged, np.shape(out[name]["kernel"]), np.asarray(out[name]["kernel"]).dtype)
-  return {k: jax.tree.map(jnp.asarray, out[k]) for k in layers}, widths, uploaded
+  return ({k: jax.tree.map(jnp.asarray, out[k]) for k in layers}, widths, uploaded,
+          len(client_params) - len(alive))
 
 
 def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float = 1.0, sigma0: float = 1.0,
@@ -476,7 +491,7 @@ def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float
   if weights.shape != (num,) or np.any(weights < 0) or not np.all(np.isfinite(weights)):
     raise ValueError(f"client_weights must be J = {num} finite values >= 0; got {client_weights}.")
   check_int(iterations, "iterations", 0)
-  params, _, _ = _matched_averaging(client_params, layers, weights, class_counts, None, seed, sigma=sigma, sigma0=sigma0,
+  params, _, _, _ = _matched_averaging(client_params, layers, weights, class_counts, None, seed, sigma=sigma, sigma0=sigma0,
                                  gamma=gamma, mu0=mu0, iterations=iterations, max_width=max_width)
   return params
 
@@ -643,18 +658,19 @@ def fedma(
     data = jax.tree.map(lambda a: jnp.asarray(a)[rows], data)
     mask_kept = jnp.asarray(mask[rows])
 
-    def retrain(params_list, first):
-      trained, _ = train(_stack(params_list), data, mask_kept, first)
+    def retrain(params_list, first, alive):
+      subset = jax.tree.map(lambda a: a[alive], data)
+      trained, _ = train(_stack(params_list), subset, mask_kept[alive], first)
       return _unstack(trained, len(params_list))
 
     clients = _unstack(jax.tree.map(lambda a: np.asarray(a)[rows], client_params), len(rows))
     _check_layers(clients[0], layers)
     num_classes = np.shape(clients[0][layers[-1]]["bias"])[0]
     counts = _class_counts(data, mask[rows], num_classes)
-    params, widths, uploaded = _matched_averaging(clients, layers, np.asarray(batches.weight)[rows], counts, retrain,
-                                                  seed, **prior)
-    return params, {"num_clients": len(rows), "num_nonfinite": num_nonfinite, "widths": widths,
-                    "uploaded_floats": uploaded}
+    params, widths, uploaded, diverged = _matched_averaging(clients, layers, np.asarray(batches.weight)[rows],
+                                                            counts, retrain, seed, **prior)
+    return params, {"num_clients": len(rows) - diverged, "num_nonfinite": num_nonfinite + diverged,
+                    "widths": widths, "uploaded_floats": uploaded, "uploaders": len(rows)}
 
   def run(state: FedMAState, batches: ClientBatches) -> FedMAState:
     check_client_batches(batches)
@@ -673,7 +689,7 @@ def fedma(
     metrics.update(
         client_loss=jnp.float32(np.sum(losses[ok] * weight[ok]) / max(np.sum(weight[ok]), 1e-30)),
         communication_rounds=jnp.float32(len(layers)), uploaded_floats=jnp.float32(info["uploaded_floats"]),
-        bits_up=jnp.float32(32 * info["uploaded_floats"] / info["num_clients"]),
+        bits_up=jnp.float32(32 * info["uploaded_floats"] / info["uploaders"]),
         bits_down=jnp.float32(32 * sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))),
         widths=jnp.asarray(info["widths"], jnp.int32))
     return state.replace(params=params, round=state.round + 1, metrics=metrics)
