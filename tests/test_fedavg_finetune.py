@@ -49,7 +49,7 @@ def _assert_equal(a, b):
   chex.assert_trees_all_equal(a, b)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()  # per test: mutation testing attributes the factory call to every test that uses it
 def two_stage_run():
   """Four rounds with switch_round = 2: FedAvgM, then Adam clients (first M = 1 of S = 2 steps) and FedAdam."""
   with jax.enable_x64(True):
@@ -57,7 +57,7 @@ def two_stage_run():
     rounds = [_random_batches(rng) for _ in range(4)]
     ft = fedavg_finetune(lsq_loss, switch_round=2, personalize_steps=1, client_optimizer=optax.sgd(0.1),
                          finetune_client_optimizer=optax.adam(0.05),
-                         server_optimizer=server_optimizers.fedavgm(1.0, 0.9),
+                         server_optimizer=server_optimizers.fedavgm(0.7, 0.8),
                          finetune_server_optimizer=server_optimizers.fedadam(0.1), finetune_local_steps=1)
     step = jax.jit(ft.step)
     states = [ft.init(_params(), jax.random.key(0))]
@@ -70,13 +70,14 @@ def test_stage_one_is_fedavg_with_server_momentum(two_stage_run):
   """Rounds t < switch_round equal plain FedAvg + FedAvgM, bit for bit; stage 2's optimizer state is untouched."""
   rounds, states = two_stage_run
   with jax.enable_x64(True):
-    ref = fedavg(lsq_loss, client_optimizer=optax.sgd(0.1), server_optimizer=server_optimizers.fedavgm(1.0, 0.9))
+    ref = fedavg(lsq_loss, client_optimizer=optax.sgd(0.1), server_optimizer=server_optimizers.fedavgm(0.7, 0.8))
     ref_state = ref.init(_params(), jax.random.key(0))
     for batches, state in zip(rounds[:2], states[1:3]):
       ref_state = jax.jit(ref.step)(ref_state, batches)
       _assert_equal(state.params, ref_state.params)
       _assert_equal(state.server_opt_state, ref_state.server_opt_state)
       np.testing.assert_array_equal(state.metrics["client_loss"], ref_state.metrics["client_loss"])
+      np.testing.assert_array_equal(jax.random.key_data(state.key), jax.random.key_data(ref_state.key))
       assert not bool(state.metrics["finetuning"])
     _assert_equal(states[2].finetune_opt_state, server_optimizers.fedadam(0.1).init(_params()))
 
@@ -93,6 +94,7 @@ def test_stage_two_uses_the_second_optimizers_from_the_stage_one_model(two_stage
       ref = jax.jit(second.step)(ref, one_step)
       _assert_equal(state.params, ref.params)
       _assert_equal(state.finetune_opt_state, ref.server_opt_state)
+      np.testing.assert_array_equal(jax.random.key_data(state.key), jax.random.key_data(ref.key))
       assert bool(state.metrics["finetuning"])
     _assert_equal(states[4].server_opt_state, states[2].server_opt_state)
     assert int(states[4].round) == 4
