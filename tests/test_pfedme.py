@@ -21,27 +21,41 @@ def _grad_np(w, x, y, m):
   return x[m].T @ (x[m] @ w - y[m]) / n
 
 
-def _numpy_round(w, thetas, x, y, mask, weight, ids, lam, k, nu, eta, beta, personalize_all=False):
+def _numpy_round(w, thetas, x, y, mask, weight, ids, lam, k, nu, eta, beta, personalize_all=False,
+                 with_loss=False):
   """Algorithm 1 of Dinh et al.: θ from w_t, warm across local steps; uniform mean over clients taking part.
 
   personalize_all: every client with data solves its personal problem (θ_i written), only weight > 0 is averaged.
+  with_loss: also the round's `client_loss`: each aggregated client's loss is the example-weighted mean, over its
+  local steps, of the mean over the K inner steps of its batch loss at θ before each inner step; the clients'
+  losses are then averaged weighted by their examples.
   """
   thetas = thetas.copy()
-  finals = []
+  finals, losses, counts = [], [], []
   for c in range(x.shape[0]):
     if weight[c] == 0 and not (personalize_all and mask[c].any()):
       continue
     w_i, theta = w.copy(), w.copy()
+    loss_sum = 0.0
     for r in range(x.shape[1]):
       if not mask[c, r].any():
         continue
+      m = mask[c, r]
+      inner = []
       for _ in range(k):
+        inner.append(np.mean(0.5 * (x[c, r][m] @ theta - y[c, r][m]) ** 2))
         theta = theta - nu * (_grad_np(theta, x[c, r], y[c, r], mask[c, r]) + lam * (theta - w_i))
+      loss_sum += np.mean(inner) * m.sum()
       w_i = w_i - eta * lam * (w_i - theta)
     if weight[c] > 0:
       finals.append(w_i)
+      losses.append(loss_sum / max(mask[c].sum(), 1))
+      counts.append(mask[c].sum())
     thetas[ids[c]] = theta
-  return (1 - beta) * w + beta * np.mean(finals, axis=0), thetas
+  new_w = (1 - beta) * w + beta * np.mean(finals, axis=0)
+  if with_loss:
+    return new_w, thetas, np.average(losses, weights=counts)
+  return new_w, thetas
 
 
 def _batches(rng, steps):
@@ -68,8 +82,10 @@ def test_one_round_matches_numpy_and_only_participants_write(rng, beta, local_st
     algo = pfedme(quad_loss, lam, eta, beta, num_clients=N, local_steps=local_steps, inner_steps=k, inner_lr=nu)
     state = algo.init(jnp.asarray(w), jax.random.key(0)).replace(local_params=jnp.asarray(thetas))
     out = jax.jit(algo.step)(state, batches)
-    ref_w, ref_thetas = _numpy_round(w, thetas, x, y, mask, weight, ids, lam, k, nu, eta, beta)
+    ref_w, ref_thetas, ref_loss = _numpy_round(w, thetas, x, y, mask, weight, ids, lam, k, nu, eta, beta,
+                                               with_loss=True)
     np.testing.assert_allclose(np.asarray(out.params), ref_w, rtol=1e-12)
+    np.testing.assert_allclose(float(out.metrics["client_loss"]), ref_loss, rtol=1e-6)  # float32 metric
     np.testing.assert_allclose(np.asarray(out.local_params), ref_thetas, rtol=1e-12)
     for i in (1, 2):  # not sampled: bit for bit
       np.testing.assert_array_equal(np.asarray(out.local_params[i]), thetas[i])
