@@ -246,15 +246,20 @@ def _batches(rng, num_clients, input_dim, classes, steps=3, batch=4):
                           client_id=jnp.arange(num_clients, dtype=jnp.int32))
 
 
-def test_fedma_round_reports_its_communication_and_leaves_out_a_poisoned_client():
+def _poisoned_client_setup(seed):
+  """(params, 3 clients' batches with a NaN in client 1's first example, FedMA on the MLP) of the next tests."""
   _, params = _mlp()
-  rng = np.random.default_rng(4)
-  batches = _batches(rng, num_clients=3, input_dim=6, classes=3)
+  batches = _batches(np.random.default_rng(seed), num_clients=3, input_dim=6, classes=3)
   x = np.array(batches.data["x"])
   x[1, 0, 0, 0] = np.nan
   batches = batches.replace(data={"x": jnp.asarray(x), "y": batches.data["y"]})
   fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
                               client_optimizer=optax.sgd(0.1), client_map="vmap")
+  return params, batches, fedma
+
+
+def test_fedma_round_reports_its_communication_and_leaves_out_a_poisoned_client():
+  params, batches, fedma = _poisoned_client_setup(4)
   state = fedma.init(params, jax.random.key(0))
   state = fedma.run(state, batches)
   assert int(state.round) == 1
@@ -270,14 +275,7 @@ def test_fedma_round_reports_its_communication_and_leaves_out_a_poisoned_client(
 
 def test_a_client_whose_retraining_diverges_is_left_out_of_the_later_layers():
   """`match` on finite client models whose data make the retraining above layer 1 NaN for client 1."""
-  _, params = _mlp()
-  rng = np.random.default_rng(5)
-  batches = _batches(rng, num_clients=3, input_dim=6, classes=3)
-  x = np.array(batches.data["x"])
-  x[1, 0, 0, 0] = np.nan
-  batches = batches.replace(data={"x": jnp.asarray(x), "y": batches.data["y"]})
-  fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
-                              client_optimizer=optax.sgd(0.1), client_map="vmap")
+  params, batches, fedma = _poisoned_client_setup(5)
   clients = jax.tree.map(lambda a: jnp.stack([a, a * 1.01, a * 0.99]), params)  # finite: the first check passes
   merged, info = fedma.match(clients, batches)
   assert info["num_nonfinite"] == 1 and info["num_clients"] == 2 and info["uploaders"] == 3
