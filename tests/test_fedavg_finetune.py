@@ -195,3 +195,29 @@ def test_bad_arguments():
     fedavg_finetune(lsq_loss, **{**kw, "personalize_steps": -1})
   with pytest.raises(ValueError, match="finetune_local_steps"):
     fedavg_finetune(lsq_loss, finetune_local_steps=0, **kw)
+
+
+def test_a_stateful_aggregator_carries_its_state_across_the_switch():
+  """Centered clipping with momentum keeps a center: stage 2 starts from the center stage 1 left, not a fresh one
+  (equal, round by round, to FedAvg with the same aggregator handed on by hand); the initial metrics are FedAvg's."""
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(11)
+    rounds = [_random_batches(rng) for _ in range(4)]
+    clip = fo.aggregators.centered_clipping(0.05, momentum=0.5)
+    ft = fedavg_finetune(lsq_loss, switch_round=2, personalize_steps=1, client_optimizer=optax.sgd(0.1),
+                         server_optimizer=optax.sgd(0.8), aggregator=clip, finetune_client_optimizer=optax.sgd(0.2), finetune_server_optimizer=optax.sgd(0.5))
+    first = fedavg(lsq_loss, client_optimizer=optax.sgd(0.1), server_optimizer=optax.sgd(0.8), aggregator=clip)
+    second = fedavg(lsq_loss, client_optimizer=optax.sgd(0.2), server_optimizer=optax.sgd(0.5), aggregator=clip)
+    state = ft.init(_params(), jax.random.key(3))
+    ref = first.init(_params(), jax.random.key(3))
+    assert set(state.metrics) == set(ref.metrics) | {"finetuning"}
+    for name, value in ref.metrics.items():
+      np.testing.assert_array_equal(state.metrics[name], value)
+    for t, batches in enumerate(rounds):
+      if t == 2:
+        ref = second.init(ref.params, ref.key).replace(aggregator_state=ref.aggregator_state, round=ref.round)
+      state = jax.jit(ft.step)(state, batches)
+      ref = jax.jit((first if t < 2 else second).step)(ref, batches)
+      _assert_equal(state.aggregator_state, ref.aggregator_state)
+      _assert_equal(state.params, ref.params)
+    assert np.abs(state.aggregator_state.center["w"]).max() > 1e-3  # a fresh center would be zeros
