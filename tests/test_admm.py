@@ -555,3 +555,80 @@ def test_sharing_a_client_with_nan_features_is_frozen_and_never_spreads(rng, los
     np.testing.assert_allclose(np.asarray(state.scaled_dual), np.asarray(reference.scaled_dual), rtol=1e-9, atol=1e-12)
     frozen_penalty = 0.5 * 0.02 * x0[bad] @ x0[bad]  # the objective is the whole model's: x_1 is still in it
     np.testing.assert_allclose(history["objective"], ref_history["objective"] + frozen_penalty, rtol=1e-6)
+
+
+def _numpy_safeguarded_newton(v, labels, real, n, frozen, m, rho, start, steps):
+  """The module docstring's z̄-update solver in float64: per sample, φ(t) = (σ(n t + c) − b)/m + ρ(t − v) (only ρ(t − v)
+  on padding), bracket [v − 1/(mρ), v + 1/(mρ)], start clipped into it; each step shrinks the bracket to the sign
+  change of φ at t and takes the Newton point t − φ/φ' if it lies inside, else the bracket's midpoint."""
+  out = []
+  for j in range(len(v)):
+    lo, hi = v[j] - 1 / (m * rho), v[j] + 1 / (m * rho)
+    t = min(max(start[j], lo), hi)
+    for _ in range(steps):
+      sig = 1 / (1 + np.exp(-(n * t + frozen[j])))
+      phi = ((sig - labels[j]) / m if real[j] else 0.0) + rho * (t - v[j])
+      slope = (n * sig * (1 - sig) / m if real[j] else 0.0) + rho
+      if phi <= 0:
+        lo = t
+      if phi >= 0:
+        hi = t
+      candidate = t - phi / slope
+      t = candidate if lo <= candidate <= hi else 0.5 * (lo + hi)
+    out.append(t)
+  return np.array(out)
+
+
+def test_sharing_logistic_z_update_is_the_safeguarded_newton_of_the_docstring(rng):
+  """Each of the first steps equals the NumPy transcription (bracket v ± 1/(mρ), clipped start, bisection fallback,
+  frozen shares c inside σ, padding samples t = v); 40 steps solve φ(t) = 0 to rounding."""
+  from fedjax_opt.algorithms.admm_sharing import _logistic_z_update  # pylint: disable=import-outside-toplevel
+  size, n, m, rho = 9, 3.0, 8.0, 0.05
+  v = rng.normal(size=size) * 3
+  labels = (rng.random(size) < 0.5).astype(np.float64)
+  real = np.arange(size) < 8  # the last sample is padding
+  frozen = rng.normal(size=size) * 2
+  start = v + rng.normal(size=size) * 8  # most starts lie outside the bracket (half-width 2.5)
+  with jax.enable_x64(True):
+    for steps in (1, 2, 3, 5):
+      got = _logistic_z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
+                               jnp.asarray(frozen), jnp.asarray(m), jnp.asarray(rho), jnp.asarray(start), steps)
+      want = _numpy_safeguarded_newton(v, labels, real, n, frozen, m, rho, start, steps)
+      np.testing.assert_allclose(np.asarray(got), want, rtol=1e-13, atol=1e-13)
+    t = np.asarray(_logistic_z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
+                                      jnp.asarray(frozen), jnp.asarray(m), jnp.asarray(rho), jnp.asarray(start), 40))
+  phi = np.where(real, (1 / (1 + np.exp(-(n * t + frozen))) - labels) / m, 0) + rho * (t - v)
+  np.testing.assert_allclose(phi, 0, atol=1e-15)
+  assert t[-1] == v[-1]
+
+
+@pytest.mark.parametrize("loss", ["squared", "logistic"])
+def test_sharing_x_update_is_ista_with_step_one_over_rho_norm_squared_plus_l2(rng, loss):
+  """Two ISTA steps of the client problem, from a random x^0, with step 1/L, L = ρ‖A_i‖₂² + λ₂ (spectral norm), the
+  ℓ1 prox and the ℓ2 term, equal NumPy in float64; a float32 model keeps float32 state under x64."""
+  x, y, blocks = _logistic_data(rng, m=20)
+  m, n, rho, l1, l2 = len(y), len(blocks), 0.3, 0.02, 0.4
+  starts = np.cumsum([0] + blocks)
+  x0 = np.zeros((n, max(blocks)))
+  for i, d in enumerate(blocks):
+    x0[i, :d] = rng.normal(size=d)
+  want = []
+  for i, d in enumerate(blocks):
+    a, xk = x[:, starts[i]:starts[i + 1]], x0[i, :d]
+    target = a @ xk  # z_i^0 − u^0 = A_i x_i^0 (offsets and u start at 0)
+    step = 1 / (rho * np.linalg.norm(a, 2) ** 2 + l2)
+    for _ in range(2):
+      v = xk - step * (rho * a.T @ (a @ xk - target) + l2 * xk)
+      xk = np.sign(v) * np.maximum(np.abs(v) - step * l1, 0)
+    want.append(xk)
+  with jax.enable_x64(True):
+    algo = admm_sharing(rho, num_samples=m + 1, loss=loss, l1=l1, l2=l2, inner_steps=2)
+    state = algo.step(algo.init(jnp.asarray(x0), jax.random.key(0)), _vertical_batches(x, y, blocks))  # eager
+    for i, d in enumerate(blocks):
+      np.testing.assert_allclose(np.asarray(state.params[i, :d]), want[i], rtol=1e-12, atol=1e-14)
+    low = admm_sharing(rho, num_samples=m + 1, loss=loss, l1=l1, l2=l2, inner_steps=2)
+    small = low.init(jnp.asarray(x0, jnp.float32), jax.random.key(0))
+    small = low.step(small, _vertical_batches(x.astype(np.float32), y.astype(np.float32), blocks))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(small)[0]:
+      if jnp.issubdtype(leaf.dtype, jnp.floating) and not jax.tree_util.keystr(path).startswith(".metrics"):
+        assert leaf.dtype == jnp.float32, jax.tree_util.keystr(path)

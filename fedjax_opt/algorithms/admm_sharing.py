@@ -285,6 +285,7 @@ def admm_sharing(
     if a.shape != (n, m_max, d):
       raise ValueError(f"batches.data[{features!r}] must be [N, 1, m, d_max] = ({n}, 1, {m_max}, {d}); "
                        f"got {tuple(batches.data[features].shape)}.")
+    a = a.astype(state.params.dtype)  # the iteration runs in the model's dtype, as the labels b below
     row_mask = batches.mask[:, 0]
     real = row_mask[0]
     labels = batches.data[targets][0, 0]
