@@ -1,5 +1,6 @@
 """Consensus and sharing ADMM reach the centralized optimum (closed forms, scipy L-BFGS, scikit-learn)."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -461,6 +462,11 @@ def test_sharing_bad_loss_labels_and_relaxation(rng):
   state = algo.init(jnp.zeros((len(blocks), max(blocks))), jax.random.key(0))
   with pytest.raises(ValueError, match=r"needs labels in \{0, 1\} .* got -1.0"):
     algo.step(state, _vertical_batches(x, 2 * y - 1, blocks))
+  good = _vertical_batches(x, y, blocks)
+  two_steps = good.replace(data=jax.tree.map(lambda a: jnp.concatenate([a, a], axis=1), good.data),
+                           mask=jnp.concatenate([good.mask, good.mask], axis=1))
+  with pytest.raises(ValueError, match=r"must be \[N, 1, m, d_max\] = \(3, 1, 61, 4\) \(one local step"):
+    algo.step(state, two_steps)
 
 
 def _numpy_sharing_ridge(blocks_a, b, xs, zs, us, rho, alpha, l2):
@@ -480,14 +486,14 @@ def _numpy_sharing_ridge(blocks_a, b, xs, zs, us, rho, alpha, l2):
   return xs, zs, us + h - zs
 
 
-@pytest.mark.parametrize("alpha", [0.6, 1.0, 1.7])
-def test_sharing_over_relaxation_matches_the_unreduced_iteration_in_numpy(rng, alpha):
+@pytest.mark.parametrize("alpha, blocks", [(0.6, (3, 2, 4)), (1.0, (3, 2, 4)), (1.7, (3, 2, 4)), (1.7, (5,))])
+def test_sharing_over_relaxation_matches_the_unreduced_iteration_in_numpy(rng, alpha, blocks):
   """Five iterations from a random x^0 equal the per-client form (z_i, u_i) of Boyd §7.3 with h_i = αA_i x_i + (1−α)z_i.
 
   Pins the over-relaxation coefficient in the z- and u-updates (§3.4.3): 200 ISTA steps solve the ridge
   x-update to machine precision, so the only difference left would be the formula.
   """
-  x, y, blocks = _logistic_data(rng, m=30)
+  x, y, blocks = _logistic_data(rng, m=30, blocks=blocks)
   y = x @ rng.normal(size=x.shape[1])  # squared loss
   m, n, rho, l2 = len(y), len(blocks), 0.05, 0.02
   starts = np.cumsum([0] + blocks)
@@ -522,12 +528,13 @@ def test_sharing_over_relaxation_matches_the_unreduced_iteration_in_numpy(rng, a
     assert int(state.metrics["num_nonfinite"]) == 0
 
 
-@pytest.mark.parametrize("loss, alpha", [("squared", 1.0), ("squared", 1.5), ("logistic", 1.0)])
-def test_sharing_a_client_with_nan_features_is_frozen_and_never_spreads(rng, loss, alpha):
+@pytest.mark.parametrize("loss, alpha, blocks", [("squared", 1.0, (3, 2, 4)), ("squared", 1.5, (3, 2, 4)),
+                                                  ("logistic", 1.0, (3, 2, 4)), ("squared", 1.5, (3, 2))])
+def test_sharing_a_client_with_nan_features_is_frozen_and_never_spreads(rng, loss, alpha, blocks):
   """Client 1's feature block is NaN: it keeps x_1 (its random start), offset and share; it is counted; the others
-  run exactly the sharing ADMM of the two finite clients (its share, never finite, counts as 0), every state
-  entry and metric stays finite."""
-  x, y, blocks = _logistic_data(rng)
+  run exactly the sharing ADMM of the finite clients (its share, never finite, counts as 0; with two clients, one is
+  left), every state entry and metric stays finite; z̄ = (N_F t + 0)/N with t the finite clients' mean copy."""
+  x, y, blocks = _logistic_data(rng, blocks=blocks)
   if loss == "squared":
     y = x @ rng.normal(size=x.shape[1])
   m, bad = len(y), 1
@@ -538,7 +545,7 @@ def test_sharing_a_client_with_nan_features_is_frozen_and_never_spreads(rng, los
   with jax.enable_x64(True):
     batches = _vertical_batches(x, y, blocks)
     poisoned = batches.replace(data={**batches.data, "x": batches.data["x"].at[bad, 0, :m].set(jnp.nan)})
-    rest = _vertical_batches(np.delete(x, np.s_[blocks[0]:blocks[0] + blocks[1]], axis=1), y, [blocks[0], blocks[2]])
+    rest = _vertical_batches(np.delete(x, np.s_[blocks[0]:blocks[0] + blocks[1]], axis=1), y, blocks[:1] + blocks[2:])
     rho = 0.05 if loss == "squared" else 0.01
     algo = admm_sharing(rho, num_samples=m + 1, loss=loss, l2=0.02, relaxation=alpha)
     state, history = _run(algo, jnp.asarray(x0), poisoned, 6)
@@ -553,6 +560,8 @@ def test_sharing_a_client_with_nan_features_is_frozen_and_never_spreads(rng, los
     np.testing.assert_allclose(np.asarray(state.params[np.asarray(keep)]), np.asarray(reference.params), rtol=1e-9,
                                atol=1e-12)
     np.testing.assert_allclose(np.asarray(state.scaled_dual), np.asarray(reference.scaled_dual), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(state.z_bar), len(keep) * np.asarray(reference.z_bar) / len(blocks),
+                               rtol=1e-9, atol=1e-12)
     frozen_penalty = 0.5 * 0.02 * x0[bad] @ x0[bad]  # the objective is the whole model's: x_1 is still in it
     np.testing.assert_allclose(history["objective"], ref_history["objective"] + frozen_penalty, rtol=1e-6)
 
@@ -626,9 +635,52 @@ def test_sharing_x_update_is_ista_with_step_one_over_rho_norm_squared_plus_l2(rn
     state = algo.step(algo.init(jnp.asarray(x0), jax.random.key(0)), _vertical_batches(x, y, blocks))  # eager
     for i, d in enumerate(blocks):
       np.testing.assert_allclose(np.asarray(state.params[i, :d]), want[i], rtol=1e-12, atol=1e-14)
-    low = admm_sharing(rho, num_samples=m + 1, loss=loss, l1=l1, l2=l2, inner_steps=2)
-    small = low.init(jnp.asarray(x0, jnp.float32), jax.random.key(0))
-    small = low.step(small, _vertical_batches(x.astype(np.float32), y.astype(np.float32), blocks))
+    small = algo.init(jnp.asarray(x0, jnp.float32), jax.random.key(0))
+    small = algo.step(small, _vertical_batches(x, y, blocks))  # float64 data, float32 model
     for path, leaf in jax.tree_util.tree_flatten_with_path(small)[0]:
       if jnp.issubdtype(leaf.dtype, jnp.floating) and not jax.tree_util.keystr(path).startswith(".metrics"):
         assert leaf.dtype == jnp.float32, jax.tree_util.keystr(path)
+
+
+def test_sharing_labels_are_client_zeros(rng):
+  """The labels are read from client 0 (the label holder): NaN labels in every other row change nothing."""
+  x, y, blocks = _logistic_data(rng, m=20)
+  with jax.enable_x64(True):
+    for loss in ("squared", "logistic"):
+      algo = admm_sharing(0.1, num_samples=len(y) + 1, loss=loss, l2=0.1, inner_steps=3)
+      state = algo.init(jnp.zeros((len(blocks), max(blocks))), jax.random.key(0))
+      batches = _vertical_batches(x, y, blocks)
+      others_nan = batches.replace(data={**batches.data, "y": batches.data["y"].at[1:].set(jnp.nan)})
+      step = jax.jit(algo.step)
+      chex.assert_trees_all_equal(step(state, others_nan), step(state, batches))
+
+
+def test_sharing_a_client_frozen_mid_run_leaves_its_last_share_inside_the_loss(rng):
+  """Client 1 turns NaN after three finite iterations: the two others then run exactly the sharing ADMM of two clients
+  on the labels b − c, c = A_1 x_1³ its last share (squared loss: ℓ(z_0 + z_2 + c) = (1/(2m))‖z_0 + z_2 − (b − c)‖²),
+  continued from their own x, offsets and u; z̄ = (2 t + c)/3 with t the two clients' mean copy."""
+  x, y, blocks = _logistic_data(rng, m=30)
+  y = x @ rng.normal(size=x.shape[1])
+  m, bad, keep = len(y), 1, [0, 2]
+  with jax.enable_x64(True):
+    algo = admm_sharing(0.05, num_samples=m + 1, l2=0.02, inner_steps=5, relaxation=1.3)
+    batches = _vertical_batches(x, y, blocks)
+    poisoned = batches.replace(data={**batches.data, "x": batches.data["x"].at[bad, 0, :m].set(jnp.nan)})
+    state, _ = _run(algo, jnp.zeros((3, max(blocks))), batches, 3)
+    c = np.asarray(state.predictions[bad])
+    assert np.abs(c[:m]).max() > 1e-3  # the frozen share is not 0
+    pick = lambda a: jnp.asarray(np.asarray(a)[keep])
+    rest_x = np.delete(x, np.s_[blocks[0]:blocks[0] + blocks[1]], axis=1)
+    rest = _vertical_batches(rest_x, y - c[:m], [blocks[0], blocks[2]])
+    ref = algo.init(pick(state.params)[:, :max(blocks)], jax.random.key(0)).replace(
+        scaled_dual=state.scaled_dual, share_offsets=pick(state.share_offsets), predictions=pick(state.predictions))
+    step = jax.jit(algo.step)
+    for _ in range(4):
+      state, ref = step(state, poisoned), step(ref, rest)
+      np.testing.assert_allclose(np.asarray(state.params[np.asarray(keep)]), np.asarray(ref.params), rtol=1e-9,
+                                 atol=1e-12)
+      np.testing.assert_allclose(np.asarray(state.scaled_dual), np.asarray(ref.scaled_dual), rtol=1e-9, atol=1e-12)
+      np.testing.assert_allclose(np.asarray(state.z_bar)[:m], (2 * np.asarray(ref.z_bar)[:m] + c[:m]) / 3,
+                                 rtol=1e-9, atol=1e-12)
+      np.testing.assert_array_equal(np.asarray(state.predictions[bad]), c)
+      assert int(state.metrics["num_nonfinite"]) == 1

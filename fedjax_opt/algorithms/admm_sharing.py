@@ -281,11 +281,10 @@ def admm_sharing(
   def step(state: ADMMSharingState, batches: ClientBatches) -> ADMMSharingState:
     check_client_batches(batches)
     n, d = state.params.shape
-    a = batches.data[features][:, 0]
-    if a.shape != (n, m_max, d):
-      raise ValueError(f"batches.data[{features!r}] must be [N, 1, m, d_max] = ({n}, 1, {m_max}, {d}); "
-                       f"got {tuple(batches.data[features].shape)}.")
-    a = a.astype(state.params.dtype)  # the iteration runs in the model's dtype, as the labels b below
+    if batches.data[features].shape != (n, 1, m_max, d):
+      raise ValueError(f"batches.data[{features!r}] must be [N, 1, m, d_max] = ({n}, 1, {m_max}, {d}) (one local "
+                       f"step: the whole sample axis); got {tuple(batches.data[features].shape)}.")
+    a = batches.data[features][:, 0].astype(state.params.dtype)  # the model's dtype, as the labels b below
     row_mask = batches.mask[:, 0]
     real = row_mask[0]
     labels = batches.data[targets][0, 0]
