@@ -684,3 +684,18 @@ def test_sharing_a_client_frozen_mid_run_leaves_its_last_share_inside_the_loss(r
                                  rtol=1e-9, atol=1e-12)
       np.testing.assert_array_equal(np.asarray(state.predictions[bad]), c)
       assert int(state.metrics["num_nonfinite"]) == 1
+
+
+@pytest.mark.parametrize("loss", ["squared", "logistic"])
+def test_sharing_an_iteration_with_no_finite_client_changes_nothing(rng, loss):
+  """Every feature block NaN: x, z̄, u, the offsets and the stored shares stay as they were; all N are counted."""
+  x, y, blocks = _logistic_data(rng, m=20)
+  with jax.enable_x64(True):
+    algo = admm_sharing(0.1, num_samples=len(y) + 1, loss=loss, l2=0.1, inner_steps=3)
+    batches = _vertical_batches(x, y, blocks)
+    state, _ = _run(algo, jnp.zeros((len(blocks), max(blocks))), batches, 2)
+    after = jax.jit(algo.step)(state, batches.replace(data={**batches.data, "x": batches.data["x"] * jnp.nan}))
+    for field in ("params", "z_bar", "scaled_dual", "share_offsets", "predictions"):
+      np.testing.assert_array_equal(np.asarray(getattr(after, field)), np.asarray(getattr(state, field)), field)
+    assert int(after.metrics["num_nonfinite"]) == len(blocks)
+    assert float(after.metrics["primal_residual"]) == 0 and float(after.metrics["dual_residual"]) == 0
