@@ -529,3 +529,20 @@ def test_bad_arguments(chain_clients):
     shuffled = batches.replace(client_id=jnp.array([1, 0, 2, 3, 4, 5], jnp.int32))
     with pytest.raises(ValueError, match=r"client_id must be arange\(6\)"):
       algo.step(state, shuffled)
+
+
+def test_stochastic_quantizer_keeps_the_extremes_and_each_leaf_dtype():
+  """Q(x)_j = x_j exactly where x_j = ±R (the end levels l = 0 and 2^b − 1); three leaves (each gets its own
+  rounding), a float32 leaf stays float32 under x64, and the levels stay within 0 … 2^b − 1."""
+  with jax.enable_x64(True):
+    x = {"a": jnp.asarray([-2.0, 0.3, 2.0, -1.1]), "b": jnp.asarray([[0.7, -2.0]], jnp.float32),
+         "c": jnp.asarray([1.9, -0.2, 0.05])}
+    for seed in range(20):
+      q = stochastic_quantize(jax.random.key(seed), x, 2)
+      assert [leaf.dtype for leaf in jax.tree.leaves(q)] == [jnp.float64, jnp.float32, jnp.float64]
+      assert float(q["a"][0]) == -2.0 and float(q["b"][0, 1]) == -2.0  # l = 0 exactly
+      np.testing.assert_allclose(float(q["a"][2]), 2.0, rtol=1e-12)  # l = 3
+      for leaf in jax.tree.leaves(q):
+        levels = (np.asarray(leaf, np.float64) + 2.0) / (4.0 / 3)
+        np.testing.assert_allclose(levels, np.round(levels), atol=1e-6)
+        assert levels.min() > -1e-6 and levels.max() < 3 + 1e-6
