@@ -546,3 +546,44 @@ def test_stochastic_quantizer_keeps_the_extremes_and_each_leaf_dtype():
         levels = (np.asarray(leaf, np.float64) + 2.0) / (4.0 / 3)
         np.testing.assert_allclose(levels, np.round(levels), atol=1e-6)
         assert levels.min() > -1e-6 and levels.max() < 3 + 1e-6
+
+
+def test_two_workers_are_the_smallest_chain_and_match_the_papers_equations(rng):
+  """A chain of 2 (one head, one tail, one edge) is accepted and its iterations equal the NumPy chain equations."""
+  clients = make_clients(rng, [7, 9], D)
+  thetas, lams = rng.normal(size=(2, D + 1)), rng.normal(size=(1, D + 1))
+  with jax.enable_x64(True):
+    batches = pack(clients, 2, 6, extra_slots=1, dtype=np.float64)
+    algo = gadmm(_ridge_loss, 0.7, graph=fo.graphs.chain(2), prox=prox_least_squares(L2), client_map="vmap")
+    state = algo.init(_zeros(), jax.random.key(0)).replace(local_params=_table(thetas), duals=_table(lams))
+    for _ in range(2):
+      state = jax.jit(algo.step)(state, batches)
+      thetas, lams = _numpy_gadmm_chain(thetas, lams, clients, 0.7, L2)
+      np.testing.assert_allclose(_rows(state.local_params), thetas, rtol=1e-10, atol=1e-12)
+      np.testing.assert_allclose(_rows(state.duals), lams, rtol=1e-10, atol=1e-12)
+
+
+def test_examples_objective_a_worker_without_examples_takes_the_neighbours_point(rng):
+  """objective="examples" with worker 2's mask all False: c_2 = 0, so its update is θ_2 = v_2 (the argmin of the
+  penalty alone), equal to the NumPy transcription with c_2 = 0; the others as before."""
+  graph = fo.graphs.random_bipartite(3, 4, 0.4, seed=3)
+  sizes = rng.integers(3, 25, graph.num_nodes)
+  clients = make_clients(rng, list(sizes), D)
+  n, rho, empty = graph.num_nodes, 0.8, 2
+  counts = sizes.copy()
+  counts[empty] = 0
+  scale = n * counts / counts.sum()
+  thetas, lams = rng.normal(size=(n, D + 1)), rng.normal(size=(graph.num_edges, D + 1))
+  with jax.enable_x64(True):
+    batches = pack(clients, 5, 5, extra_slots=1, dtype=np.float64)
+    batches = batches.replace(mask=batches.mask.at[empty].set(False))
+    algo = cq_ggadmm(lsq_loss, rho, 0.0, graph=graph, bits=None, prox=prox_least_squares(), objective="examples",
+                     client_map="vmap")
+    state = algo.init(_zeros(), jax.random.key(0)).replace(
+        local_params=_table(thetas), transmitted=_table(thetas), duals=_table(lams))
+    sent = thetas
+    for _ in range(2):
+      state = jax.jit(algo.step)(state, batches)
+      thetas, sent, lams, _ = _numpy_censored_iteration(graph, thetas, sent, lams, clients, rho, 0.0, scale=scale)
+      _assert_tables(state, thetas, lams)
+    assert int(state.metrics["num_nonfinite"]) == 0
