@@ -569,11 +569,14 @@ def test_sharing_a_client_with_nan_features_is_frozen_and_never_spreads(rng, los
 def _numpy_safeguarded_newton(v, labels, real, n, frozen, m, rho, start, steps):
   """The module docstring's z̄-update solver in float64: per sample, φ(t) = (σ(n t + c) − b)/m + ρ(t − v) (only ρ(t − v)
   on padding), bracket [v − 1/(mρ), v + 1/(mρ)], start clipped into it; each step shrinks the bracket to the sign
-  change of φ at t and takes the Newton point t − φ/φ' if it lies inside, else the bracket's midpoint."""
-  out = []
+  change of φ at t and takes the Newton point t − φ/φ' if it lies inside and moves at most half the move before
+  the last (both start as the bracket's width) or within rounding of t, else the bracket's midpoint.
+  Returns t and how many steps fell back to the midpoint."""
+  out, fallbacks = [], 0
   for j in range(len(v)):
     lo, hi = v[j] - 1 / (m * rho), v[j] + 1 / (m * rho)
     t = min(max(start[j], lo), hi)
+    last = older = hi - lo
     for _ in range(steps):
       sig = 1 / (1 + np.exp(-(n * t + frozen[j])))
       phi = ((sig - labels[j]) / m if real[j] else 0.0) + rho * (t - v[j])
@@ -583,16 +586,20 @@ def _numpy_safeguarded_newton(v, labels, real, n, frozen, m, rho, start, steps):
       if phi >= 0:
         hi = t
       candidate = t - phi / slope
-      t = candidate if lo <= candidate <= hi else 0.5 * (lo + hi)
+      converged = abs(candidate - t) <= 16 * np.finfo(np.float64).eps * (1 + abs(t))
+      newton = lo <= candidate <= hi and (abs(candidate - t) <= abs(older) / 2 or converged)
+      new = candidate if newton else 0.5 * (lo + hi)
+      fallbacks += not newton
+      t, last, older = new, new - t, last
     out.append(t)
-  return np.array(out)
+  return np.array(out), fallbacks
 
 
 def test_sharing_logistic_z_update_is_the_safeguarded_newton_of_the_docstring(rng):
   """Each of the first steps equals the NumPy transcription (bracket v ± 1/(mρ), clipped start, bisection fallback,
-  frozen shares c inside σ, padding samples t = v); 40 steps solve φ(t) = 0 to rounding."""
+  frozen shares c inside σ, padding samples t = v); 80 steps solve φ(t) = 0 to rounding."""
   from fedjax_opt.algorithms.admm_sharing import _logistic_z_update  # pylint: disable=import-outside-toplevel
-  size, n, m, rho = 9, 3.0, 8.0, 0.05
+  size, n, m, rho = 9, 10.0, 8.0, 0.004  # steep σ(N t), wide bracket: some Newton points leave it
   v = rng.normal(size=size) * 3
   labels = (rng.random(size) < 0.5).astype(np.float64)
   real = np.arange(size) < 8  # the last sample is padding
@@ -602,10 +609,11 @@ def test_sharing_logistic_z_update_is_the_safeguarded_newton_of_the_docstring(rn
     for steps in (1, 2, 3, 5):
       got = _logistic_z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
                                jnp.asarray(frozen), jnp.asarray(m), jnp.asarray(rho), jnp.asarray(start), steps)
-      want = _numpy_safeguarded_newton(v, labels, real, n, frozen, m, rho, start, steps)
+      want, fallbacks = _numpy_safeguarded_newton(v, labels, real, n, frozen, m, rho, start, steps)
       np.testing.assert_allclose(np.asarray(got), want, rtol=1e-13, atol=1e-13)
+    assert fallbacks > 0  # the bisection branch was taken
     t = np.asarray(_logistic_z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
-                                      jnp.asarray(frozen), jnp.asarray(m), jnp.asarray(rho), jnp.asarray(start), 40))
+                                      jnp.asarray(frozen), jnp.asarray(m), jnp.asarray(rho), jnp.asarray(start), 80))
   phi = np.where(real, (1 / (1 + np.exp(-(n * t + frozen))) - labels) / m, 0) + rho * (t - v)
   np.testing.assert_allclose(phi, 0, atol=1e-15)
   assert t[-1] == v[-1]
@@ -699,3 +707,17 @@ def test_sharing_an_iteration_with_no_finite_client_changes_nothing(rng, loss):
       np.testing.assert_array_equal(np.asarray(getattr(after, field)), np.asarray(getattr(state, field)), field)
     assert int(after.metrics["num_nonfinite"]) == len(blocks)
     assert float(after.metrics["primal_residual"]) == 0 and float(after.metrics["dual_residual"]) == 0
+
+
+def test_sharing_logistic_z_update_escapes_the_two_cycle_of_plain_bracketed_newton():
+  """σ(10 t + 1), m = 8, ρ = 0.004, v = 2, b = 0, started at the bracket's end: plain bracket-checked Newton jumps
+  between the two ends t = −29.25 and t = 2 forever (φ = ∓1/8); the half-step rule reaches the root (checked
+  against scipy's brentq) in 60 steps."""
+  from fedjax_opt.algorithms.admm_sharing import _logistic_z_update  # pylint: disable=import-outside-toplevel
+  n, m, rho, v, b, c = 10.0, 8.0, 0.004, 2.0, 0.0, 1.0
+  phi = lambda t: (1 / (1 + np.exp(-(n * t + c))) - b) / m + rho * (t - v)
+  root = scipy.optimize.brentq(phi, v - 1 / (m * rho), v + 1 / (m * rho), xtol=1e-15)
+  with jax.enable_x64(True):
+    args = [jnp.asarray([x]) for x in (v, b, True, n, c, m, rho, v - 100)]
+    got = float(_logistic_z_update(*args[:3], args[3][0], args[4], args[5][0], args[6][0], args[7], 60)[0])
+  np.testing.assert_allclose(got, root, rtol=1e-12)

@@ -38,9 +38,15 @@ per real sample j (padding samples: \\bar{z}_j = v_j), the stationarity of
     φ_j(t) = (σ(N t) − b_j)/m + ρ (t − v_j) = 0,     φ_j'(t) = N σ'(N t)/m + ρ > 0.
 
 Since |σ − b_j| ≤ 1, the root lies in [v_j − 1/(mρ), v_j + 1/(mρ)]: `newton_steps`
-safeguarded Newton steps (bisection whenever a Newton step leaves the current
-bracket), vectorised over the samples and warm-started from the previous
-\\bar{z}, solve it to machine precision near convergence.
+safeguarded Newton steps, vectorised over the samples and warm-started from
+the previous \\bar{z}, solve it to machine precision near convergence. Each
+step shrinks the bracket to the sign change of φ_j and bisects it instead of
+taking the Newton point when that point leaves the bracket or would move more
+than half the move before the last one (the rule of Numerical Recipes'
+`rtsafe`; a move within rounding of t is always taken, since the steps run
+on after convergence): without the second test, a steep σ(N t) (many clients, small ρ)
+can trap plain bracket-checked Newton in a 2-cycle between the bracket's two
+ends, far from the root.
 
 The client's problem is solved inexactly by `inner_steps` proximal-gradient
 (ISTA) steps from x_i^k with step 1/L, L = ρ‖A_i‖₂² + λ₂; ISTA's fixed point is
@@ -154,24 +160,31 @@ def _logistic_z_update(v: jax.Array, labels: jax.Array, real: jax.Array, n: jax.
 
   `n` is N_F, the clients that moved, and `frozen` the frozen clients' shares c `[m_max]` (module docstring).
 
-  Safeguarded Newton: the root is bracketed by v ± 1/(mρ); a Newton step that
-  leaves the current bracket is replaced by its midpoint.
+  Safeguarded Newton: the root is bracketed by v ± 1/(mρ); a Newton point that
+  leaves the current bracket, or that would move more than half the move
+  before the last one (unless the move is within rounding, 16 eps (1 + |t|),
+  of t), is replaced by the bracket's midpoint (module docstring).
   """
   width = 1 / (m * rho)
   lo, hi = v - width, v + width
   t = jnp.clip(start, lo, hi)
 
   def newton(carry, _):
-    t, lo, hi = carry
+    t, lo, hi, step, older = carry  # the last two moves, as in rtsafe
     sig = jax.nn.sigmoid(n * t + frozen)
     phi = jnp.where(real, (sig - labels) / m, 0) + rho * (t - v)
     slope = jnp.where(real, n * sig * (1 - sig) / m, 0) + rho
     lo, hi = jnp.where(phi <= 0, t, lo), jnp.where(phi >= 0, t, hi)
     candidate = t - phi / slope
-    inside = (candidate >= lo) & (candidate <= hi)
-    return (jnp.where(inside, candidate, 0.5 * (lo + hi)), lo, hi), None
+    converged = jnp.abs(candidate - t) <= tol * (1 + jnp.abs(t))  # rounding noise: never bisect a wide bracket
+    halves = (2 * jnp.abs(phi) <= jnp.abs(older * slope)) | converged
+    newton_ok = (candidate >= lo) & (candidate <= hi) & halves
+    new_t = jnp.where(newton_ok, candidate, 0.5 * (lo + hi))
+    return (new_t, lo, hi, new_t - t, step), None
 
-  (t, _, _), _ = jax.lax.scan(newton, (t, lo, hi), None, length=steps)
+  tol = 16 * jnp.finfo(jnp.result_type(t)).eps
+  full = 2 * width * jnp.ones_like(t)
+  (t, _, _, _, _), _ = jax.lax.scan(newton, (t, lo, hi, full, full), None, length=steps)
   return t
 
 
