@@ -44,9 +44,9 @@ step shrinks the bracket to the sign change of φ_j and bisects it instead of
 taking the Newton point when that point leaves the bracket or would move more
 than half the move before the last one (the rule of Numerical Recipes'
 `rtsafe`; a move within rounding of t is always taken, since the steps run
-on after convergence): without the second test, a steep σ(N t) (many clients, small ρ)
-can trap plain bracket-checked Newton in a 2-cycle between the bracket's two
-ends, far from the root.
+on after convergence). Without the second test, a steep σ(N t) (many
+clients, small ρ) can trap plain bracket-checked Newton in a 2-cycle between
+the bracket's two ends, far from the root.
 
 The client's problem is solved inexactly by `inner_steps` proximal-gradient
 (ISTA) steps from x_i^k with step 1/L, L = ρ‖A_i‖₂² + λ₂; ISTA's fixed point is
