@@ -213,3 +213,26 @@ def test_bad_arguments():
   algo = per_fedavg(quad_loss, 0.1, 0.1, local_steps=2, variant="fo")
   with pytest.raises(ValueError, match="local_steps"):
     algo.step(algo.init(jnp.zeros(D), jax.random.key(0)), batches)
+
+
+@pytest.mark.parametrize("hessian, rtol", [("exact", 1e-12), ("finite_difference", 1e-5)])
+def test_a_hessian_free_round_on_logistic_regression_is_the_maml_step(rng, hessian, rtol):
+  """One client, one meta-step, D = D' = D'' (logistic regression, float64): the round moves w by −β ∇_w f(w − α∇f(w)),
+  the MAML gradient taken by `jax.grad` through the adapted step. The exact HVP (the default) matches to 1e-12; the
+  paper's central difference at the default δ = 1e-3 to 1e-5 (its error is O(δ²)), and visibly not to 1e-12."""
+  alpha, beta = 0.7, 0.3
+  with jax.enable_x64(True):
+    x, y = _logistic_batch(rng)
+    x = 4 * x  # large gradients and curvature: a central difference with a large δ would be visibly off
+    w = jnp.asarray(rng.normal(size=D))
+    mean_loss = lambda p: jnp.mean(logistic_loss(p, {"x": jnp.asarray(x), "y": jnp.asarray(y)}))
+    want = w - beta * jax.grad(lambda p: mean_loss(p - alpha * jax.grad(mean_loss)(p)))(w)
+    batches = fo.ClientBatches(data={"x": jnp.asarray(np.tile(x, (1, 3, 1, 1))), "y": jnp.asarray(np.tile(y, (1, 3, 1)))},
+                               mask=jnp.ones((1, 3, len(y)), bool), weight=jnp.ones(1),
+                               client_id=jnp.zeros(1, jnp.int32))
+    options = {} if hessian == "exact" else {"hessian": hessian}
+    algo = per_fedavg(logistic_loss, alpha, beta, local_steps=1, variant="hf", **options)
+    got = np.asarray(jax.jit(algo.step)(algo.init(w, jax.random.key(0)), batches).params)
+    np.testing.assert_allclose(got, np.asarray(want), rtol=rtol)
+    if hessian != "exact":
+      assert not np.allclose(got, np.asarray(want), rtol=1e-12, atol=0)
