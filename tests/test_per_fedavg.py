@@ -219,7 +219,8 @@ def test_bad_arguments():
 def test_a_hessian_free_round_on_logistic_regression_is_the_maml_step(rng, hessian, rtol):
   """One client, one meta-step, D = D' = D'' (logistic regression, float64): the round moves w by −β ∇_w f(w − α∇f(w)),
   the MAML gradient taken by `jax.grad` through the adapted step. The exact HVP (the default) matches to 1e-12; the
-  paper's central difference at the default δ = 1e-3 to 1e-5 (its error is O(δ²)), and visibly not to 1e-12."""
+  paper's central difference at the default δ = 1e-3 to 1e-5 (its error is O(δ²)), and visibly not to 1e-12; the
+  round's client_loss is the post-adaptation loss."""
   alpha, beta = 0.7, 0.3
   with jax.enable_x64(True):
     x, y = _logistic_batch(rng)
@@ -232,7 +233,11 @@ def test_a_hessian_free_round_on_logistic_regression_is_the_maml_step(rng, hessi
                                client_id=jnp.zeros(1, jnp.int32))
     options = {} if hessian == "exact" else {"hessian": hessian}
     algo = per_fedavg(logistic_loss, alpha, beta, local_steps=1, variant="hf", **options)
-    got = np.asarray(jax.jit(algo.step)(algo.init(w, jax.random.key(0)), batches).params)
+    state = jax.jit(algo.step)(algo.init(w, jax.random.key(0)), batches)
+    got = np.asarray(state.params)
     np.testing.assert_allclose(got, np.asarray(want), rtol=rtol)
+    # The reported client loss is the post-adaptation loss f(w − α∇f(w); D'), not the meta-loss's surrogate terms.
+    np.testing.assert_allclose(float(state.metrics["client_loss"]), float(mean_loss(w - alpha * jax.grad(mean_loss)(w))),
+                               rtol=1e-6)
     if hessian != "exact":
       assert not np.allclose(got, np.asarray(want), rtol=1e-12, atol=0)
