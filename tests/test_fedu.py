@@ -231,3 +231,69 @@ def test_laplacian_step_above_its_stability_bound_warns_and_diverges():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     fedu(quad_loss, 4.5, 0.1, graph=graph, num_clients=6, local_steps=1)
+
+
+def test_the_step_bound_uses_the_edge_weights_and_the_bound_itself_is_allowed():
+  """2/λ_max of the *weighted* Laplacian (a chain of 3 with a_01 = 1, a_12 = 3: λ_max = 4 + √7), the factory
+  warns only strictly above it (at ηλR = 2/λ_max the top mode is reflected, not amplified), and a graph without
+  edges has no bound."""
+  import warnings
+
+  from fedjax_opt.algorithms.fedu import laplacian_step_bound
+
+  graph = graphs.chain(3)
+  weights = np.array([1.0, 3.0])
+  top = np.linalg.eigvalsh(_weighted_laplacian(graph, weights))[-1]
+  assert laplacian_step_bound(graph, weights) == pytest.approx(2 / top, rel=1e-14)
+  assert top == pytest.approx(4 + np.sqrt(7), rel=1e-14)
+  assert laplacian_step_bound(graph) == pytest.approx(2 / 3, rel=1e-14)  # unweighted chain of 3: λ_max = 3
+  # 2/3 > ηλR = 0.5 > 2/(4 + √7) ≈ 0.30: only the weighted bound is exceeded.
+  with pytest.warns(UserWarning, match="exceeds"):
+    fedu(quad_loss, 5.0, 0.1, graph=graph, num_clients=3, local_steps=1, edge_weights=weights)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    fedu(quad_loss, 5.0, 0.1, graph=graph, num_clients=3, local_steps=1)
+    # chain of 2: λ_max = 2 exactly, bound 1.0, and ηλR = 0.5 · 2 · 1 = 1.0 sits on it.
+    assert laplacian_step_bound(graphs.chain(2)) == 1.0
+    fedu(quad_loss, 2.0, 0.5, graph=graphs.chain(2), num_clients=2, local_steps=1)
+  with pytest.warns(UserWarning, match="exceeds"):
+    fedu(quad_loss, 2.0001, 0.5, graph=graphs.chain(2), num_clients=2, local_steps=1)
+  assert laplacian_step_bound(graphs.from_edges(np.zeros((0, 2), int), num_nodes=3)) == float("inf")
+  assert laplacian_step_bound(graphs.Graph(0, np.zeros((0, 2), np.int64))) == float("inf")
+
+
+def test_a_zero_edge_weight_is_the_graph_without_that_edge(rng):
+  """a_ij = 0 is allowed (a_ij ≥ 0) and removes the edge: the round equals FedU on the ring with that edge dropped."""
+  n = 5
+  ring = graphs.ring(n)
+  weights = np.ones(ring.num_edges)
+  weights[2] = 0.0
+  cut = graphs.from_edges(np.delete(ring.edges, 2, axis=0), num_nodes=n)
+  batches, _, _ = _problem(rng, n)
+  table = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
+  states = []
+  for graph, w in ((ring, weights), (cut, None)):
+    algo = fedu(quad_loss, 0.7, 0.1, graph=graph, num_clients=n, local_steps=1, edge_weights=w)
+    state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(local_params=table)
+    states.append(algo.step(state, batches))
+  np.testing.assert_allclose(np.asarray(states[0].local_params), np.asarray(states[1].local_params), rtol=1e-6)
+  np.testing.assert_allclose(float(states[0].metrics["laplacian_penalty"]),
+                             float(states[1].metrics["laplacian_penalty"]), rtol=1e-6)
+
+
+def test_update_norm_is_the_change_of_the_average_model_and_state_keeps_its_dtypes(rng):
+  """metrics["update_norm"] = ‖(1/N) Σ_i x_i⁺ − (1/N) Σ_i x_i‖ (the server does not aggregate updates, so the
+  metric is the average model's move); with a bfloat16 model the state stays bfloat16."""
+  n = 4
+  batches, _, _ = _problem(rng, n)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    algo = fedu(quad_loss, 0.5, 0.1, graph=graphs.complete(n), num_clients=n, local_steps=1)
+    table = jnp.asarray(rng.normal(size=(n, D)), dtype)
+    state = algo.init(jnp.zeros(D, dtype), jax.random.key(0))
+    state = state.replace(local_params=table, params=jnp.mean(table.astype(jnp.float32), 0).astype(dtype))
+    new = jax.jit(algo.step)(state, batches)
+    assert new.params.dtype == dtype and new.local_params.dtype == dtype
+    move = np.asarray(new.params, np.float64) - np.asarray(state.params, np.float64)
+    assert np.linalg.norm(move) > 1e-2
+    tol = 1e-6 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(float(new.metrics["update_norm"]), np.linalg.norm(move), rtol=tol)

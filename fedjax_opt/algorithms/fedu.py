@@ -121,7 +121,7 @@ def laplacian_step_bound(graph: graphs_lib.Graph, edge_weights: Any = None) -> f
   the disagreement between clients) iff ηλR·λ_max(L) ≤ 2.
   """
   lap = graphs_lib.laplacian(graph, edge_weights)
-  top = float(np.linalg.eigvalsh(lap)[-1]) if graph.num_nodes else 0.0
+  top = float(np.max(np.linalg.eigvalsh(lap), initial=0.0))  # 0 for a graph without edges (or nodes)
   return float("inf") if top <= 0 else 2.0 / top
 
 
