@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--out", default=None, help="JSON file for the table and the survivors")
   parser.add_argument("--timeout", type=float, default=60.0, help="seconds added to every mutant's allowance")
   parser.add_argument("--workdir", default=None, help="where to copy the repository (default: a new temp dir)")
+  parser.add_argument("--verbose", action="store_true", help="show mutmut's own progress output")
   parser.add_argument("--only", default=None,
                       help="a JSON file written by --out: re-test only its survivors (after adding tests), matched "
                            "by their change, so edits elsewhere in the module do not matter")
@@ -168,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if not names:
       print("none of the earlier survivors is left in these modules (each was changed or removed).")
       return 0
-  subprocess.run([mutmut, "run", *names], cwd=work, env=env, check=False, stdout=subprocess.DEVNULL)
+  subprocess.run([mutmut, "run", *names], cwd=work, env=env, check=False,
+                 stdout=None if args.verbose else subprocess.DEVNULL)
   listing = subprocess.run([mutmut, "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True)
   only = set(names)
   counts = collections.defaultdict(collections.Counter)
