@@ -1,5 +1,7 @@
 """Consensus and sharing ADMM reach the centralized optimum (closed forms, scipy L-BFGS, scikit-learn)."""
 
+import inspect
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -264,6 +266,137 @@ def test_over_relaxation_and_residual_balancing_converge(lsq_clients, relaxation
       assert float(state.rho) < rho and len(np.unique(np.asarray(history["rho"]))) > 1
     else:
       np.testing.assert_array_equal(history["rho"], rho)
+
+
+def _ridge_np(v, x, y, l2=L2):
+  """f_i(v) = mean ½(xᵀw + b − y)² + (l2/2)‖w‖² in float64 NumPy."""
+  return np.mean(0.5 * (x @ v[:-1] + v[-1] - y) ** 2) + 0.5 * l2 * v[:-1] @ v[:-1]
+
+
+@pytest.mark.parametrize("objective", ["clients", "examples"])
+def test_metrics_are_boyds_residuals_tolerances_and_the_objective_at_z(rng, objective):
+  """Boyd §3.3.1 in NumPy over all N rows after one partial iteration (clients 2 and 0, a zero-weight padding
+  client): ‖r‖ = ‖X − 1zᵀ‖_F, ‖s‖ = ρ√N‖z⁺ − z‖, ε_pri = √(NP) ε_abs + ε_rel max(‖X‖_F, √N‖z⁺‖),
+  ε_dual = √(NP) ε_abs + ε_rel ‖Λ‖_F, converged = both within; objective = the round's w_i-weighted mean of
+  f_i(z) at the z the clients received (the padding client is not in it); bits: one model each way."""
+  rho, alpha, abs_tol, rel_tol = 0.7, 1.3, 2e-3, 3e-2
+  with jax.enable_x64(True):
+    all_clients, batches, z, xs, lams = _two_of_four(rng)
+    weights = np.array([9.0, 11.0, 2.0, 0.0]) if objective == "examples" else None
+    results, larger = {}, set()
+    # Duals with a common shift move z⁺ away from the x_i, so that √N‖z⁺‖ is the larger side of ε_pri's max.
+    for shift, tols in ((0.0, (abs_tol, rel_tol)), (0.0, (10.0, 0.5)), (6.0, (abs_tol, rel_tol))):
+      algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=alpha,
+                            abs_tol=tols[0], rel_tol=tols[1], objective=objective)
+      state = _start(algo, z, xs, lams + shift)
+      if weights is not None:
+        state = state.replace(client_weights=jnp.asarray(weights))
+      metrics = results[shift, tols] = jax.jit(algo.step)(state, batches).metrics
+      new_z, new_xs, new_lams = _numpy_admm_iteration(z, xs, lams + shift, all_clients, [2, 0], rho, alpha, L2,
+                                                      weights)
+      r = np.linalg.norm(new_xs - new_z)
+      s = rho * np.sqrt(N) * np.linalg.norm(new_z - z)
+      sides = (np.linalg.norm(new_xs), np.sqrt(N) * np.linalg.norm(new_z))
+      larger.add(int(np.argmax(sides)))
+      eps_pri = np.sqrt(N * (D + 1)) * tols[0] + tols[1] * max(sides)
+      eps_dual = np.sqrt(N * (D + 1)) * tols[0] + tols[1] * np.linalg.norm(new_lams)
+      np.testing.assert_allclose(float(metrics["primal_residual"]), r, rtol=1e-6)
+      np.testing.assert_allclose(float(metrics["dual_residual"]), s, rtol=1e-6)
+      np.testing.assert_allclose(float(metrics["eps_primal"]), eps_pri, rtol=1e-6)
+      np.testing.assert_allclose(float(metrics["eps_dual"]), eps_dual, rtol=1e-6)
+      assert bool(metrics["converged"]) == (r <= eps_pri and s <= eps_dual)
+      assert float(metrics["rho"]) == pytest.approx(rho)
+    assert larger == {0, 1}
+    assert not bool(results[0.0, (abs_tol, rel_tol)]["converged"]) and bool(results[0.0, (10.0, 0.5)]["converged"])
+    results = {tols: metrics for (shift, tols), metrics in results.items() if shift == 0.0}
+    n = {2: 4.0, 0: 5.0} if objective == "examples" else {2: 1.0, 0: 1.0}
+    want = sum(n[i] * _ridge_np(z, *all_clients[i]) for i in (2, 0)) / sum(n.values())
+    np.testing.assert_allclose(float(results[abs_tol, rel_tol]["objective"]), want, rtol=1e-6)
+    bits = 64 * (D + 1)  # every bit of one float64 model-sized vector each way
+    assert float(results[abs_tol, rel_tol]["bits_up"]) == float(results[abs_tol, rel_tol]["bits_down"]) == bits
+
+
+def test_residual_balancing_is_boyds_rule_with_the_default_mu_and_tau(lsq_clients):
+  """Boyd §3.4.1 with the defaults μ = 10, τ = 2, checked at every iteration of two runs (ρ = 50, too large, and
+  ρ = 0.02, too small, so that both branches are taken): ρ_{k+1} = τρ_k if ‖r_k‖ > μ‖s_k‖, ρ_k/τ if
+  ‖s_k‖ > μ‖r_k‖, else ρ_k. Balancing is off by default, and an iteration in which nothing moves (r = s = 0)
+  keeps ρ."""
+  _, batches = lsq_clients
+  defaults = inspect.signature(admm_consensus).parameters
+  assert (defaults["balancing_mu"].default, defaults["balancing_tau"].default) == (10.0, 2.0)  # Boyd's suggestion
+  with jax.enable_x64(True):
+    moves = set()
+    for rho in (50.0, 0.02):
+      algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), residual_balancing=True)
+      _, history = _run(algo, _tree(np.zeros(D + 1)), batches, 40)
+      r, s, rhos = (np.asarray(history[k]) for k in ("primal_residual", "dual_residual", "rho"))
+      assert rhos[0] == rho
+      for k in range(len(rhos) - 1):
+        want = rhos[k] * 2 if r[k] > 10 * s[k] else rhos[k] / 2 if s[k] > 10 * r[k] else rhos[k]
+        assert rhos[k + 1] == pytest.approx(want, rel=1e-12), k
+        moves.add(np.sign(np.log(rhos[k + 1] / rhos[k])))
+    assert moves == {-1.0, 0.0, 1.0}
+    state, history = _run(admm_consensus(_ridge_loss, 50.0, num_clients=N, prox=prox_least_squares(L2)),
+                          _tree(np.zeros(D + 1)), batches, 10)
+    np.testing.assert_array_equal(history["rho"], 50.0)
+    assert float(state.rho) == 50.0
+    idle = batches.replace(weight=jnp.zeros_like(batches.weight))
+    algo = admm_consensus(_ridge_loss, 3.0, num_clients=N, prox=prox_least_squares(L2), residual_balancing=True)
+    state = jax.jit(algo.step)(algo.init(_tree(np.arange(D + 1.0)), jax.random.key(0)), idle)
+    assert float(state.metrics["primal_residual"]) == 0.0 and float(state.metrics["dual_residual"]) == 0.0
+    assert float(state.rho) == 3.0
+
+
+def test_examples_objective_from_init_counts_only_the_clients_seen(rng):
+  """objective="examples" from `init` (every w_i = 0: no client seen yet). An iteration with no client keeps z; an
+  iteration with client 2 alone, holding one real example, sets z = x̂_2 + λ_2/ρ (its weight is its one example,
+  the unseen clients weigh 0), and λ_2 stays 0."""
+  rho, alpha = 0.9, 1.4
+  clients = make_clients(rng, [3, 2, 1, 4], D)
+  z0 = rng.normal(size=D + 1)
+  with jax.enable_x64(True):
+    batches = pack([clients[2]], 1, 3, extra_clients=1, dtype=np.float64).replace(
+        client_id=jnp.array([2, 0], jnp.int32))
+    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=alpha,
+                          objective="examples")
+    state = algo.init(_tree(z0), jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(state.client_weights), 0.0)
+    step = jax.jit(algo.step)
+    idle = step(state, batches.replace(weight=jnp.zeros(2)))
+    np.testing.assert_array_equal(_vec(idle.params), z0)
+    out = step(state, batches)
+    x, y = clients[2]
+    a = np.hstack([x, np.ones((1, 1))])
+    x2 = np.linalg.solve(a.T @ a + np.diag([L2] * D + [0.0]) + rho * np.eye(D + 1), a.T @ y + rho * z0)
+    np.testing.assert_allclose(_vec(out.params), alpha * x2 + (1 - alpha) * z0, rtol=1e-10)
+    np.testing.assert_array_equal(np.asarray(out.client_weights), [0.0, 0.0, 1.0, 0.0])
+    np.testing.assert_allclose(np.column_stack([out.duals["w"], out.duals["b"]]), 0.0, atol=1e-12)
+    assert int(out.metrics["num_clients"]) == 1
+
+
+def test_inexact_x_update_is_k_optax_steps_cycling_through_the_batches(rng):
+  """prox=None: K = 3 SGD(η) steps from the client's previous x_i, step k on its batch k mod S (S = 2), along
+  ∇f_{i,k}(x) + λ_i + ρ(x − z) (the augmented Lagrangian's gradient), a batch without real examples taking no step
+  (client 2 holds 4 examples: its second batch is empty), in float64 NumPy; then z as usual."""
+  rho, eta, k_steps = 0.8, 0.2, 3
+  with jax.enable_x64(True):
+    all_clients, batches, z, xs, lams = _two_of_four(rng)
+    algo = admm_consensus(lsq_loss, rho, num_clients=N, client_optimizer=optax.sgd(eta), local_steps=k_steps)
+    out = jax.jit(algo.step)(_start(algo, z, xs, lams), batches)
+    data_x, data_y, mask = (np.asarray(a) for a in (batches.data["x"], batches.data["y"], batches.mask))
+    new_xs, terms = xs.copy(), xs + lams / rho
+    for c, i in enumerate((2, 0)):
+      v = xs[i].copy()
+      for k in range(k_steps):
+        m = mask[c, k % 2]
+        if not m.any():
+          continue
+        a = np.hstack([data_x[c, k % 2][m], np.ones((m.sum(), 1))])
+        v = v - eta * (a.T @ (a @ v - data_y[c, k % 2][m]) / m.sum() + lams[i] + rho * (v - z))
+      new_xs[i] = v
+      terms[i] = v + lams[i] / rho
+    np.testing.assert_allclose(np.column_stack([out.local_params["w"], out.local_params["b"]]), new_xs, rtol=1e-10)
+    np.testing.assert_allclose(_vec(out.params), terms.mean(0), rtol=1e-10)
 
 
 def test_vmap_over_rho_runs_a_sweep_in_one_program(lsq_clients):

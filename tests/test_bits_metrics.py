@@ -10,12 +10,14 @@ ring where every node has two neighbours, a chain whose end nodes have one,
 a coin that decides when L2GD communicates.
 
 Each run is one jitted call that returns only the metrics the test reads, so
-XLA leaves out what they do not depend on and the file stays fast.
+XLA leaves out what they do not depend on and the file stays fast. The runs
+are not shared between tests: a test that reused another's compiled run would
+not execute the algorithm's Python code, and mutation testing
+(tools/mutation.py), which runs only the tests that reach a mutated function,
+would never run it on the mutants of the bits it checks.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +52,6 @@ def _cq_ggadmm_uncensored():
   return fo.algorithms.cq_ggadmm(loss_fn, 1.0, 0.0, graph=fo.graphs.chain(N), bits=8, client_optimizer=optax.sgd(0.01))
 
 
-@functools.cache
 def _runner(name, steps, factory=None, **options):
   """(algorithm, jitted run): `run(state, batches)` takes `steps` steps and returns the `READ` metrics of each."""
   algorithm = factory() if factory is not None else EXAMPLES[name](**options)
@@ -80,7 +81,7 @@ def _bits(metrics):
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_every_algorithm_reports_finite_nonnegative_bits_up_and_down(name):
-  algorithm, run = _runner(name, 1, None)  # the run the tests below reuse
+  algorithm, run = _runner(name, 1, None)
   params, batches = example_inputs(name)
   state = algorithm.init(params, jax.random.key(0))
   for metrics in (state.metrics, run(state, batches)[0]):  # after init and after one step

@@ -146,3 +146,28 @@ def test_storage_dtype_sets_the_per_client_table_and_nothing_else(name):
 def test_every_factory_with_a_per_client_table_takes_storage_dtype():
   takes = {name for name in EXAMPLES if "storage_dtype" in inspect.signature(getattr(fo.algorithms, name)).parameters}
   assert takes == set(TABLES)
+
+
+DEFAULT_FLOAT_STATE = {
+    ".clock.": "the simulated wall clock (core.asynchrony) keeps event times in the default float, float64 under "
+               "x64, so that a long simulation's times stay exact",
+    ".log_beliefs": "P2P Bayes's beliefs over its K hypotheses are in the default float, not the model's",
+}
+"""State that is deliberately in JAX's default float, not the model's dtype: path fragment -> why."""
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_a_float32_model_keeps_a_float32_state_under_x64(name):
+  """With `jax_enable_x64` on (as a user may set it for other work), a float32 model with Python-float
+  hyper-parameters gets no 64-bit leaf in its state (outside `DEFAULT_FLOAT_STATE`), at `init` or after a
+  `step`: no silent doubling of the memory, no float64 arithmetic (slow on accelerators) in the round."""
+  with jax.enable_x64(True):
+    algorithm = EXAMPLES[name]()
+    params, batches = example_inputs(name)
+    state = algorithm.init(params, jax.random.key(0))
+    after = jax.eval_shape(algorithm.step, state, batches)
+    for label, tree in (("init", state), ("step", after)):
+      wide = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+              if jnp.result_type(leaf) in (jnp.float64, jnp.int64, jnp.complex128)
+              and not any(part in jax.tree_util.keystr(path) + "." for part in DEFAULT_FLOAT_STATE)]
+      assert not wide, f"{name} {label}: 64-bit leaves {wide}"
