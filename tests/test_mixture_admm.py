@@ -87,15 +87,16 @@ def test_reaches_the_closed_form_mixture_optimum(variant, rho):
     assert int(state.round) == 300
 
 
-def _numpy_split(a, b, lam, rho, iterations, frozen=()):
+def _numpy_split(a, b, lam, rho, iterations, frozen=(), z0=None):
   """Boyd's sharing ADMM with explicit copies x_i' and duals u_i (no reduction), float64.
 
   x_i = argmin f_i(x) + (λ/2)‖x‖² + (ρ/2)‖x − x_i' + u_i‖²;
   x' = argmin −(λ/(2n))‖Σ x_i'‖² + (ρ/2) Σ ‖x_i' − x_i − u_i‖² (one nd×nd solve); u_i += x_i − x_i'.
-  Clients in `frozen` skip their x-update (keep x_i).
+  Clients in `frozen` skip their x-update (keep x_i). Start: x_i = x_i' = z0 (default 0), ρu_i = −λ z0.
   """
   h, g = _hessians(a, b)
-  x, xp, u = np.zeros((N, D)), np.zeros((N, D)), np.zeros((N, D))
+  z0 = np.zeros(D) if z0 is None else z0
+  x, xp, u = np.tile(z0, (N, 1)), np.tile(z0, (N, 1)), np.tile(-lam * z0 / rho, (N, 1))
   coupling = rho * np.eye(N * D) - lam / N * np.kron(np.ones((N, N)), np.eye(D))
   for _ in range(iterations):
     x = np.stack([x[i] if i in frozen else
@@ -105,14 +106,16 @@ def _numpy_split(a, b, lam, rho, iterations, frozen=()):
   return x, xp.mean(0), rho * u
 
 
-def _numpy_jacobi(a, b, lam, rho, iterations, frozen=()):
+def _numpy_jacobi(a, b, lam, rho, iterations, frozen=(), z0=None):
   """Hong et al.'s Eq. 3.2 form, s = Σ x_i, all x_i from the previous iterate (Jacobi), float64.
 
   x_i = argmin f_i(x) + (λ/2)‖x‖² + ⟨y, x⟩ + (ρ/2)‖x + Σ_{j≠i} x_j − s‖²;
   s = argmin −(λ/(2n))‖s‖² − ⟨y, s⟩ + (ρ/2)‖Σ x_i − s‖²; y += ρ(Σ x_i − s). Clients in `frozen` keep x_i.
+  Start: x_i = z0 (default 0), s = n z0, y = −λ z0.
   """
   h, g = _hessians(a, b)
-  x, s, y = np.zeros((N, D)), np.zeros(D), np.zeros(D)
+  z0 = np.zeros(D) if z0 is None else z0
+  x, s, y = np.tile(z0, (N, 1)), N * z0, -lam * z0
   for _ in range(iterations):
     others = x.sum(0) - x
     x = np.stack([x[i] if i in frozen else
@@ -137,6 +140,73 @@ def test_iterates_equal_the_unreduced_admm_in_numpy(variant):
     np.testing.assert_allclose(np.asarray(state.params), z, rtol=1e-10, atol=1e-12)
     # "split": the n duals ρu_i are all equal (Boyd §7.3), and equal to the one stored dual.
     np.testing.assert_allclose(np.broadcast_to(np.asarray(state.dual), np.shape(y)), y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["split", "jacobi"])
+def test_init_pins_the_dual_to_minus_lambda_z_and_the_iterates_follow_numpy_from_there(variant):
+  """From params z⁰ ≠ 0: init sets x_i = z⁰ and y⁰ = −λz⁰ (= ∇ℓ at the aggregate, the identity the module's
+  derivation keeps); three iterations then equal the unreduced NumPy ADMM started at x_i = x_i' = z⁰ with
+  ρu_i = −λz⁰ ("split") or s = n z⁰, y = −λz⁰ ("jacobi")."""
+  lam, rho = 1.3, 2.9
+  z0 = np.array([0.7, -1.1, 0.4])
+  with jax.enable_x64(True):
+    a, b = _problem(seed=5)
+    algo = mixture_admm(quad_loss, lam, rho, num_clients=N, prox=prox_quadratic(quad_loss), variant=variant,
+                        client_map=MAP)
+    start = algo.init(jnp.asarray(z0), jax.random.key(0))
+    np.testing.assert_allclose(np.asarray(start.dual), -lam * z0, rtol=1e-15)
+    np.testing.assert_array_equal(np.asarray(start.local_params), np.tile(z0, (N, 1)))
+    state, _ = _run(algo, _batches(a, b), 3, init=jnp.asarray(z0))
+    x, z, y = (_numpy_split if variant == "split" else _numpy_jacobi)(a, b, lam, rho, 3, z0=z0)
+    np.testing.assert_allclose(np.asarray(state.local_params), x, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(state.params), z, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.broadcast_to(np.asarray(state.dual), np.shape(y)), y, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["split", "jacobi"])
+def test_inexact_x_update_is_k_full_batch_steps_toward_v(variant):
+  """prox=None, K = 3 (≠ S = 2): x_i ← x_i − η(∇f_i(x_i) + (λ+ρ)(x_i − v_i)) three times on all of the client's
+  examples, v_i = (ρ(x_i + κ(z − x̄)) − y)/(λ+ρ); then z = (y/κ + ρx̄)/(ρ − λ/κ), y ← y + κρ(x̄ − z). Two
+  iterations from a z⁰ ≠ 0, float64 NumPy."""
+  lam, rho, eta, k_steps = 0.8, 2.5, 0.05, 3
+  kappa = N if variant == "jacobi" else 1
+  z0 = np.array([0.3, -0.2, 0.5])
+  with jax.enable_x64(True):
+    a, b = _problem(seed=2)
+    algo = mixture_admm(quad_loss, lam, rho, num_clients=N, client_optimizer=optax.sgd(eta), local_steps=k_steps,
+                        variant=variant, client_map=MAP)
+    state, _ = _run(algo, _batches(a, b), 2, init=jnp.asarray(z0))
+    h, g = _hessians(a, b)
+    x, z, y = np.tile(z0, (N, 1)), z0, -lam * z0
+    for _ in range(2):
+      v = (rho * (x + kappa * (z - x.mean(0))) - y) / (lam + rho)
+      for _ in range(k_steps):
+        x = x - eta * (np.einsum("ide,ie->id", h, x) - g + (lam + rho) * (x - v))
+      z = (y / kappa + rho * x.mean(0)) / (rho - lam / kappa)
+      y = y + kappa * rho * (x.mean(0) - z)
+    np.testing.assert_allclose(np.asarray(state.local_params), x, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(state.params), z, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(state.dual), y, rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_residual_and_stationarity_skip_the_non_finite_client():
+  """λ = 0.5 (≠ 1), client 1 poisoned, 60 iterations: gradient_residual = max over the finite clients of
+  ‖∇f_i(x_i) + λ(x_i − x̄)‖ (x̄ over all n rows, the frozen one included), which is by then far below 1, so a
+  non-finite client counted as anything would show; stationarity = gradient_residual / λ."""
+  lam, rho, bad = 0.5, 2.0, 1
+  with jax.enable_x64(True):
+    a, b = _problem(seed=4)
+    batches = _batches(a, b)
+    batches = batches.replace(data={**batches.data, "a": batches.data["a"].at[bad, 0, 0, 0].set(jnp.nan)})
+    algo = mixture_admm(quad_loss, lam, rho, num_clients=N, prox=prox_quadratic(quad_loss), variant="split",
+                        client_map=MAP)
+    state, history = _run(algo, batches, 60)
+    x = np.asarray(state.local_params)
+    residual = _grads(a, b, x) + lam * (x - x.mean(0))
+    want = max(np.linalg.norm(residual[i]) for i in range(N) if i != bad)
+    assert 0 < want < 1e-3
+    np.testing.assert_allclose(float(history["gradient_residual"][-1]), want, rtol=1e-6, atol=1e-14)
+    np.testing.assert_allclose(float(history["stationarity"][-1]), want / lam, rtol=1e-6, atol=1e-14)
 
 
 @pytest.mark.parametrize("variant", ["split", "jacobi"])
