@@ -478,3 +478,132 @@ def test_l2sgd_plus_expected_step_is_the_gradient_step_from_any_state():
     np.testing.assert_allclose(expected, x - alpha * grad_F, rtol=1e-12, atol=1e-12)
     autodiff = jax.grad(objectives.mixture(quad_loss, lam))(jnp.asarray(x), batches)
     np.testing.assert_allclose(np.asarray(autodiff), grad_F, rtol=1e-12, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- L2SGD: one example per local step
+
+
+def _example_grads(a, b, x):
+  """∇f_ij(x_i) = a_ij (a_ijᵀ x_i − b_ij) `[n, m, d]`, examples in the order of `_batches`."""
+  return a * (np.einsum("imd,id->im", a, x) - b)[..., None]
+
+
+def test_l2sgd_local_step_is_one_uniformly_drawn_real_example():
+  """L2SGD, one step from random x over 400 keys: at a local coin each client moves by −α/(n(1−p)) ∇f_ij(x_i) for one
+  of its real examples j (never a padded slot, never the full-batch gradient of L2GD), every real example is drawn,
+  about uniformly; at an aggregation coin x_i − αλ/(np)(x_i − x̄). No `objective` metric (unlike L2GD)."""
+  lam, alpha, p, m = 0.7, 0.4, 0.3, M
+  with jax.enable_x64(True):
+    a, b = _problem(seed=9)
+    mask = np.ones((N, m), bool)
+    mask[2, 4:] = False  # client 2 holds 4 real examples
+    batches = _batches(a, b).replace(mask=jnp.asarray(mask.reshape(N, 2, m // 2)))
+    x = 3.0 * np.random.default_rng(10).normal(size=(N, D))
+    algo = mx.l2sgd(quad_loss, lam, alpha, p, num_clients=N, client_map=MAP)
+    state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(local_params=jnp.asarray(x),
+                                                                params=jnp.asarray(x.mean(0)))
+    assert "objective" not in state.metrics
+    keys = jax.random.split(jax.random.key(2), 400)
+    out = jax.jit(jax.vmap(lambda key: algo.step(state.replace(key=key), batches)))(keys)
+    assert "objective" not in out.metrics
+    coins, new_x = np.asarray(out.metrics["aggregated"]), np.asarray(out.local_params)
+    candidates = x[:, None] - alpha / (N * (1 - p)) * _example_grads(a, b, x)  # [n, m, d]
+    np.testing.assert_allclose(new_x[coins], np.broadcast_to(x - alpha * lam / (N * p) * (x - x.mean(0)),
+                                                             new_x[coins].shape), rtol=1e-13)
+    local = new_x[~coins]  # [k, n, d]
+    distance = np.linalg.norm(local[:, :, None] - candidates[None], axis=-1)  # [k, n, m]
+    drawn = distance.argmin(-1)
+    assert np.all(distance.min(-1) < 1e-12 * (1 + np.linalg.norm(x)))
+    assert mask[np.arange(N), drawn].all()  # never a padded slot
+    full = x - alpha / (N * (1 - p)) * np.stack([_example_grads(a, b, x)[i, mask[i]].mean(0) for i in range(N)])
+    assert np.all(np.linalg.norm(local - full, axis=-1) > 1e-3)
+    for i in range(N):
+      counts = np.bincount(drawn[:, i], minlength=m)[mask[i]]
+      expected = len(local) / mask[i].sum()
+      assert np.all(np.abs(counts - expected) < 5 * np.sqrt(expected)), (i, counts)
+
+
+def test_l2sgd_warns_above_the_l2gd_step_size_bound():
+  """`smoothness=` reaches L2SGD's check too: α above (n/2)·min{(1−p)/L, p/λ} warns, naming Theorem 4.4."""
+  bound = mx.l2gd_max_step_size(1.0, 2.0, 0.3, N)
+  with pytest.warns(UserWarning, match="Theorem 4.4"):
+    mx.l2sgd(quad_loss, 1.0, 1.01 * bound, 0.3, num_clients=N, smoothness=2.0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    mx.l2sgd(quad_loss, 1.0, 0.99 * bound, 0.3, num_clients=N, smoothness=2.0)
+
+
+def test_step_size_helpers_give_each_side_of_the_min_and_take_traced_arguments():
+  """l2gd_max_step_size = (n/2) min{(1−p)/L, p/λ} (p/λ = ∞ at λ = 0) and l2sgd_plus_step_size =
+  min{n(1−p)/(4L + μm), np/(4λ + μ)} for λ where each side is the smaller one, from Python numbers (a Python float)
+  and from traced arrays (`jax.vmap` over λ, inside `jit`) alike."""
+  n, smooth, p, mu, m = 4, 2.0, 0.3, 0.5, 6
+  lams = [0.0, 0.1, 5.0]
+  gd = [0.5 * n * min((1 - p) / smooth, p / lam if lam > 0 else np.inf) for lam in lams]
+  plus = [min(n * (1 - p) / (4 * smooth + mu * m), n * p / (4 * lam + mu)) for lam in lams]
+  assert gd[0] == gd[1] == 0.5 * n * (1 - p) / smooth and gd[2] == 0.5 * n * p / 5.0
+  assert plus[1] == n * (1 - p) / (4 * smooth + mu * m) and plus[2] == n * p / (4 * 5.0 + mu)
+  for lam, want_gd, want_plus in zip(lams, gd, plus):
+    got_gd, got_plus = mx.l2gd_max_step_size(lam, smooth, p, n), mx.l2sgd_plus_step_size(lam, smooth, mu, p, n, m)
+    assert type(got_gd) is float and type(got_plus) is float  # Python numbers in, a Python float out
+    assert got_gd == pytest.approx(want_gd, rel=1e-15) and got_plus == pytest.approx(want_plus, rel=1e-15)
+  with jax.enable_x64(True):
+    traced_gd = jax.jit(jax.vmap(lambda lam, s, q: mx.l2gd_max_step_size(lam, s, q, n), in_axes=(0, None, None)))(
+        jnp.asarray(lams), jnp.asarray(smooth), jnp.asarray(p))
+    traced_plus = jax.jit(jax.vmap(lambda lam: mx.l2sgd_plus_step_size(lam, jnp.asarray(smooth), jnp.asarray(mu),
+                                                                        jnp.asarray(p), n, m)))(jnp.asarray(lams))
+  np.testing.assert_allclose(np.asarray(traced_gd), gd, rtol=1e-14)
+  np.testing.assert_allclose(np.asarray(traced_plus), plus, rtol=1e-14)
+
+
+def test_l2gd_objective_averages_the_finite_clients_even_when_only_one_is_left():
+  """Three of four clients poisoned: the `objective` metric is F over the one finite client, f_0(x_0) + λ·penalty,
+  at init (x_i = 0, penalty 0) f_0(0) = mean ½ b_0j²."""
+  with jax.enable_x64(True):
+    a, b = _problem(seed=11)
+    a = a.copy()
+    a[1:, 0, 0] = np.nan
+    algo = mx.l2gd(quad_loss, 0.7, 0.1, 0.3, num_clients=N, client_map=MAP)
+    state = jax.jit(algo.step)(algo.init(jnp.zeros(D), jax.random.key(0)), _batches(a, b))
+    np.testing.assert_allclose(float(state.metrics["objective"]), np.mean(0.5 * b[0] ** 2), rtol=1e-12)
+    assert int(state.metrics["num_nonfinite"]) == 3
+
+
+def test_l2sgd_plus_client_with_one_real_example_averages_its_table_over_that_row_only():
+  """A client with a single real example (its padded rows of J hold arbitrary values): J̄_i is that one row, so its
+  local step is x_i − (α/n)[(∇f_i1(x_i) − J_i1)/(1−p) + J_i1 + Ψ_i] (Algorithm 2's g_i with J̄_i = J_i1)."""
+  lam, alpha, p, m = 0.7, 0.4, 0.3, M
+  with jax.enable_x64(True):
+    a, b = _problem(seed=12)
+    mask = np.ones((N, m), bool)
+    mask[1, 1:] = False  # client 1 holds one real example
+    batches = _batches(a, b).replace(mask=jnp.asarray(mask.reshape(N, 2, m // 2)))
+    rng = np.random.default_rng(13)
+    x = 2.0 * rng.normal(size=(N, D))
+    table = rng.normal(size=(N, m, D))
+    psi = rng.normal(size=(N, D))
+    algo = mx.l2sgd_plus(quad_loss, lam, alpha, p, num_clients=N, num_examples=m, client_map=MAP)
+    state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(
+        local_params=jnp.asarray(x), params=jnp.asarray(x.mean(0)), gradient_table=jnp.asarray(table),
+        aggregation_control=jnp.asarray(psi))
+    keys = jax.random.split(jax.random.key(3), 32)
+    out = jax.jit(jax.vmap(lambda key: algo.step(state.replace(key=key), batches)))(keys)
+    local = ~np.asarray(out.metrics["aggregated"])
+    assert local.any()
+    grad, row = _example_grads(a, b, x)[1, 0], table[1, 0]
+    want = x[1] - alpha / N * ((grad - row) / (1 - p) + row + psi[1])
+    np.testing.assert_allclose(np.asarray(out.local_params)[local, 1], np.broadcast_to(want, (local.sum(), D)),
+                               rtol=1e-13)
+
+
+def test_l2sgd_plus_checks_its_step_size_only_when_both_l_and_mu_are_given():
+  """The Theorem 5.2 bound needs L and μ: with both, α above it warns; with one of them the factory neither warns
+  nor fails (the docstring's "when both are given")."""
+  bound = mx.l2sgd_plus_step_size(1.0, 2.0, 0.5, 0.3, N, M)
+  with pytest.warns(UserWarning, match="Theorem 5.2"):
+    mx.l2sgd_plus(quad_loss, 1.0, 1.01 * bound, 0.3, num_clients=N, num_examples=M, smoothness=2.0, mu=0.5)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    mx.l2sgd_plus(quad_loss, 1.0, 0.99 * bound, 0.3, num_clients=N, num_examples=M, smoothness=2.0, mu=0.5)
+    mx.l2sgd_plus(quad_loss, 1.0, 100 * bound, 0.3, num_clients=N, num_examples=M, smoothness=2.0)
+    mx.l2sgd_plus(quad_loss, 1.0, 100 * bound, 0.3, num_clients=N, num_examples=M, mu=0.5)
