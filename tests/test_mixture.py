@@ -607,3 +607,24 @@ def test_l2sgd_plus_checks_its_step_size_only_when_both_l_and_mu_are_given():
     mx.l2sgd_plus(quad_loss, 1.0, 0.99 * bound, 0.3, num_clients=N, num_examples=M, smoothness=2.0, mu=0.5)
     mx.l2sgd_plus(quad_loss, 1.0, 100 * bound, 0.3, num_clients=N, num_examples=M, smoothness=2.0)
     mx.l2sgd_plus(quad_loss, 1.0, 100 * bound, 0.3, num_clients=N, num_examples=M, mu=0.5)
+
+
+@pytest.mark.parametrize("name", ["l2gd", "l2sgd"])
+def test_a_client_whose_step_overflows_is_frozen_like_a_non_finite_one(name):
+  """float32: client 0 starts at 1e19, so its gradient is finite but its local step α/(n(1−p))·∇f overflows to
+  ±inf. Its new model is not finite, so it keeps x_0 and is counted in `num_nonfinite`; the others step."""
+  a, b = _problem(seed=14)
+  x = np.ones((N, D), np.float32)
+  x[0] = 1e19
+  algo = getattr(mx, name)(quad_loss, 0.5, 1e22, 1e-3, num_clients=N, client_map=MAP)
+  state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(local_params=jnp.asarray(x))
+  batches = jax.tree.map(lambda t: t.astype(np.float32) if t.dtype == np.float64 else t, _batches(a, b))
+  grads = np.asarray(jax.vmap(jax.grad(lambda w, d: jnp.mean(quad_loss(w, d))))(
+      jnp.asarray(x), jax.tree.map(lambda t: t.reshape(N, -1, *t.shape[3:]), batches.data)))
+  assert np.all(np.isfinite(grads))
+  out = jax.jit(algo.step)(state, batches)
+  assert not bool(out.metrics["aggregated"])
+  new = np.asarray(out.local_params)
+  np.testing.assert_array_equal(new[0], x[0])
+  assert np.all(np.isfinite(new)) and np.all(new[1:] != x[1:])
+  assert int(out.metrics["num_nonfinite"]) == 1
