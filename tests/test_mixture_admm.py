@@ -156,6 +156,10 @@ def test_init_pins_the_dual_to_minus_lambda_z_and_the_iterates_follow_numpy_from
     start = algo.init(jnp.asarray(z0), jax.random.key(0))
     np.testing.assert_allclose(np.asarray(start.dual), -lam * z0, rtol=1e-15)
     np.testing.assert_array_equal(np.asarray(start.local_params), np.tile(z0, (N, 1)))
+    # METRICS: the model's dtype, except num_nonfinite (int32) and the bit counts (float32).
+    want = {"num_nonfinite": jnp.int32, "bits_up": jnp.float32, "bits_down": jnp.float32}
+    assert {k: v.dtype for k, v in start.metrics.items()} == {k: jnp.dtype(want.get(k, jnp.float64))
+                                                             for k in start.metrics}
     state, _ = _run(algo, _batches(a, b), 3, init=jnp.asarray(z0))
     x, z, y = (_numpy_split if variant == "split" else _numpy_jacobi)(a, b, lam, rho, 3, z0=z0)
     np.testing.assert_allclose(np.asarray(state.local_params), x, rtol=1e-10, atol=1e-12)
