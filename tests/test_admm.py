@@ -377,6 +377,19 @@ def test_examples_objective_from_init_counts_only_the_clients_seen(rng):
     assert int(out.metrics["num_clients"]) == 1
 
 
+def test_examples_objective_keeps_a_float32_model_float32_under_x64(rng):
+  """The weighted z-average (objective="examples") is cast back to the model's dtype, like the plain mean that
+  tests/test_convention.py checks for every factory."""
+  clients = make_clients(rng, [5, 6, 4, 7], D)
+  with jax.enable_x64(True):
+    batches = pack(clients, 2, 4, dtype=np.float32)
+    algo = admm_consensus(_ridge_loss, 1.0, num_clients=N, prox=prox_least_squares(L2), objective="examples")
+    state = algo.init(jax.tree.map(lambda v: v.astype(jnp.float32), _tree(np.zeros(D + 1))), jax.random.key(0))
+    after = jax.eval_shape(algo.step, state, batches)
+    assert {leaf.dtype for leaf in jax.tree.leaves(after.params)} == {jnp.dtype(jnp.float32)}
+    assert after.client_weights.dtype == after.rho.dtype == jnp.float32
+
+
 def test_inexact_x_update_is_k_optax_steps_cycling_through_the_batches(rng):
   """prox=None: K = 3 SGD(η) steps from the client's previous x_i, step k on its batch k mod S (S = 2), along
   ∇f_{i,k}(x) + λ_i + ρ(x − z) (the augmented Lagrangian's gradient), a batch without real examples taking no step
