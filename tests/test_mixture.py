@@ -535,25 +535,40 @@ def test_l2sgd_warns_above_the_l2gd_step_size_bound():
 
 def test_step_size_helpers_give_each_side_of_the_min_and_take_traced_arguments():
   """l2gd_max_step_size = (n/2) min{(1−p)/L, p/λ} (p/λ = ∞ at λ = 0) and l2sgd_plus_step_size =
-  min{n(1−p)/(4L + μm), np/(4λ + μ)} for λ where each side is the smaller one, from Python numbers (a Python float)
-  and from traced arrays (`jax.vmap` over λ, inside `jit`) alike."""
-  n, smooth, p, mu, m = 4, 2.0, 0.3, 0.5, 6
-  lams = [0.0, 0.1, 5.0]
-  gd = [0.5 * n * min((1 - p) / smooth, p / lam if lam > 0 else np.inf) for lam in lams]
-  plus = [min(n * (1 - p) / (4 * smooth + mu * m), n * p / (4 * lam + mu)) for lam in lams]
-  assert gd[0] == gd[1] == 0.5 * n * (1 - p) / smooth and gd[2] == 0.5 * n * p / 5.0
-  assert plus[1] == n * (1 - p) / (4 * smooth + mu * m) and plus[2] == n * p / (4 * 5.0 + mu)
+  min{n(1−p)/(4L + μm), np/(4λ + μ)} for λ where each side is the smaller one (λ = 0.5 < 1 on the λ side), from
+  Python numbers (a Python float) and with any one argument, or all of them, traced (`jax.vmap` in `jit`)."""
+  n, smooth, p, mu, m = 4, 0.5, 0.3, 0.5, 6
+  lams = [0.0, 0.1, 0.5, 5.0]
+  gd_of = lambda lam, s=smooth, q=p: 0.5 * n * min((1 - q) / s, q / lam if lam > 0 else np.inf)
+  plus_of = lambda lam, s=smooth, q=p: min(n * (1 - q) / (4 * s + mu * m), n * q / (4 * lam + mu))
+  gd, plus = [gd_of(lam) for lam in lams], [plus_of(lam) for lam in lams]
+  assert gd[0] == gd[1] == 0.5 * n * (1 - p) / smooth and gd[2] == 0.5 * n * p / 0.5 and gd[3] == 0.5 * n * p / 5
+  assert plus[1] == n * (1 - p) / (4 * smooth + mu * m) and plus[2] == n * p / (4 * 0.5 + mu)
   for lam, want_gd, want_plus in zip(lams, gd, plus):
     got_gd, got_plus = mx.l2gd_max_step_size(lam, smooth, p, n), mx.l2sgd_plus_step_size(lam, smooth, mu, p, n, m)
     assert type(got_gd) is float and type(got_plus) is float  # Python numbers in, a Python float out
     assert got_gd == pytest.approx(want_gd, rel=1e-15) and got_plus == pytest.approx(want_plus, rel=1e-15)
+  smooths, ps = [0.5, 2.0, 8.0], [0.1, 0.3, 0.9]
   with jax.enable_x64(True):
-    traced_gd = jax.jit(jax.vmap(lambda lam, s, q: mx.l2gd_max_step_size(lam, s, q, n), in_axes=(0, None, None)))(
-        jnp.asarray(lams), jnp.asarray(smooth), jnp.asarray(p))
-    traced_plus = jax.jit(jax.vmap(lambda lam: mx.l2sgd_plus_step_size(lam, jnp.asarray(smooth), jnp.asarray(mu),
-                                                                        jnp.asarray(p), n, m)))(jnp.asarray(lams))
-  np.testing.assert_allclose(np.asarray(traced_gd), gd, rtol=1e-14)
-  np.testing.assert_allclose(np.asarray(traced_plus), plus, rtol=1e-14)
+    lam_arr, s_arr, p_arr = jnp.asarray(lams), jnp.asarray(smooths), jnp.asarray(ps)
+    traced = {
+        "gd, all": jax.vmap(lambda lam, s, q: mx.l2gd_max_step_size(lam, s, q, n), in_axes=(0, None, None))(
+            lam_arr, jnp.asarray(smooth), jnp.asarray(p)),
+        "gd, λ": jax.vmap(lambda lam: mx.l2gd_max_step_size(lam, smooth, p, n))(lam_arr),
+        "gd, L": jax.vmap(lambda s: mx.l2gd_max_step_size(0.5, s, p, n))(s_arr),
+        "gd, p": jax.vmap(lambda q: mx.l2gd_max_step_size(0.5, smooth, q, n))(p_arr),
+        "plus, all": jax.vmap(lambda lam: mx.l2sgd_plus_step_size(lam, jnp.asarray(smooth), jnp.asarray(mu),
+                                                                  jnp.asarray(p), n, m))(lam_arr),
+        "plus, λ": jax.vmap(lambda lam: mx.l2sgd_plus_step_size(lam, smooth, mu, p, n, m))(lam_arr),
+        "plus, L": jax.vmap(lambda s: mx.l2sgd_plus_step_size(0.5, s, mu, p, n, m))(s_arr),
+    }
+  want = {"gd, all": gd, "gd, λ": gd, "gd, L": [gd_of(0.5, s=v) for v in smooths],
+          "gd, p": [gd_of(0.5, q=v) for v in ps], "plus, all": plus, "plus, λ": plus,
+          "plus, L": [plus_of(0.5, s=v) for v in smooths]}
+  for name, values in traced.items():
+    np.testing.assert_allclose(np.asarray(values), want[name], rtol=1e-14, err_msg=name)
+  assert len({np.argmin([(1 - q) / smooth, q / 0.5]) for q in ps}) == 2  # traced p reaches both sides
+  assert len({np.argmin([(1 - p) / v, p / 0.5]) for v in smooths}) == 2  # traced L too
 
 
 def test_l2gd_objective_averages_the_finite_clients_even_when_only_one_is_left():
@@ -628,3 +643,18 @@ def test_a_client_whose_step_overflows_is_frozen_like_a_non_finite_one(name):
   np.testing.assert_array_equal(new[0], x[0])
   assert np.all(np.isfinite(new)) and np.all(new[1:] != x[1:])
   assert int(out.metrics["num_nonfinite"]) == 1
+
+
+def test_efficient_l2sgd_plus_keeps_a_float32_state_under_x64():
+  """The efficient variant's extra state (the master's x̄ and drift) is cast back to the model's dtype, as
+  tests/test_convention.py checks for the plain variant and every other factory."""
+  a, b = _problem(seed=15)
+  with jax.enable_x64(True):
+    batches = jax.tree.map(lambda t: t.astype(np.float32) if t.dtype == np.float64 else t, _batches(a, b))
+    algo = mx.l2sgd_plus(quad_loss, 0.7, 0.1, 0.5, num_clients=N, num_examples=M, variant="efficient",
+                         client_map=MAP)
+    state = algo.init(jnp.zeros(D, jnp.float32), jax.random.key(0))
+    after = jax.eval_shape(lambda s: algo.step(algo.step(s, batches), batches), state)
+  wide = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(after)[0]
+          if jnp.result_type(leaf) == jnp.float64]
+  assert not wide, wide
