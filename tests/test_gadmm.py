@@ -587,3 +587,26 @@ def test_examples_objective_a_worker_without_examples_takes_the_neighbours_point
       thetas, sent, lams, _ = _numpy_censored_iteration(graph, thetas, sent, lams, clients, rho, 0.0, scale=scale)
       _assert_tables(state, thetas, lams)
     assert int(state.metrics["num_nonfinite"]) == 0
+
+
+def test_examples_objective_with_a_single_example_in_all_weighs_it_fully(rng):
+  """objective="examples" where worker 0 holds the only real example (every other mask all False): n = 1, so
+  c_0 = N·1/1 = N and the others 0; two iterations equal the NumPy transcription with those weights."""
+  graph = fo.graphs.random_bipartite(3, 4, 0.4, seed=3)
+  n, rho = graph.num_nodes, 0.8
+  clients = make_clients(rng, [1] + [4] * (n - 1), D)
+  scale = np.zeros(n)
+  scale[0] = n
+  thetas, lams = rng.normal(size=(n, D + 1)), rng.normal(size=(graph.num_edges, D + 1))
+  with jax.enable_x64(True):
+    batches = pack(clients, 2, 2, dtype=np.float64)
+    batches = batches.replace(mask=batches.mask.at[1:].set(False))
+    algo = cq_ggadmm(lsq_loss, rho, 0.0, graph=graph, bits=None, prox=prox_least_squares(), objective="examples",
+                     client_map="vmap")
+    state = algo.init(_zeros(), jax.random.key(0)).replace(
+        local_params=_table(thetas), transmitted=_table(thetas), duals=_table(lams))
+    sent = thetas
+    for _ in range(2):
+      state = jax.jit(algo.step)(state, batches)
+      thetas, sent, lams, _ = _numpy_censored_iteration(graph, thetas, sent, lams, clients, rho, 0.0, scale=scale)
+      _assert_tables(state, thetas, lams)
