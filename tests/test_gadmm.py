@@ -563,6 +563,21 @@ def test_two_workers_are_the_smallest_chain_and_match_the_papers_equations(rng):
       np.testing.assert_allclose(_rows(state.duals), lams, rtol=1e-10, atol=1e-12)
 
 
+def _examples_iterations_match_numpy(graph, clients, batches, rho, scale, thetas, lams, iterations):
+  """Uncensored, unquantized GGADMM with objective="examples" from (θ, λ), each iteration checked against the NumPy
+  transcription with weights c_n = `scale`; returns the last state."""
+  algo = cq_ggadmm(lsq_loss, rho, 0.0, graph=graph, bits=None, prox=prox_least_squares(), objective="examples",
+                   client_map="vmap")
+  state = algo.init(_zeros(), jax.random.key(0)).replace(
+      local_params=_table(thetas), transmitted=_table(thetas), duals=_table(lams))
+  step, sent = jax.jit(algo.step), thetas
+  for _ in range(iterations):
+    state = step(state, batches)
+    thetas, sent, lams, _ = _numpy_censored_iteration(graph, thetas, sent, lams, clients, rho, 0.0, scale=scale)
+    _assert_tables(state, thetas, lams)
+  return state
+
+
 def test_examples_objective_a_worker_without_examples_takes_the_neighbours_point(rng):
   """objective="examples" with worker 2's mask all False: c_2 = 0, so its update is θ_2 = v_2 (the argmin of the
   penalty alone), equal to the NumPy transcription with c_2 = 0; the others as before."""
@@ -577,15 +592,7 @@ def test_examples_objective_a_worker_without_examples_takes_the_neighbours_point
   with jax.enable_x64(True):
     batches = pack(clients, 5, 5, extra_slots=1, dtype=np.float64)
     batches = batches.replace(mask=batches.mask.at[empty].set(False))
-    algo = cq_ggadmm(lsq_loss, rho, 0.0, graph=graph, bits=None, prox=prox_least_squares(), objective="examples",
-                     client_map="vmap")
-    state = algo.init(_zeros(), jax.random.key(0)).replace(
-        local_params=_table(thetas), transmitted=_table(thetas), duals=_table(lams))
-    sent = thetas
-    for _ in range(2):
-      state = jax.jit(algo.step)(state, batches)
-      thetas, sent, lams, _ = _numpy_censored_iteration(graph, thetas, sent, lams, clients, rho, 0.0, scale=scale)
-      _assert_tables(state, thetas, lams)
+    state = _examples_iterations_match_numpy(graph, clients, batches, rho, scale, thetas, lams, 2)
     assert int(state.metrics["num_nonfinite"]) == 0
 
 
@@ -601,12 +608,4 @@ def test_examples_objective_with_a_single_example_in_all_weighs_it_fully(rng):
   with jax.enable_x64(True):
     batches = pack(clients, 2, 2, dtype=np.float64)
     batches = batches.replace(mask=batches.mask.at[1:].set(False))
-    algo = cq_ggadmm(lsq_loss, rho, 0.0, graph=graph, bits=None, prox=prox_least_squares(), objective="examples",
-                     client_map="vmap")
-    state = algo.init(_zeros(), jax.random.key(0)).replace(
-        local_params=_table(thetas), transmitted=_table(thetas), duals=_table(lams))
-    sent = thetas
-    for _ in range(2):
-      state = jax.jit(algo.step)(state, batches)
-      thetas, sent, lams, _ = _numpy_censored_iteration(graph, thetas, sent, lams, clients, rho, 0.0, scale=scale)
-      _assert_tables(state, thetas, lams)
+    _examples_iterations_match_numpy(graph, clients, batches, rho, scale, thetas, lams, 2)

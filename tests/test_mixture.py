@@ -427,6 +427,16 @@ def test_efficient_l2sgd_plus_matches_plain_with_an_intermittently_non_finite_cl
 # ----------------------------------------------------------------------------- L2SGD+: unbiased step
 
 
+def _l2sgd_plus_steps_from(lam, alpha, p, m, batches, x, table, psi, *, seed, num_keys):
+  """One L2SGD+ step from the state (x, J = `table`, Ψ = `psi`) under each of `num_keys` keys (`jax.vmap`)."""
+  algo = mx.l2sgd_plus(quad_loss, lam, alpha, p, num_clients=N, num_examples=m, client_map=MAP)
+  state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(
+      local_params=jnp.asarray(x), params=jnp.asarray(x.mean(0)), gradient_table=jnp.asarray(table),
+      aggregation_control=jnp.asarray(psi))
+  keys = jax.random.split(jax.random.key(seed), num_keys)
+  return jax.jit(jax.vmap(lambda key: algo.step(state.replace(key=key), batches)))(keys)
+
+
 def test_l2sgd_plus_expected_step_is_the_gradient_step_from_any_state():
   """E_{ξ, j}[x^{k+1}] = x^k − α∇F(x^k), exactly, from random x (far from x(λ)), random J and Ψ (mean Ψ ≠ 0), with
   padded slots: every (coin, j) outcome of one step is found by running the step over many keys, and weighted by its
@@ -444,12 +454,7 @@ def test_l2sgd_plus_expected_step_is_the_gradient_step_from_any_state():
     x = 5.0 * rng.normal(size=(N, D))
     table = rng.normal(size=(N, m, D)) * mask[..., None]
     psi = rng.normal(size=(N, D))
-    algo = mx.l2sgd_plus(quad_loss, lam, alpha, p, num_clients=N, num_examples=m, client_map=MAP)
-    state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(
-        local_params=jnp.asarray(x), params=jnp.asarray(x.mean(0)), gradient_table=jnp.asarray(table),
-        aggregation_control=jnp.asarray(psi))
-    keys = jax.random.split(jax.random.key(1), 256)
-    out = jax.jit(jax.vmap(lambda key: algo.step(state.replace(key=key), batches)))(keys)
+    out = _l2sgd_plus_steps_from(lam, alpha, p, m, batches, x, table, psi, seed=1, num_keys=256)
     coins = np.asarray(out.metrics["aggregated"])
     new_x, new_table = np.asarray(out.local_params), np.asarray(out.gradient_table)
     changed = np.any(new_table != table, axis=-1)  # [keys, n, m]
@@ -597,12 +602,7 @@ def test_l2sgd_plus_client_with_one_real_example_averages_its_table_over_that_ro
     x = 2.0 * rng.normal(size=(N, D))
     table = rng.normal(size=(N, m, D))
     psi = rng.normal(size=(N, D))
-    algo = mx.l2sgd_plus(quad_loss, lam, alpha, p, num_clients=N, num_examples=m, client_map=MAP)
-    state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(
-        local_params=jnp.asarray(x), params=jnp.asarray(x.mean(0)), gradient_table=jnp.asarray(table),
-        aggregation_control=jnp.asarray(psi))
-    keys = jax.random.split(jax.random.key(3), 32)
-    out = jax.jit(jax.vmap(lambda key: algo.step(state.replace(key=key), batches)))(keys)
+    out = _l2sgd_plus_steps_from(lam, alpha, p, m, batches, x, table, psi, seed=3, num_keys=32)
     local = ~np.asarray(out.metrics["aggregated"])
     assert local.any()
     grad, row = _example_grads(a, b, x)[1, 0], table[1, 0]
