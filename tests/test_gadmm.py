@@ -609,3 +609,22 @@ def test_examples_objective_with_a_single_example_in_all_weighs_it_fully(rng):
     batches = pack(clients, 2, 2, dtype=np.float64)
     batches = batches.replace(mask=batches.mask.at[1:].set(False))
     _examples_iterations_match_numpy(graph, clients, batches, rho, scale, thetas, lams, 2)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_zero_threshold_never_censors_even_an_unchanged_model(bits):
+  """τ₀ = 0 is "no censoring" (docstring): a worker whose quantized change is exactly zero still transmits, so
+  every worker transmits every iteration. Zero data started at θ = 0 makes every change exactly zero; with
+  τ₀ > 0 the same changes are all censored (‖0‖ < τ₀ξᵏ)."""
+  graph = fo.graphs.chain(5)
+  n, p = graph.num_nodes, D + 1
+  clients = [(np.zeros((4, D)), np.zeros(4))] * n
+  per_message = 32.0 * p if bits is None else bits * p + 32.0
+  with jax.enable_x64(True):
+    batches = pack(clients, 2, 2, dtype=np.float64)
+    for tau0, sent in ((0.0, n), (0.5, 0)):
+      state, (hist, _) = _run(cq_ggadmm(lsq_loss, 1.0, tau0, graph=graph, bits=bits, prox=prox_least_squares()),
+                              batches, 3)
+      jax.tree.map(lambda leaf: np.testing.assert_array_equal(leaf, 0.0), state.local_params)
+      np.testing.assert_array_equal(hist["transmissions"], [sent] * 3)
+      np.testing.assert_array_equal(hist["bits"], [sent * per_message] * 3)
