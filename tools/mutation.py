@@ -43,9 +43,12 @@ NOT_UPDATE_RULES = [r"\braise\b", r"\bcheck_\w+\(", r"_check\w*\(", r"warnings\.
 """Lines that are not update rules (argument checks, messages, defaults, metric names): left unmutated."""
 SHARED_TESTS = ["tests/test_rounds.py", "tests/test_nonfinite.py", "tests/test_convention.py",
                 "tests/test_bits_metrics.py"]
+COMPRESSION_TESTS = ["tests/test_compression.py", "tests/test_compression_composition.py"]
 TESTS_OF = {
-    "fedavg": ["tests/test_fedavg.py"], "fedprox": ["tests/test_fedprox.py"], "fednova": ["tests/test_fednova.py"],
-    "scaffold": ["tests/test_scaffold.py"], "feddyn": ["tests/test_feddyn.py"], "ditto": ["tests/test_ditto.py"],
+    # compression= (fo.compression) on FedAvg, FedSGD, FedProx, FedNova and SCAFFOLD is tested in its own files.
+    "fedavg": ["tests/test_fedavg.py", *COMPRESSION_TESTS], "fedprox": ["tests/test_fedprox.py", *COMPRESSION_TESTS],
+    "fednova": ["tests/test_fednova.py", *COMPRESSION_TESTS], "scaffold": ["tests/test_scaffold.py", *COMPRESSION_TESTS],
+    "feddyn": ["tests/test_feddyn.py"], "ditto": ["tests/test_ditto.py"],
     "pfedme": ["tests/test_pfedme.py"], "easgd": ["tests/test_easgd.py"], "fedu": ["tests/test_fedu.py"],
     "per_fedavg": ["tests/test_per_fedavg.py"], "fedavg_finetune": ["tests/test_fedavg_finetune.py"],
     "mixture": ["tests/test_mixture.py"], "admm_consensus": ["tests/test_admm.py"],
