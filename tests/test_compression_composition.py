@@ -163,6 +163,30 @@ def test_scaffold_with_top_k_matches_a_float64_numpy_transcription(error_feedbac
     assert float(state.metrics["bits_down"]) == 2 * 32 * P
 
 
+def test_scaffold_counts_no_compressed_control_delta_of_a_zero_weight_client():
+  """A client of weight 0 with real data computes a finite, nonzero Δc_i but takes no part: the server counts
+  only the other clients' messages and its residual rows stay 0 (NumPy over the three others)."""
+  k, eta_l, eta_g = 2, 0.05, 0.8
+  comp = C.compressed(C.top_k(k=k), error_feedback=True, num_clients=N_TOTAL)
+  params, _ = example_inputs("fedavg")
+  batches = _scaffold_batches(0)
+  batches = batches.replace(weight=batches.weight.at[1].set(0.0))  # client id 1 (slot 1) sits the round out
+  algo = fo.algorithms.scaffold(loss_fn, eta_l, eta_g, num_clients=N_TOTAL, compression=comp)
+  state = jax.jit(algo.step)(algo.init(params, jax.random.key(3)), batches)
+  xs, ys = _data(batches)
+  keep = [0, 2, 3]
+  zeros = np.zeros((N_TOTAL, P))
+  z, c, table, ey, ec = _numpy_scaffold_round(_vec(params), np.zeros(P), zeros, zeros, zeros, xs[keep], ys[keep],
+                                              [ROUND_IDS[0][s] for s in keep], eta_l, eta_g, N_TOTAL,
+                                              _np_top_k(k))
+  np.testing.assert_allclose(_vec(state.params), z, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_vec(state.control_variate), c, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_rows(state.client_control_variates), table, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_rows(state.control_residuals), ec, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(_rows(state.control_residuals)[1], 0.0)
+  assert np.abs(ec).sum() > 0
+
+
 @pytest.mark.parametrize("storage_dtype", [None, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_scaffold_with_identity_compression_is_scaffold_bit_for_bit(storage_dtype):
   """With error feedback, so both residual tables are used (and stay exactly 0)."""
