@@ -3,6 +3,7 @@
     python -m venv /tmp/mutation-venv
     /tmp/mutation-venv/bin/pip install mutmut jax optax flax chex numpy pytest hypothesis scipy scikit-learn
     /tmp/mutation-venv/bin/python tools/mutation.py fedprox scaffold feddyn --out benchmarks/results/mutation.json
+    /tmp/mutation-venv/bin/python tools/mutation.py admm_sharing --functions _logistic_z_update   # one function
 
 For each named module of `fedjax_opt/algorithms/`, mutmut (3.x) changes one
 thing at a time in its update rules (an operator, a constant, an argument;
@@ -90,11 +91,21 @@ def _changes(mutated: pathlib.Path, module: str) -> dict[str, str]:
       if line and not line[0].isspace() and not line.startswith(")"):
         break  # the first top-level statement after the function
       body.append(line)
+    while len(body) > 1 and not body[-1].strip():  # the blank lines before the next function
+      body.pop()
     bodies[head.group(1), head.group(2)] = body
   prefix = _path(module)[:-3].replace("/", ".")
   return {f"{prefix}.{func}__mutmut_{tag}": func + "\n" + "\n".join(
               line for line in difflib.ndiff(bodies[func, "orig"], body) if line[:2] in ("- ", "+ "))
           for (func, tag), body in bodies.items() if tag != "orig"}
+
+
+def _select(changes: dict[str, str], functions: list[str] | None, wanted: set[str] | None) -> list[str]:
+  """The mutants (names, from `_changes`) of the named functions (all if None) whose change is in `wanted` (all
+  if None)."""
+  keep = None if functions is None else {f"x_{f}" for f in functions}
+  return [n for n, change in changes.items()
+          if (keep is None or change.split("\n", 1)[0] in keep) and (wanted is None or change in wanted)]
 
 
 def _generated_changes(work: pathlib.Path, module: str, env: dict) -> dict[str, str]:
@@ -138,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--only", default=None,
                       help="a JSON file written by --out: re-test only its survivors (after adding tests), matched "
                            "by their change, so edits elsewhere in the module do not matter")
+  parser.add_argument("--functions", nargs="+", default=None, metavar="NAME",
+                      help="mutate only these functions of the modules (e.g. _logistic_z_update after rewriting it)")
   args = parser.parse_args(argv)
   try:
     import fedjax_opt  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
@@ -159,16 +172,25 @@ def main(argv: list[str] | None = None) -> int:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   print(f"mutating {', '.join(args.modules)} in {work} ...", flush=True)
   names = []
-  if args.only:  # the earlier survivors, found again by their change (names shift when the file is edited)
-    earlier = json.loads(pathlib.Path(args.only).read_text())
-    wanted = set()
-    for module, group in earlier["survivors"].items():
-      changes = earlier.get("changes", {}).get(module)
-      if changes is None:  # written before changes were stored: read them from that run's work copy
-        changes = _changes(pathlib.Path(earlier["workdir"]) / "mutants" / _path(module), module)
-      wanted |= {changes[n] for n in group}
-    for module in args.modules:
-      names += [n for n, change in _generated_changes(work, module, env).items() if change in wanted]
+  if args.functions or args.only:
+    wanted = None
+    if args.only:  # the earlier survivors, found again by their change (names shift when the file is edited)
+      earlier = json.loads(pathlib.Path(args.only).read_text())
+      wanted = set()
+      for module, group in earlier["survivors"].items():
+        changes = earlier.get("changes", {}).get(module)
+        if changes is None:  # written before changes were stored: read them from that run's work copy
+          changes = _changes(pathlib.Path(earlier["workdir"]) / "mutants" / _path(module), module)
+        # Changes stored before trailing blank lines were dropped end in a blank "- " line.
+        wanted |= {re.sub(r"(\n[-+] ?)+$", "", changes[n]) for n in group}
+    generated = {n: c for module in args.modules for n, c in _generated_changes(work, module, env).items()}
+    mutated_functions = {c.split("\n", 1)[0][2:] for c in generated.values()}
+    unknown = sorted(set(args.functions or ()) - mutated_functions)
+    if unknown:
+      print(f"--functions: no mutant in {', '.join(unknown)} (functions with mutants in {', '.join(args.modules)}: "
+            f"{', '.join(sorted(mutated_functions))}).", file=sys.stderr)
+      return 2
+    names = _select(generated, args.functions, wanted)
     if not names:
       print("none of the earlier survivors is left in these modules (each was changed or removed).")
       return 0

@@ -1,0 +1,65 @@
+"""tools/mutation.py's bookkeeping: mutants named by their change, and the selection by function and by change.
+
+Pure Python on a small file written the way mutmut 3 writes a mutated module (one `x_<function>__mutmut_orig`
+and one `x_<function>__mutmut_<k>` per mutant); mutmut itself is not needed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("mutation_tool", ROOT / "tools" / "mutation.py")
+mutation = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mutation)
+
+MUTATED = '''\
+import jax.numpy as jnp
+
+def x_scale__mutmut_orig(x, a):
+    y = a * x
+    return y + 1
+
+def x_scale__mutmut_1(x, a):
+    y = a / x
+    return y + 1
+
+def x_scale__mutmut_2(x, a):
+    y = a * x
+    return y + 2
+
+def x_clip__mutmut_orig(x):
+    return jnp.clip(x, 0, 1)
+
+def x_clip__mutmut_1(x):
+    return jnp.clip(x, 1, 1)
+x_scale__mutmut_mutants = {}
+'''
+
+
+def _changes(tmp_path):
+  path = tmp_path / "fedavg.py"
+  path.write_text(MUTATED)
+  return mutation._changes(path, "fedavg")
+
+
+def test_each_mutant_is_named_by_its_function_and_changed_lines(tmp_path):
+  changes = _changes(tmp_path)
+  prefix = "fedjax_opt.algorithms.fedavg."
+  assert set(changes) == {prefix + "x_scale__mutmut_1", prefix + "x_scale__mutmut_2", prefix + "x_clip__mutmut_1"}
+  assert changes[prefix + "x_scale__mutmut_1"] == "x_scale\n-     y = a * x\n+     y = a / x"
+  assert changes[prefix + "x_scale__mutmut_2"] == "x_scale\n-     return y + 1\n+     return y + 2"
+  # The top-level statement after the last function is not part of its body.
+  assert changes[prefix + "x_clip__mutmut_1"] == "x_clip\n-     return jnp.clip(x, 0, 1)\n+     return jnp.clip(x, 1, 1)"
+
+
+def test_selection_by_function_and_by_change(tmp_path):
+  changes = _changes(tmp_path)
+  prefix = "fedjax_opt.algorithms.fedavg."
+  assert mutation._select(changes, None, None) == list(changes)
+  assert mutation._select(changes, ["clip"], None) == [prefix + "x_clip__mutmut_1"]
+  survivor = changes[prefix + "x_scale__mutmut_2"]
+  assert mutation._select(changes, None, {survivor}) == [prefix + "x_scale__mutmut_2"]
+  assert mutation._select(changes, ["clip"], {survivor}) == []
+  assert mutation._select(changes, ["scale", "clip"], {survivor}) == [prefix + "x_scale__mutmut_2"]
