@@ -753,7 +753,9 @@ def test_sharing_logistic_z_update_is_the_safeguarded_newton_of_the_docstring(rn
   labels = (rng.random(size) < 0.5).astype(np.float64)
   real = np.arange(size) < 8  # the last sample is padding
   frozen = rng.normal(size=size) * 2
-  start = v + rng.normal(size=size) * 8  # most starts lie outside the bracket (half-width 2.5)
+  width = 1 / (m * rho)  # the bracket's half-width, 31.25
+  # Starts outside the bracket on both sides (clipped into it) and inside it; the last sample is padding.
+  start = v + width * np.array([-2.5, 1.7, 0.4, -1.2, 3.0, -0.3, 1.1, -4.0, 2.0])
   with jax.enable_x64(True):
     for steps in (1, 2, 3, 5):
       got = _logistic_z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
