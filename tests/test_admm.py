@@ -770,6 +770,27 @@ def test_sharing_logistic_z_update_is_the_safeguarded_newton_of_the_docstring(rn
   assert t[-1] == v[-1]
 
 
+def test_sharing_logistic_z_update_in_float32_under_x64_uses_float32_rounding():
+  """A float32 solve with x64 on: "within rounding" is float32's (16 eps₃₂ (1 + |t|)), so once converged it keeps
+  its root; with float64's eps, rounding-level Newton moves fail the halving test and bisect a bracket left wide
+  on one side (max |φ| about 1.6e-5 after 30 steps instead of 1.1e-8). φ is evaluated in float64 NumPy."""
+  from fedjax_opt.algorithms.admm_sharing import _logistic_z_update  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(1)
+  size, n, m, rho = 4000, 10.0, 8.0, 0.004
+  f32 = np.float32
+  v = (rng.normal(size=size) * 3).astype(f32)
+  labels = (rng.random(size) < 0.5).astype(f32)
+  frozen = (rng.normal(size=size) * 2).astype(f32)
+  start = (v + rng.normal(size=size) * 40).astype(f32)
+  with jax.enable_x64(True):
+    args = [jnp.asarray(a) for a in (v, labels, np.ones(size, bool), f32(n), frozen, f32(m), f32(rho), start)]
+    t = _logistic_z_update(*args, 30)
+    assert t.dtype == jnp.float32
+  t = np.asarray(t, np.float64)
+  phi = (1 / (1 + np.exp(-(n * t + frozen))) - labels) / m + rho * (t - v)
+  assert np.abs(phi).max() < 1e-6
+
+
 @pytest.mark.parametrize("loss", ["squared", "logistic"])
 def test_sharing_x_update_is_ista_with_step_one_over_rho_norm_squared_plus_l2(rng, loss):
   """Two ISTA steps of the client problem, from a random x^0, with step 1/L, L = ρ‖A_i‖₂² + λ₂ (spectral norm), the
