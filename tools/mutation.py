@@ -55,6 +55,10 @@ TESTS_OF = {
     "mixture": ["tests/test_mixture.py"], "admm_consensus": ["tests/test_admm.py"],
     "admm_sharing": ["tests/test_admm.py"], "gadmm": ["tests/test_gadmm.py"],
     "mixture_admm": ["tests/test_mixture_admm.py"],
+    "ifca": ["tests/test_ifca.py"], "clustered_fl": ["tests/test_clustered_fl.py"], "fedem": ["tests/test_fedem.py"],
+    "fedmd": ["tests/test_fedmd.py"], "matched_averaging": ["tests/test_matched_averaging.py"],
+    "decentralized": ["tests/test_decentralized.py"], "p2p_bayes": ["tests/test_p2p_bayes.py"],
+    "asynchronous": ["tests/test_asynchronous.py", "tests/test_asynchrony.py"],
     # Outside fedjax_opt/algorithms/: the robust aggregators and the attacks.
     "robust": ["tests/test_robust_aggregators.py"],
     "attacks": ["tests/test_attacks.py", "tests/test_robust_aggregators.py"],
