@@ -107,9 +107,13 @@ def _changes(mutated: pathlib.Path, module: str) -> dict[str, str]:
 def _select(changes: dict[str, str], functions: list[str] | None, wanted: set[str] | None) -> list[str]:
   """The mutants (names, from `_changes`) of the named functions (all if None) whose change is in `wanted` (all
   if None)."""
-  keep = None if functions is None else {f"x_{f}" for f in functions}
   return [n for n, change in changes.items()
-          if (keep is None or change.split("\n", 1)[0] in keep) and (wanted is None or change in wanted)]
+          if (functions is None or _function_of(change) in functions) and (wanted is None or change in wanted)]
+
+
+def _function_of(change: str) -> str:
+  """The mutated function's name in the module (mutmut's `x_<name>` without its prefix) of a `_changes` value."""
+  return change.split("\n", 1)[0][2:]
 
 
 def _generated_changes(work: pathlib.Path, module: str, env: dict) -> dict[str, str]:
@@ -188,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         # Changes stored before trailing blank lines were dropped end in a blank "- " line.
         wanted |= {re.sub(r"(\n[-+] ?)+$", "", changes[n]) for n in group}
     generated = {n: c for module in args.modules for n, c in _generated_changes(work, module, env).items()}
-    mutated_functions = {c.split("\n", 1)[0][2:] for c in generated.values()}
+    mutated_functions = {_function_of(c) for c in generated.values()}
     unknown = sorted(set(args.functions or ()) - mutated_functions)
     if unknown:
       print(f"--functions: no mutant in {', '.join(unknown)} (functions with mutants in {', '.join(args.modules)}: "
