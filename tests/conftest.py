@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import os
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fedjax_opt as fo
+
+# JAX's persistent compilation cache. Most of a test's time is compiling its programs, and many tests (and xdist
+# workers) compile the same ones: a program compiled once is read back everywhere else, in this run and the next.
+# FEDJAX_OPT_TEST_CACHE names the folder; "off" disables it (to time a cold run without it).
+TEST_CACHE = os.environ.get("FEDJAX_OPT_TEST_CACHE",
+                            os.path.join(os.path.expanduser("~"), ".cache", "fedjax_opt", "xla-tests"))
+if TEST_CACHE != "off":
+  jax.config.update("jax_compilation_cache_dir", TEST_CACHE)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ.get("FEDJAX_OPT_TEST_CACHE_MIN_SECONDS", "0.05")))
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pack(clients, steps, batch, *, extra_steps=0, extra_slots=0, extra_clients=0, dtype=np.float32, weights=None):
@@ -157,3 +171,40 @@ def mixture_objective(a, b, x, lam):
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+class CliResult(NamedTuple):
+  """What `fedjax-opt` returned and printed."""
+
+  returncode: int
+  stdout: str
+  stderr: str
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+  """`cli(*args)`: `fedjax-opt ARGS` in this process (`cli.main(argv)`), for usage errors and other quick answers.
+
+  In-process costs milliseconds where a subprocess costs seconds of interpreter start and imports. The run's
+  process-wide settings are left alone: no compilation-cache folder and no CPU device count (both would outlive
+  the call in this test process); `warnings.formatwarning` is restored afterwards.
+  """
+  import warnings
+
+  from fedjax_opt import cli as cli_lib
+  from fedjax_opt.cli import run as run_lib
+
+  monkeypatch.setattr(run_lib, "enable_compile_cache", lambda setting: None)
+  monkeypatch.setattr(run_lib, "use_cpu_devices", lambda devices: None)
+  monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+
+  def call(*args):
+    capsys.readouterr()
+    try:
+      code = cli_lib.main([str(a) for a in args])
+    except SystemExit as e:  # argparse's own errors and --help
+      code = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    out, err = capsys.readouterr()
+    return CliResult(code, out, err)
+
+  return call

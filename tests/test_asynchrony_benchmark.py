@@ -18,6 +18,8 @@ import pytest
 
 import fedjax_opt as fo
 
+pytestmark = pytest.mark.slow  # runs the benchmark's --quick mode
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METHODS = ["co_op", "fedasync_constant", "fedasync_hinge", "fedasync_polynomial", "fedavg", "fedbuff"]
 ROBUST = ["fedasync_attacked", "fedasync_clean", "zeno_attacked", "zeno_clean"]

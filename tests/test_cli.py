@@ -1,4 +1,8 @@
-"""`fedjax-opt` as a user runs it: a subprocess, exit codes, one-line errors, files written."""
+"""`fedjax-opt` as a user runs it: exit codes, one-line errors, files written.
+
+Usage errors run in this process (the `cli` fixture: `cli.main(argv)`); a
+real run from a config file and its resume run as a subprocess, in the slow tier.
+"""
 
 import json
 import os
@@ -54,8 +58,8 @@ def run_cli(*args, cwd=None):
     (["run", "--set", "attack.factor=3"], "--set attack.… is given without --attack NAME"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])
-def test_bad_input_exits_2_with_one_line(args, needle):
-  result = run_cli(*args)
+def test_bad_input_exits_2_with_one_line(cli, args, needle):
+  result = cli(*args)
   assert result.returncode == 2, result.stderr
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1, result.stderr
@@ -63,34 +67,35 @@ def test_bad_input_exits_2_with_one_line(args, needle):
   assert "Traceback" not in result.stderr
 
 
-def test_bad_config_values_exit_2(tmp_path):
+def test_bad_config_values_exit_2(cli, tmp_path):
   bad_toml = tmp_path / "bad.toml"
   bad_toml.write_text("rounds = [\n")
-  assert "is not valid TOML" in run_cli("run", "--config", str(bad_toml)).stderr
+  assert "is not valid TOML" in cli("run", "--config", str(bad_toml)).stderr
   unknown = tmp_path / "unknown.toml"
   unknown.write_text("learning_rate = 0.1\n")
-  result = run_cli("run", "--config", str(unknown))
+  result = cli("run", "--config", str(unknown))
   assert result.returncode == 2 and "unknown key(s) ['learning_rate']" in result.stderr
   negative = tmp_path / "neg.toml"
   negative.write_text("alpha = -0.5\n")
-  result = run_cli("run", "--config", str(negative))
+  result = cli("run", "--config", str(negative))
   assert result.returncode == 2 and "alpha must be a positive number; got -0.5" in result.stderr
   for value, shown in (("0", "0"), ('"many"', "'many'")):
     devices = tmp_path / "devices.toml"
     devices.write_text(f"devices = {value}\n")
-    result = run_cli("run", "--config", str(devices), "--out", str(tmp_path / "never"))
+    result = cli("run", "--config", str(devices), "--out", str(tmp_path / "never"))
     assert result.returncode == 2 and f"devices must be a positive integer or auto; got {shown}" in result.stderr
     assert not (tmp_path / "never").exists()
 
 
-def test_list_names_every_choice():
-  result = run_cli("list")
+def test_list_names_every_choice(cli):
+  result = cli("list")
   assert result.returncode == 0
   for name in ("fedavg", "fedadam", "fedyogi", "fedprox", "scaffold", "fednova", "feddyn", "mnist5k", "digits",
                "synthetic_1_1", "dirichlet", "shards", "cnn"):
     assert name in result.stdout
 
 
+@pytest.mark.slow
 def test_small_run_from_a_config_file_writes_results(tmp_path):
   """A short run on digits from TOML: progress, a results table, history, config and two PNG plots."""
   config = tmp_path / "exp.toml"
@@ -120,11 +125,11 @@ def test_small_run_from_a_config_file_writes_results(tmp_path):
   assert len(history["fedavg"]["round_metrics"]["client_loss"]) == 30
 
 
-def test_a_reused_out_folder_is_refused_and_left_untouched(tmp_path):
+def test_a_reused_out_folder_is_refused_and_left_untouched(cli, tmp_path):
   out = tmp_path / "out"
   out.mkdir()
   (out / "config.json").write_text('{"rounds": 7}')
-  result = run_cli("run", "--dataset", "digits", "--rounds", "2", "--out", str(out))
+  result = cli("run", "--dataset", "digits", "--rounds", "2", "--out", str(out))
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       f"fedjax-opt: error: --out {out} already holds a run; continue it with --resume, replace it with "
@@ -133,29 +138,29 @@ def test_a_reused_out_folder_is_refused_and_left_untouched(tmp_path):
   assert (out / "config.json").read_text() == '{"rounds": 7}'
 
 
-def test_a_bad_hyper_parameter_value_is_the_factory_s_one_line(tmp_path):
-  result = run_cli("run", "--dataset", "digits", "--algorithms", "ditto", "--set", "ditto.lam=-1", "--out",
+def test_a_bad_hyper_parameter_value_is_the_factory_s_one_line(cli, tmp_path):
+  result = cli("run", "--dataset", "digits", "--algorithms", "ditto", "--set", "ditto.lam=-1", "--out",
                    str(tmp_path / "out"))
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == ["fedjax-opt: error: ditto: lam must be finite and >= 0; got -1.0."]
   assert not (tmp_path / "out").exists()  # nothing is written before every algorithm is built
 
 
-def test_a_bad_aggregator_parameter_is_one_line(tmp_path):
-  result = run_cli("run", "--dataset", "digits", "--aggregator", "krum", "--set", "aggregator.f=2", "--out",
+def test_a_bad_aggregator_parameter_is_one_line(cli, tmp_path):
+  result = cli("run", "--dataset", "digits", "--aggregator", "krum", "--set", "aggregator.f=2", "--out",
                    str(tmp_path / "out"))
   assert result.returncode == 2
   assert result.stderr.strip().splitlines() == [
       "fedjax-opt: error: aggregator krum has no parameter 'f'; settable: num_byzantine"]
 
 
-def test_toml_sections_set_hyper_parameters_and_are_checked(tmp_path):
+def test_toml_sections_set_hyper_parameters_and_are_checked(cli, tmp_path):
   bad = tmp_path / "bad.toml"
   bad.write_text('algorithms = "ditto"\n[dito]\nlam = 0.5\n')
-  result = run_cli("run", "--config", str(bad))
+  result = cli("run", "--config", str(bad))
   assert result.returncode == 2 and "section [dito] is not an algorithm" in result.stderr
   bad.write_text('algorithms = "ditto"\ndataset = "digits"\n[ditto]\nlam = "big"\n')
-  result = run_cli("run", "--config", str(bad))
+  result = cli("run", "--config", str(bad))
   assert result.returncode == 2 and "ditto.lam must be a finite number; got 'big'" in result.stderr
 
 

@@ -12,6 +12,7 @@ SMALL = ["--dataset", "digits", "--num-clients", "8", "--clients-per-round", "4"
          "--batch-size", "16", "--quiet"]
 
 
+@pytest.mark.slow  # subprocess runs
 def test_fedmd_runs_sends_scores_not_models_and_its_public_set_is_reproducible(tmp_path):
   out = tmp_path / "run"
   result = run_cli("run", *SMALL, "--algorithms", "fedmd", "--rounds", "4", "--eval-every", "2", "--out", str(out),
@@ -37,8 +38,8 @@ def test_fedmd_runs_sends_scores_not_models_and_its_public_set_is_reproducible(t
   assert json.loads((again / "history.json").read_text())["fedmd"]["round_metrics"] == history["round_metrics"]
 
 
-def test_fedmd_settings_it_cannot_use_are_one_line_errors(tmp_path):
-  result = run_cli("run", *SMALL, "--algorithms", "fedmd", "--rounds", "2", "--out", str(tmp_path / "x"),
+def test_fedmd_settings_it_cannot_use_are_one_line_errors(cli, tmp_path):
+  result = cli("run", *SMALL, "--algorithms", "fedmd", "--rounds", "2", "--out", str(tmp_path / "x"),
                    "--set", "fedmd.public_size=100", "--set", "fedmd.public_per_round=500")
   assert result.returncode != 0
   assert result.stderr.strip().splitlines()[-1].endswith(
@@ -67,6 +68,7 @@ FEDMA = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3"
          "--set", "fedma.iterations=1", "--set", "fedma.max_width=260"]
 
 
+@pytest.mark.slow  # subprocess runs
 def test_fedma_runs_grows_counts_its_messages_and_resumes_bit_for_bit(tmp_path):
   whole, half = tmp_path / "whole", tmp_path / "half"
   result = run_cli("run", *FEDMA, "--rounds", "2", "--out", str(whole))
@@ -99,8 +101,8 @@ def test_fedma_runs_grows_counts_its_messages_and_resumes_bit_for_bit(tmp_path):
     (["--aggregator", "marginal_median"], "--aggregator marginal_median acts on the aggregation of client updates, "
                                           "which fedma"),
 ])
-def test_fedma_refusals_are_one_line(args, needle, tmp_path):
-  result = run_cli("run", *FEDMA, "--rounds", "1", "--out", str(tmp_path / "x"), *args)
+def test_fedma_refusals_are_one_line(cli, args, needle, tmp_path):
+  result = cli("run", *FEDMA, "--rounds", "1", "--out", str(tmp_path / "x"), *args)
   assert result.returncode != 0
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and needle in lines[0], result.stderr

@@ -170,6 +170,7 @@ def test_time_varying_and_random_topologies_are_valid_mixing_matrices():
 # ---- runs ------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a subprocess run
 def test_decentralized_run_counts_each_node_s_messages_to_its_neighbours(tmp_path):
   """Ring, Metropolis–Hastings: a node sends its model (and, gradient tracking, its tracker) to 2 neighbours."""
   out = tmp_path / "run"
@@ -186,6 +187,7 @@ def test_decentralized_run_counts_each_node_s_messages_to_its_neighbours(tmp_pat
   assert (out / "personalized_accuracy.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # subprocess runs
 def test_async_runs_are_reproducible_resume_and_beat_the_synchronous_clock(tmp_path):
   """Heavy-tailed compute times: the asynchronous run needs less simulated time for the same client updates."""
   args = [*SMALL, "--async", "--delay", "lognormal:0,1", "--algorithms", "fedavg,fedbuff,fedasync"]

@@ -13,6 +13,8 @@ import pytest
 
 from tests.test_cli import CLI, run_cli
 
+pytestmark = pytest.mark.slow  # every test here runs the command line as a subprocess, end to end
+
 SMALL = ["--dataset", "digits", "--num-clients", "20", "--clients-per-round", "5", "--local-steps", "3",
          "--batch-size", "16", "--eval-every", "5", "--quiet"]
 

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from sklearn.metrics import adjusted_rand_score
 
+pytestmark = pytest.mark.slow  # runs the benchmark's --quick mode
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -19,6 +19,7 @@ def test_docs_have_code():
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("sklearn") is None,
                     reason="the examples use the digits dataset: scikit-learn (the `data` extra) is not installed")
+@pytest.mark.slow  # executes the documents
 def test_every_python_block_in_docs_data_md_runs(capsys):
   namespace = {}
   for i, block in enumerate(_blocks()):

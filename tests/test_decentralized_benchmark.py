@@ -16,6 +16,8 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the benchmark's --quick mode
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 16
 STATIC = ("ring", "torus 4x4", "exponential", "complete")

@@ -11,6 +11,8 @@ import re
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # executes the documents
+
 DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "scaling.md")
 
 

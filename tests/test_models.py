@@ -380,6 +380,7 @@ def test_docs_have_the_bring_your_own_snippets():
     assert len(code.strip().splitlines()) <= 10
 
 
+@pytest.mark.slow  # executes the documents
 @pytest.mark.parametrize("index", range(1, len(_doc_blocks())))
 def test_docs_snippet_runs_and_gives_per_example_losses(index):
   namespace = _run_doc_block(index)

@@ -19,6 +19,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-device workers run as subprocesses
+
 NUM_PROCESSES = 2
 DEVICES_PER_PROCESS = 2
 C_PER_PROCESS, S, B, D, K = 5, 3, 4, 6, 3  # 5 clients per process: padded to 6 (2 devices) with a zero-weight client

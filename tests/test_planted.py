@@ -82,6 +82,7 @@ def test_bad_plantings_are_clear_errors(digits):
     fo.data.plant_groups(synthetic, 2, kind="rotate")
 
 
+@pytest.mark.slow  # a subprocess run
 def test_cli_reports_the_ari_of_each_clustering_against_the_planted_groups(tmp_path):
   out = tmp_path / "run"
   result = run_cli("run", "--dataset", "digits", "--partition", "iid", "--num-clients", "9", "--clients-per-round",
@@ -104,8 +105,8 @@ def test_cli_reports_the_ari_of_each_clustering_against_the_planted_groups(tmp_p
     ("swap:2", "--planted must be KIND:G"),
     ("rotate:5", "--planted rotate:5: kind='rotate' has 4 rotations"),
 ])
-def test_cli_planted_errors_are_one_line(value, needle, tmp_path):
-  result = run_cli("run", "--dataset", "digits", "--num-clients", "9", "--clients-per-round", "3", "--planted", value,
+def test_cli_planted_errors_are_one_line(cli, value, needle, tmp_path):
+  result = cli("run", "--dataset", "digits", "--num-clients", "9", "--clients-per-round", "3", "--planted", value,
                    "--rounds", "1",
                    "--out", str(tmp_path / "x"))
   assert result.returncode == 2

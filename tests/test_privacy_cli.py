@@ -15,6 +15,7 @@ DELTA = 1e-5
 
 
 
+@pytest.mark.slow  # subprocess runs
 def test_a_short_dp_run_writes_epsilon_and_resumes_with_its_solved_noise(tmp_path):
   import json
 
@@ -55,15 +56,14 @@ def test_a_short_dp_run_writes_epsilon_and_resumes_with_its_solved_noise(tmp_pat
     (["--dp-noise", "1", "--dp-clip", "1", "--dp-delta", "2"], "--dp-delta must be a number in (0, 1)"),
     (["--dp-noise", "1", "--dp-clip", "1", "--dp-clip-lr", "0.1"], "give --dp-quantile GAMMA too"),
 ])
-def test_bad_dp_flags_exit_2_with_one_line(args, needle):
-  from tests.test_cli import run_cli
-
-  result = run_cli("run", *args)
+def test_bad_dp_flags_exit_2_with_one_line(cli, args, needle):
+  result = cli("run", *args)
   assert result.returncode == 2, result.stderr
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and needle in lines[0], result.stderr
 
 
+@pytest.mark.slow  # executes the documents
 def test_the_python_blocks_of_docs_privacy_md_run(capsys):
   with open(os.path.join(os.path.dirname(__file__), os.pardir, "docs", "privacy.md"), encoding="utf-8") as f:
     blocks = re.findall(r"```python\n(.*?)```", f.read(), flags=re.S)

@@ -20,6 +20,8 @@ import pytest
 
 import fedjax_opt as fo
 
+pytestmark = pytest.mark.slow  # runs the benchmark's --quick mode
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -4,6 +4,9 @@ import pathlib
 import re
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # executes the documents
 
 README = pathlib.Path(__file__).parent.parent / "README.md"
 

@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-device workers run as subprocesses
+
 NUM_DEVICES = 8
 C, S, B, D, K = 13, 2, 4, 5, 3  # 13 rows: not a multiple of 8 devices; the last one a zero-weight client
 ROUNDS = 2

@@ -17,6 +17,8 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # runs the benchmark's --quick mode
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -286,6 +286,7 @@ def test_bad_arguments_are_refused_with_the_argument_named():
     jax.eval_shape(agg.aggregate, {"w": jnp.zeros((4, 2))}, jnp.ones(4), agg.init(None), jax.random.key(0))
 
 
+@pytest.mark.slow  # runs the benchmark's --quick mode
 def test_the_benchmark_quick_mode_runs_and_writes_its_table(tmp_path):
   path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "secure_aggregation.py"
   spec = importlib.util.spec_from_file_location("secure_aggregation_benchmark", path)

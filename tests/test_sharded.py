@@ -22,9 +22,9 @@ ROUNDS = 2
 CLIENT_LR, SERVER_LR = 0.1, 0.01
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def worker():
-  """Starts the 8-device subprocess when the module starts: it compiles while the single-device tests run."""
+  """The 8-device subprocess (slow tier), started by the first test that needs its report."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES}", JAX_PLATFORMS="cpu")
   proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
@@ -194,6 +194,7 @@ def test_sharded_on_one_device_is_the_inner_mode():
 # ---- the 8-device subprocess's results -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_subprocess_sees_8_devices_and_this_process_one(report):
   import jax
 
@@ -202,6 +203,7 @@ def test_subprocess_sees_8_devices_and_this_process_one(report):
 
 
 @pytest.mark.parametrize("server", ["fedavg", "fedadam"])
+@pytest.mark.slow  # the 8-device subprocess
 def test_every_mode_matches_a_python_loop_over_clients(report, server):
   """Reference loop, vmap, sequential, chunked and sharded (8 devices, C = 13; the library's mesh and one from
   `jax.make_mesh`) give the same new server state."""
@@ -211,12 +213,14 @@ def test_every_mode_matches_a_python_loop_over_clients(report, server):
     assert diff < 2e-6, (mode, diff)
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_sharded_map_returns_one_row_per_client(report):
   """Padding clients (13 -> 16) are sliced off: the caller sees [C] rows equal to a loop's."""
   assert report["map_shape"] == [C, D]
   assert report["map_diff"] < 1e-6
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_global_batches_pad_with_zero_weight_clients(report):
   """distributed.global_batches on one process: 13 clients padded to 16 zero-weight ones, same FedAdam state."""
   assert report["global_batches"]["num_clients"] == 16
@@ -224,6 +228,7 @@ def test_global_batches_pad_with_zero_weight_clients(report):
   assert report["global_batches"]["diff"] < 2e-6
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_per_client_state_split_across_devices(report):
   """SCAFFOLD's per-client table split on the clients axis gives the same round as a replicated one."""
   assert report["scaffold"]["table_sharding"] == "P('clients',)"
@@ -234,6 +239,7 @@ STATEFUL = ("fedprox", "scaffold", "fednova", "feddyn", "ditto", "pfedme", "per_
 
 
 @pytest.mark.parametrize("name", STATEFUL)
+@pytest.mark.slow  # the 8-device subprocess
 def test_stateful_algorithms_agree_across_modes(report, name):
   """Every algorithm with server or per-client state: vmap, chunked and sharded (8 devices, C = 13 of N = 16
   clients) give the state of a compiled loop over clients (`sequential`) after two rounds, tables included."""
@@ -243,6 +249,7 @@ def test_stateful_algorithms_agree_across_modes(report, name):
     assert diff < 5e-6, (mode, diff)
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_auto_shards_larger_dense_models_over_several_devices(report):
   """With 8 devices, `auto` shards a dense model above CPU_VMAP_MAX_PARAMS (its inner auto then picks one device's
   mode) and keeps a small model on one device; the sharded default gives the sequential loop's FedAvg state."""
@@ -251,6 +258,7 @@ def test_auto_shards_larger_dense_models_over_several_devices(report):
   assert report["auto"]["diff"] < 2e-6
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_auto_inside_a_user_s_shard_map_does_not_shard_again(report):
   """Inside a shard_map the clients are already split: `auto` maps its block on the device (it used to shard
   again and fail on the context mesh) and the psum of the blocks equals the one-device sum."""
@@ -258,12 +266,14 @@ def test_auto_inside_a_user_s_shard_map_does_not_shard_again(report):
   assert report["auto_inside_shard_map"]["diff"] < 2e-5
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_fo_train_runs_every_chunk_of_a_sharded_algorithm(report):
   """The state a sharded round returns lives on the mesh: the driver compiles for that placement and goes on."""
   assert report["train_chunks"]["rounds"] == 6
   assert report["train_chunks"]["diff"] < 2e-6
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_a_sharded_run_resumes_from_its_checkpoint(report):
   """The restored state is placed as a fresh one (uncommitted), so the sharded chunks and the evaluation after
   a resume run, and the resumed run ends where the uninterrupted one does."""
@@ -271,6 +281,7 @@ def test_a_sharded_run_resumes_from_its_checkpoint(report):
   assert report["resume_sharded"]["diff"] < 1e-6
 
 
+@pytest.mark.slow  # the 8-device subprocess
 def test_sweep_of_a_sharded_algorithm(report):
   """jax.vmap over seeds composes with shard_map: a sweep of sharded FedAvg equals a sweep of vmapped FedAvg."""
   assert report["sweep_diff"] < 2e-6

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-device workers run as subprocesses
+
 NUM_DEVICES = 8
 N, S, B, D = 16, 2, 4, 5  # 16 nodes, two per device
 ROUNDS = 4

@@ -147,6 +147,12 @@ def test_bad_sweeps_are_rejected(setup):
     swept.init(model.init(jax.random.key(0)), jax.random.split(jax.random.key(0), 3))
 
 
+def test_cli_seeds_zero_is_one_line(cli):
+  bad = cli("run", "--seeds", "0")
+  assert bad.returncode == 2 and "--seeds must be a positive integer" in bad.stderr
+
+
+@pytest.mark.slow  # a subprocess run
 def test_cli_seeds_reports_mean_and_std(tmp_path):
   """`fedjax-opt run --seeds 3`: one vmapped run per algorithm, results with std, history with a sweep axis."""
   out = tmp_path / "out"
@@ -163,6 +169,3 @@ def test_cli_seeds_reports_mean_and_std(tmp_path):
   history = json.loads((out / "history.json").read_text())["fedavg"]
   assert history["sweep_size"] == 3 and np.shape(history["round_metrics"]["client_loss"]) == (3, 6)
   assert (out / "accuracy.png").stat().st_size > 0
-  bad = subprocess.run([sys.executable, "-m", "fedjax_opt.cli", "run", "--seeds", "0"], capture_output=True,
-                       text=True, timeout=120)
-  assert bad.returncode == 2 and "--seeds must be a positive integer" in bad.stderr
