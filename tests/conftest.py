@@ -173,6 +173,42 @@ def rng():
   return np.random.default_rng(0)
 
 
+# FEDJAX_OPT_TEST_COMPILE_REPORT=1: per test file, the programs JAX traced, lowered and compiled and their seconds,
+# printed at the end of the run (of each xdist worker's files when run with -n: use it without -n to see them all).
+# Where the default tier's time goes, and whether a change compiles less.
+_COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                   "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                   "/jax/core/compile/backend_compile_duration": "compile"}
+_compile_report: dict[str, dict[str, list]] = {}
+_current_file = [None]
+
+
+def _record_compile_event(event, duration, **kwargs):
+  del kwargs
+  kind = _COMPILE_EVENTS.get(event)
+  if kind is not None and _current_file[0] is not None:
+    entry = _compile_report.setdefault(_current_file[0], {k: [0, 0.0] for k in _COMPILE_EVENTS.values()})
+    entry[kind][0] += 1
+    entry[kind][1] += duration
+
+
+if os.environ.get("FEDJAX_OPT_TEST_COMPILE_REPORT"):
+  jax.monitoring.register_event_duration_secs_listener(_record_compile_event)
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_protocol(item, nextitem):
+    del nextitem
+    _current_file[0] = item.location[0]
+    yield
+
+  def pytest_terminal_summary(terminalreporter):
+    rows = sorted(_compile_report.items(), key=lambda kv: -sum(v[1] for v in kv[1].values()))
+    terminalreporter.write_line("programs traced / lowered / compiled (seconds) per test file:")
+    for path, entry in rows:
+      cells = "  ".join(f"{k} {n:4d} {s:6.1f}s" for k, (n, s) in entry.items())
+      terminalreporter.write_line(f"  {path:48s} {cells}")
+
+
 class CliResult(NamedTuple):
   """What `fedjax-opt` returned and printed."""
 

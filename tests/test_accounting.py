@@ -59,7 +59,8 @@ def test_rdp_of_full_rounds_is_the_gaussian_closed_form(sigma, rounds):
 @pytest.mark.parametrize("sampling,accountant", [
     (P.Sampling.fixed(100, 10), "rdp"),
     (P.Sampling.poisson(100, 0.1, cap=100), "rdp"),
-    (P.Sampling.poisson(100, 0.1, cap=100), "pld"),
+    pytest.param(P.Sampling.poisson(100, 0.1, cap=100), "pld",
+                 marks=pytest.mark.slow),  # the PLD accountant's fine discretization: ~20 s of Python
 ])
 def test_epsilon_grows_with_rounds_and_shrinks_with_noise(sampling, accountant):
   at = [1, 5, 20, 60]
@@ -112,6 +113,7 @@ def test_unsupported_pairs_name_the_alternative():
     P.epsilons(1.0, 3, delta=DELTA, sampling=P.Sampling.poisson(100, 0.1, cap=30), accountant="rdp")
 
 
+@pytest.mark.slow  # four PLD accountings at the fine discretization
 def test_truncated_poisson_is_accounted_by_pld_and_costs_more_the_more_is_truncated():
   """A tight cap (P(truncation | sampled) ≈ 7%) costs much more ε; the default cap (overflow ≤ 1e-6) almost none."""
   plain = P.epsilons(1.0, delta=DELTA, sampling=P.Sampling.poisson(100, 0.1, cap=100), accountant="pld", at=[3])[0]

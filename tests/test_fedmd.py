@@ -123,6 +123,7 @@ def _label_skewed_digits():
   return _batches(x, y), public, test_x, test_y
 
 
+@pytest.mark.slow  # a convergence run
 def test_two_architectures_learn_the_classes_they_never_saw_from_the_consensus():
   batches, public, test_x, test_y = _label_skewed_digits()
   arch = np.arange(10) % 2  # even clients: logistic regression; odd: a tanh MLP
