@@ -295,10 +295,11 @@ def run_until(task: Task, algo: fo.FederatedAlgorithm, *, sampling: str, eval_ev
   evals: list[dict] = []
   start, target = time.perf_counter(), first
   while True:
-    state, history = fo.train(algo, state, ds, target, clients_per_round=clients, client_sampling=sampling,
-                              local_steps=LOCAL_STEPS, batch_size=BATCH, eval_every=eval_every,
-                              metric_fns=metric_fns, holdout=holdout, seed=SEED, progress=False,
-                              divergence_factor=None, check_memory=False)
+    state, history = fo.train(algo, state, ds, target,
+                              fo.Sampling(clients_per_round=clients, client_sampling=sampling,
+                                          local_steps=LOCAL_STEPS, batch_size=BATCH),
+                              evaluation=fo.Evaluation(every=eval_every, metric_fns=metric_fns, holdout=holdout),
+                              seed=SEED, progress=False, divergence_factor=None, check_memory=False)
     for name, values in history.round_metrics.items():
       metrics.setdefault(name, []).append(np.asarray(values))
     evals.extend(history.evals)

@@ -52,9 +52,10 @@ def bare_scan(algo, state, dataset, rounds, kw):
 
 
 def driver(algo, state, dataset, rounds, kw, eval_every, metric_fns):
-  run = lambda: jax.block_until_ready(fo.train(algo, state, dataset, rounds, eval_every=eval_every,
-                                               metric_fns=metric_fns, progress=False, **kw)[0])
-  run()  # compiles once (the driver caches compiled chunks)
+  sampling, evaluation = fo.Sampling(**kw), fo.Evaluation(every=eval_every, metric_fns=metric_fns)
+  run = lambda: jax.block_until_ready(fo.train(algo, state, dataset, rounds, sampling, evaluation=evaluation,
+                                               progress=False)[0])
+  run()  # compiles once (jax.jit keeps the compiled chunks for the next calls)
   return run
 
 

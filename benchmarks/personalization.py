@@ -176,9 +176,9 @@ def _train(task: Task, algorithm, rounds: int, *, eval_every: int, comms: Callab
   params = task.model.init(jax.random.key(0))
   sampling = sampling or dict(local_steps=task.hyper["local_steps"], batch_size=task.hyper["batch_size"])
   state, history = fo.train(
-      algorithm, algorithm.init(params, jax.random.key(1)), ds, rounds, clients_per_round=ds.num_clients,
-      client_sampling="all", eval_every=eval_every, metric_fns=_metric_fns(task), seed=0, progress=False, **sampling,
-      **hooks)
+      algorithm, algorithm.init(params, jax.random.key(1)), ds, rounds,
+      fo.Sampling(clients_per_round=ds.num_clients, client_sampling="all", **sampling),
+      evaluation=fo.Evaluation(every=eval_every, metric_fns=_metric_fns(task), **hooks), seed=0, progress=False)
   del state
   eval_rounds, accuracy = history.eval_series("personalized_test_accuracy")
   if comms is None:

@@ -93,11 +93,12 @@ def _model(name: str):
 
 
 def _train(algo, model, dataset, rounds: int, eval_every: int, **kwargs) -> tuple[dict, list[dict], float]:
+  """`fo.train` from the seeded initial model; `kwargs` are the fields of its `fo.Sampling`."""
   state = algo.init(model.init(jax.random.key(SEED)), jax.random.key(SEED + 1))
   start = time.perf_counter()
-  state, history = fo.train(algo, state, dataset, rounds, eval_every=eval_every,
-                            metric_fns={"accuracy": model.accuracy_fn}, seed=SEED, progress=False,
-                            divergence_factor=None, check_memory=False, **kwargs)
+  state, history = fo.train(algo, state, dataset, rounds, fo.Sampling(**kwargs),
+                            evaluation=fo.Evaluation(every=eval_every, metric_fns={"accuracy": model.accuracy_fn}),
+                            seed=SEED, progress=False, divergence_factor=None, check_memory=False)
   return ({k: np.asarray(v) for k, v in history.round_metrics.items()}, history.evals,
           time.perf_counter() - start)
 

@@ -193,9 +193,9 @@ def run_sweep(task: Task, algorithm: str, rule_name: str, attack: str, fractions
   keys = jnp.stack([jax.random.key(1)] * len(fractions))  # the same model and run key for every member
   start = time.perf_counter()
   _, history = fo.train(swept, swept.init(params, keys), task.dataset, task.rounds,
-                        clients_per_round=CLIENTS_PER_ROUND, local_steps=5, batch_size=10,
-                        eval_every=max(task.rounds // 10, 1),
-                        metric_fns={"loss": task.model.loss_fn, "accuracy": task.model.accuracy_fn},
+                        fo.Sampling(clients_per_round=CLIENTS_PER_ROUND, local_steps=5, batch_size=10),
+                        evaluation=fo.Evaluation(every=max(task.rounds // 10, 1), metric_fns={
+                            "loss": task.model.loss_fn, "accuracy": task.model.accuracy_fn}),
                         seed=0, progress=False, divergence_factor=None, check_memory=False)
   seconds = time.perf_counter() - start
   rounds, accuracy = history.eval_series("test_accuracy")

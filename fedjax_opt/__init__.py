@@ -12,6 +12,6 @@ from fedjax_opt import (aggregators, algorithms, attacks, compression, core, dat
 from fedjax_opt.core import ClientBatches, FederatedAlgorithm
 from fedjax_opt.core import client_map
 from fedjax_opt.core.per_client import personalized_params
-from fedjax_opt.train import History, train
+from fedjax_opt.train import Checkpointing, Evaluation, History, Sampling, train
 
 __version__ = "0.1.0"

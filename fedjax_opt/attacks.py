@@ -20,7 +20,7 @@ Two seams, so an attack composes with any aggregator and any algorithm:
   `fedjax_opt.train` as is (train calls `algorithm.step`):
 
       algo = fo.attacks.poison(algo, fo.attacks.label_flip(10), attackers=0.2, num_clients=dataset.num_clients)
-      state, history = fo.train(algo, algo.init(params, key), dataset, rounds, ...)
+      state, history = fo.train(algo, algo.init(params, key), dataset, rounds, fo.Sampling(...))
 
 Who the attackers are. `corrupt` sees rows, not client identities: the rows
 are the round's clients in the order the algorithm stacks them, and

@@ -13,7 +13,7 @@ sweep axis `[K, ...]`:
         fo.sweep.grid(client_lr=[0.01, 0.03, 0.1], server_lr=[1e-3, 1e-2]))     # K = 6
     state = swept.init(params, jax.random.key(0))          # leaves [6, ...]
     state = jax.jit(swept.step)(state, batches)            # same batches for all 6
-    state, history = fo.train(swept, state, dataset, 100, seed=0, ...)   # history [6, R]
+    state, history = fo.train(swept, state, dataset, 100, sampling, seed=0)   # history [6, R]
 
 Seeds: `fo.sweep.seeds(algorithm, K)` (no hyper-parameter) with per-member
 initial models (`init(stacked_params, keys, params_axis=0)`) and, in

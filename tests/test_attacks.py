@@ -252,10 +252,11 @@ def test_poisoned_algorithm_trains_with_fo_train_as_on_flipped_data():
   flipped = fo.data.pack([{"x": c["x"], "y": 3 - c["y"]} for c in data], test_fraction=0.2, num_classes=4)
   algo = fo.algorithms.fedavg(softmax_loss, client_optimizer=optax.sgd(0.3), client_map="vmap")
   params = {"w": jnp.zeros((3, 4)), "b": jnp.zeros(4)}
-  kw = {"clients_per_round": 3, "batch_size": 4, "local_steps": 2, "eval_every": 3, "progress": False}
+  kw = {"evaluation": fo.Evaluation(every=3), "progress": False}
+  sampling = fo.Sampling(clients_per_round=3, batch_size=4, local_steps=2)
   poisoned = attacks.poison(algo, attacks.label_flip(4), attackers=1.0, num_clients=dataset.num_clients)
-  got, _ = fo.train(poisoned, poisoned.init(params, jax.random.key(0)), dataset, 3, **kw)
-  want, _ = fo.train(algo, algo.init(params, jax.random.key(0)), flipped, 3, **kw)
+  got, _ = fo.train(poisoned, poisoned.init(params, jax.random.key(0)), dataset, 3, sampling, **kw)
+  want, _ = fo.train(algo, algo.init(params, jax.random.key(0)), flipped, 3, sampling, **kw)
   jax.tree.map(np.testing.assert_array_equal, got.params, want.params)
 
 

@@ -199,14 +199,15 @@ def test_train_reports_the_personalized_metrics_of_the_final_state(data):
   import optax
 
   from fedjax_opt.algorithms.ditto import ditto
-  from fedjax_opt.train import train
+  from fedjax_opt.train import Evaluation, Sampling, train
 
   dataset = data[0]
   algo = ditto(softmax_loss, 0.5, 0.1, num_clients=len(TRAIN), personal_steps=2, client_optimizer=optax.sgd(0.1),
                client_map="vmap")
-  state, history = train(algo, algo.init(_params0(), jax.random.key(0)), dataset, 4, clients_per_round=3,
-                         batch_size=3, local_steps=2, eval_every=2, metric_fns=FNS, progress=False,
-                         personalized_params=fo.personalized_params, personalized_client_map="vmap")
+  state, history = train(algo, algo.init(_params0(), jax.random.key(0)), dataset, 4,
+                         Sampling(clients_per_round=3, batch_size=3, local_steps=2), progress=False,
+                         evaluation=Evaluation(every=2, metric_fns=FNS, personalized_params=fo.personalized_params,
+                                               personalized_client_map="vmap"))
   assert [e["round"] for e in history.evals] == [2, 4]
   ref = evaluate.personalized(fo.personalized_params(state), dataset, FNS, client_map="vmap").summary
   last = history.last_eval
@@ -220,23 +221,22 @@ def test_train_reports_the_personalized_metrics_of_the_final_state(data):
 
 def test_train_reports_adapted_metrics_for_per_fedavg(data):
   """Per-FedAvg through `train` with `personalize`: equal to `evaluate.adapted` on the final meta-model."""
-  from fedjax_opt.train import train
+  from fedjax_opt.train import Evaluation, Sampling, train
 
   dataset = data[0]
   algo = per_fedavg(softmax_loss, 0.3, 0.1, local_steps=1, client_map="vmap")
   adapt = algo.personalize
-  state, history = train(algo, algo.init(_params0(), jax.random.key(0)), dataset, 3, clients_per_round=3,
-                         batch_size=3, local_steps=2, eval_every=3, metric_fns=FNS, progress=False,
-                         personalize=adapt, personalized_client_map="vmap")
+  state, history = train(algo, algo.init(_params0(), jax.random.key(0)), dataset, 3,
+                         Sampling(clients_per_round=3, batch_size=3, local_steps=2), progress=False,
+                         evaluation=Evaluation(every=3, metric_fns=FNS, personalize=adapt,
+                                               personalized_client_map="vmap"))
   ref = evaluate.adapted(state.params, adapt, dataset, FNS, client_map="vmap").summary
   np.testing.assert_allclose(history.last_eval["personalized_test_accuracy"], float(ref["accuracy"]), rtol=1e-6)
   np.testing.assert_allclose(history.last_eval["personalized_test_loss_p10"], float(ref["loss_p10"]), rtol=1e-6)
   with pytest.raises(ValueError, match=r"not both"):
-    train(algo, state, dataset, 4, clients_per_round=3, batch_size=3, local_steps=2, metric_fns=FNS,
-          progress=False, personalize=adapt, personalized_params=lambda s: s.params)
+    Evaluation(metric_fns=FNS, personalize=adapt, personalized_params=lambda s: s.params)
   with pytest.raises(ValueError, match=r"personalized metrics need metric_fns"):
-    train(algo, state, dataset, 4, clients_per_round=3, batch_size=3, local_steps=2, progress=False,
-          personalize=adapt)
+    Evaluation(personalize=adapt)
 
 
 def test_l2sgd_plus_runs_through_train_with_fixed_example_slots(data):
@@ -245,16 +245,18 @@ def test_l2sgd_plus_runs_through_train_with_fixed_example_slots(data):
   a scan of `step` over `fo.data.client_batches` of the train split, and reports `evaluate.personalized`."""
   from fedjax_opt import data as data_lib
   from fedjax_opt.algorithms.mixture import l2sgd_plus
-  from fedjax_opt.train import train
+  from fedjax_opt.train import Evaluation, Sampling, train
 
   dataset = data[0]
   n, batch_size = len(TRAIN), 4
   steps = -(-max(TRAIN) // batch_size)
   algo = l2sgd_plus(softmax_loss, 0.5, 0.05, 0.3, num_clients=n, num_examples=steps * batch_size, client_map="vmap")
   init = algo.init(_params0(), jax.random.key(1))
-  state, history = train(algo, init, dataset, 12, clients_per_round=n, batch_size=batch_size, local_epochs=1,
-                         client_sampling="all", example_order="fixed", eval_every=6, metric_fns=FNS,
-                         progress=False, personalized_params=fo.personalized_params, personalized_client_map="vmap")
+  sampling = Sampling(clients_per_round=n, batch_size=batch_size, local_epochs=1, client_sampling="all",
+                      example_order="fixed")
+  state, history = train(algo, init, dataset, 12, sampling, progress=False,
+                         evaluation=Evaluation(every=6, metric_fns=FNS, personalized_params=fo.personalized_params,
+                                               personalized_client_map="vmap"))
   fixed = data_lib.client_batches(dataset, batch_size, split="train")
   reference, _ = jax.jit(lambda s: jax.lax.scan(lambda s, _: (algo.step(s, fixed), None), s, None, length=12))(init)
   chex.assert_trees_all_close(state.local_params, reference.local_params, rtol=1e-6, atol=1e-7)

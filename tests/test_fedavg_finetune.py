@@ -11,7 +11,7 @@ import fedjax_opt as fo
 from fedjax_opt import server_optimizers
 from fedjax_opt.algorithms.fedavg import fedavg
 from fedjax_opt.algorithms.fedavg_finetune import fedavg_finetune
-from fedjax_opt.train import train
+from fedjax_opt.train import Evaluation, Sampling, train
 
 from conftest import lsq_grad_np, lsq_loss, make_clients, pack
 
@@ -163,8 +163,9 @@ def test_train_driver_runs_it_and_personalization_beats_the_global_model(rng):
                        finetune_client_optimizer=optax.sgd(0.02), finetune_local_steps=2,
                        finetune_server_optimizer=server_optimizers.fedavg(), personalize_optimizer=optax.sgd(0.1))
   params = {"w": jnp.zeros(D), "b": jnp.zeros(())}
-  state, history = train(ft, ft.init(params, jax.random.key(0)), dataset, 30, clients_per_round=3,
-                         batch_size=10, local_steps=5, eval_every=10, progress=False)
+  state, history = train(ft, ft.init(params, jax.random.key(0)), dataset, 30,
+                         Sampling(clients_per_round=3, batch_size=10, local_steps=5), evaluation=Evaluation(every=10),
+                         progress=False)
   assert int(state.round) == 30
   assert list(history.round_metrics["finetuning"]) == [False] * 20 + [True] * 10
   train_batches = pack([(x[:30], y[:30]) for x, y in clients], steps=1, batch=30)

@@ -53,9 +53,10 @@ def _numpy_accuracy(params, x: np.ndarray, y: np.ndarray) -> float:
 
 def _train(algorithm, ds, model, **hooks):
   state = algorithm.init(model.init(jax.random.key(0)), jax.random.key(1))
-  return fo.train(algorithm, state, ds, ROUNDS, clients_per_round=CLIENTS, client_sampling="all",
-                  local_steps=STEPS, batch_size=BATCH, eval_every=ROUNDS,
-                  metric_fns={"accuracy": model.accuracy_fn}, progress=False, **hooks)
+  return fo.train(algorithm, state, ds, ROUNDS,
+                  fo.Sampling(clients_per_round=CLIENTS, client_sampling="all", local_steps=STEPS, batch_size=BATCH),
+                  evaluation=fo.Evaluation(every=ROUNDS, metric_fns={"accuracy": model.accuracy_fn}, **hooks),
+                  progress=False)
 
 
 def test_the_split_is_label_sorted():

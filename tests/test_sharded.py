@@ -496,9 +496,9 @@ def _worker() -> dict:
 
   def trained(mode):
     algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(CLIENT_LR), client_map=mode)
-    state, history = fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 6, clients_per_round=C,
-                              batch_size=B, local_steps=S, eval_every=2, progress=False,
-                              metric_fns={"loss": loss_fn})
+    state, history = fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 6,
+                              fo.Sampling(clients_per_round=C, batch_size=B, local_steps=S), progress=False,
+                              evaluation=fo.Evaluation(every=2, metric_fns={"loss": loss_fn}))
     return state.params, history
 
   sharded_params, sharded_history = trained(cm.sharded(mesh, "vmap"))
@@ -510,12 +510,13 @@ def _worker() -> dict:
   # (sharded) and the evaluation must still run and give the uninterrupted run's model.
   import tempfile
   algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(CLIENT_LR), client_map=cm.sharded(mesh, "vmap"))
-  kw = dict(clients_per_round=C, batch_size=B, local_steps=S, eval_every=2, progress=False,
-            metric_fns={"loss": loss_fn})
+  kw = dict(evaluation=fo.Evaluation(every=2, metric_fns={"loss": loss_fn}), progress=False)
+  sampling = fo.Sampling(clients_per_round=C, batch_size=B, local_steps=S)
   with tempfile.TemporaryDirectory() as folder:
-    fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 4, checkpoint_dir=folder, **kw)
-    resumed, resumed_history = fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 6, resume=folder,
-                                        **kw)
+    fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 4, sampling,
+             checkpointing=fo.Checkpointing(folder), **kw)
+    resumed, resumed_history = fo.train(algo, algo.init(params, jax.random.key(0)), dataset, 6, sampling,
+                                        checkpointing=fo.Checkpointing(folder, resume=True), **kw)
   report["resume_sharded"] = {"rounds": len(resumed_history.round_metrics["client_loss"]),
                               "diff": max_diff(resumed.params, sharded_params)}
   return report

@@ -14,9 +14,10 @@ import pytest
 
 import fedjax_opt as fo
 from fedjax_opt import sweep
-from fedjax_opt.train import train
+from fedjax_opt.train import Evaluation, Sampling, train
 
 KW = dict(clients_per_round=5, local_steps=3, batch_size=10)
+SAMPLING = Sampling(**KW)
 SEEDS = list(range(8))
 
 
@@ -59,8 +60,8 @@ def test_sweep_over_8_seeds_equals_8_separate_runs(setup):
   swept = sweep.seeds(algo, len(SEEDS))
   params = sweep.stack([_initial_model(model, s) for s in SEEDS])
   keys = jnp.stack([jax.random.key(1000 + s) for s in SEEDS])
-  state, history = train(swept, swept.init(params, keys, params_axis=0), dataset, 6, eval_every=3, metric_fns=fns,
-                         seed=SEEDS, progress=False, **KW)
+  state, history = train(swept, swept.init(params, keys, params_axis=0), dataset, 6, SAMPLING,
+                         evaluation=Evaluation(every=3, metric_fns=fns), seed=SEEDS, progress=False)
   assert history.sweep_size == 8 and history.num_rounds == 6
   assert history.round_metrics["client_loss"].shape == (8, 6)
   rounds, accuracy = history.eval_series("test_accuracy")
@@ -71,8 +72,8 @@ def test_sweep_over_8_seeds_equals_8_separate_runs(setup):
     chex.assert_trees_all_close(sweep.member(state.params, s), ref.params, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(history.round_metrics["client_loss"][s], losses, rtol=2e-5)
   # One member through the driver on its own, evaluation included.
-  ref, ref_history = train(algo, algo.init(_initial_model(model, 5), jax.random.key(1005)), dataset, 6, eval_every=3,
-                           metric_fns=fns, seed=5, progress=False, **KW)
+  ref, ref_history = train(algo, algo.init(_initial_model(model, 5), jax.random.key(1005)), dataset, 6, SAMPLING,
+                           evaluation=Evaluation(every=3, metric_fns=fns), seed=5, progress=False)
   np.testing.assert_allclose(accuracy[5], ref_history.eval_series("test_accuracy")[1], atol=1e-6)
   # Members really differ: different seeds, different runs.
   assert np.ptp(history.round_metrics["client_loss"][:, -1]) > 0
@@ -116,8 +117,8 @@ def test_hyper_parameter_grid_equals_separate_factories(setup):
 def test_history_of_a_sweep_round_trips_json(setup, tmp_path):
   dataset, model, algo = setup
   swept = sweep.seeds(algo, 3)
-  _, history = train(swept, swept.init(_initial_model(model, 0), jax.random.key(0)), dataset, 4, eval_every=2,
-                     metric_fns={"accuracy": model.accuracy_fn}, seed=0, progress=False, **KW)
+  _, history = train(swept, swept.init(_initial_model(model, 0), jax.random.key(0)), dataset, 4, SAMPLING,
+                     evaluation=Evaluation(every=2, metric_fns={"accuracy": model.accuracy_fn}), seed=0, progress=False)
   path = tmp_path / "h.json"
   history.save_json(str(path))
   again = fo.History.from_dict(json.loads(path.read_text()))
@@ -139,10 +140,10 @@ def test_bad_sweeps_are_rejected(setup):
   swept = sweep.seeds(algo, 2)
   state = swept.init(model.init(jax.random.key(0)), jax.random.key(0))
   with pytest.raises(ValueError, match="one seed per sweep member: K=2; got 3"):
-    train(swept, state, dataset, 1, seed=[0, 1, 2], progress=False, **KW)
+    train(swept, state, dataset, 1, SAMPLING, seed=[0, 1, 2], progress=False)
   with pytest.raises(ValueError, match="needs a sweep"):
-    train(algo, algo.init(model.init(jax.random.key(0)), jax.random.key(0)), dataset, 1, seed=[0, 1],
-          progress=False, **KW)
+    train(algo, algo.init(model.init(jax.random.key(0)), jax.random.key(0)), dataset, 1, SAMPLING, seed=[0, 1],
+          progress=False)
   with pytest.raises(ValueError, match="K=2 keys"):
     swept.init(model.init(jax.random.key(0)), jax.random.split(jax.random.key(0), 3))
 

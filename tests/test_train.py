@@ -10,7 +10,8 @@ import optax
 import pytest
 
 import fedjax_opt as fo
-from fedjax_opt.train import Checkpointer, History, _to_raw, train
+from fedjax_opt.train import Checkpointer, Checkpointing, Evaluation, History, Sampling, train
+from fedjax_opt.train.checkpoint import to_raw
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +25,17 @@ def setup():
 
 
 KW = dict(clients_per_round=5, local_steps=4, batch_size=10)
+SAMPLING = Sampling(**KW)
 
 
 def _assert_same_state(a, b):
-  chex.assert_trees_all_equal(_to_raw(a), _to_raw(b))
+  chex.assert_trees_all_equal(to_raw(a), to_raw(b))
 
 
 def test_chunked_scan_equals_round_by_round_steps(setup):
   dataset, _, algo, params = setup
-  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 12, eval_every=5, progress=False,
-                         seed=3, **KW)
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 12, SAMPLING,
+                         evaluation=Evaluation(every=5), progress=False, seed=3)
   step = jax.jit(algo.step)
   sample = jax.jit(fo.data.sample_round, static_argnames=("clients_per_round", "local_steps", "batch_size"))
   ref = algo.init(params, jax.random.key(1))
@@ -52,11 +54,14 @@ def test_resume_is_bit_for_bit(setup, tmp_path):
   dataset, model, algo, params = setup
   fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
   init = algo.init(params, jax.random.key(1))
-  full, full_history = train(algo, init, dataset, 14, eval_every=3, metric_fns=fns, progress=False, **KW)
-  train(algo, init, dataset, 7, eval_every=3, metric_fns=fns, progress=False, checkpoint_dir=str(tmp_path), **KW)
+  evaluation = Evaluation(every=3, metric_fns=fns)
+  full, full_history = train(algo, init, dataset, 14, SAMPLING, evaluation=evaluation, progress=False)
+  train(algo, init, dataset, 7, SAMPLING, evaluation=evaluation, progress=False,
+        checkpointing=Checkpointing(str(tmp_path)))
   assert Checkpointer(str(tmp_path)).latest_round() == 7
-  resumed, history = train(algo, algo.init(params, jax.random.key(99)), dataset, 14, eval_every=3, metric_fns=fns,
-                           progress=False, resume=str(tmp_path), **KW)
+  resumed, history = train(algo, algo.init(params, jax.random.key(99)), dataset, 14, SAMPLING,
+                           evaluation=evaluation, progress=False,
+                           checkpointing=Checkpointing(str(tmp_path), resume=True))
   _assert_same_state(full, resumed)
   np.testing.assert_array_equal(history.round_metrics["client_loss"], full_history.round_metrics["client_loss"])
   # The resumed history also holds the evaluation made where the first run stopped (round 7).
@@ -68,16 +73,17 @@ def test_resume_is_bit_for_bit(setup, tmp_path):
 
 def test_resume_without_checkpoint_starts_fresh(setup, tmp_path):
   dataset, _, algo, params = setup
-  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 3, progress=False,
-                         checkpoint_dir=str(tmp_path), resume=True, **KW)
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 3, SAMPLING, progress=False,
+                         checkpointing=Checkpointing(str(tmp_path), resume=True))
   assert int(state.round) == 3 and history.num_rounds == 3
 
 
 def test_evaluation_matches_numpy(setup):
   """test_accuracy / test_loss equal a NumPy evaluation of the final model on every client's test examples."""
   dataset, model, algo, params = setup
-  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 10, eval_every=10, progress=False,
-                         metric_fns={"loss": model.loss_fn, "accuracy": model.accuracy_fn}, **KW)
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 10, SAMPLING, progress=False,
+                         evaluation=Evaluation(every=10, metric_fns={"loss": model.loss_fn,
+                                                                     "accuracy": model.accuracy_fn}))
   leaves = jax.tree.leaves(state.params)
   kernel = np.asarray([l for l in leaves if l.ndim == 2][0], np.float64)
   bias = np.asarray([l for l in leaves if l.ndim == 1][0], np.float64)
@@ -101,8 +107,8 @@ def test_evaluation_matches_numpy(setup):
 
 def test_history_round_trips_json(setup, tmp_path):
   dataset, model, algo, params = setup
-  _, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 4, eval_every=2, progress=False,
-                     metric_fns={"accuracy": model.accuracy_fn}, **KW)
+  _, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 4, SAMPLING, progress=False,
+                     evaluation=Evaluation(every=2, metric_fns={"accuracy": model.accuracy_fn}))
   path = tmp_path / "h.json"
   history.save_json(str(path))
   import json
@@ -117,13 +123,13 @@ def test_bad_arguments(setup):
   dataset, _, algo, params = setup
   state = algo.init(params, jax.random.key(1))
   with pytest.raises(ValueError, match="clients_per_round=31 exceeds the dataset's 30 clients"):
-    train(algo, state, dataset, 3, clients_per_round=31, local_steps=2, batch_size=5, progress=False)
+    train(algo, state, dataset, 3, Sampling(clients_per_round=31, local_steps=2, batch_size=5), progress=False)
   with pytest.raises(ValueError, match="rounds must be a Python int >= 1"):
-    train(algo, state, dataset, 0, progress=False, **KW)
+    train(algo, state, dataset, 0, SAMPLING, progress=False)
   with pytest.raises(TypeError, match="algorithm must be a fedjax_opt.FederatedAlgorithm"):
-    train(algo.step, state, dataset, 3, progress=False, **KW)
+    train(algo.step, state, dataset, 3, SAMPLING, progress=False)
   with pytest.raises(ValueError, match="resume=True needs checkpoint_dir"):
-    train(algo, state, dataset, 3, progress=False, resume=True, **KW)
+    train(algo, state, dataset, 3, SAMPLING, progress=False, checkpointing=Checkpointing(resume=True))
 
 
 def _numpy_accuracy(params, x, y):
@@ -145,8 +151,8 @@ def test_central_test_set_and_holdout_clients_are_evaluated(tmp_path):
   model = fo.models.logistic_regression(6, 3)
   algo = fo.algorithms.fedavg(model.loss_fn, client_optimizer=optax.sgd(0.1))
   state, history = train(algo, algo.init(model.init(jax.random.key(0)), jax.random.key(1)), dataset, 6,
-                         clients_per_round=2, local_steps=2, batch_size=4, eval_every=3, progress=False,
-                         metric_fns={"accuracy": model.accuracy_fn}, holdout=holdout)
+                         Sampling(clients_per_round=2, local_steps=2, batch_size=4), progress=False,
+                         evaluation=Evaluation(every=3, metric_fns={"accuracy": model.accuracy_fn}, holdout=holdout))
   last = history.last_eval
   np.testing.assert_allclose(last["central_accuracy"], _numpy_accuracy(state.params, central["x"], central["y"]),
                              rtol=1e-6)
@@ -164,9 +170,11 @@ def test_stateful_algorithm_trains_and_resumes_bit_for_bit(setup, tmp_path, stor
   algo = fo.algorithms.scaffold(model.loss_fn, 0.05, 1.0, num_clients=dataset.num_clients,
                                 storage_dtype=storage_dtype)
   init = algo.init(params, jax.random.key(1))
-  full, _ = train(algo, init, dataset, 8, eval_every=4, progress=False, **KW)
-  train(algo, init, dataset, 4, eval_every=4, progress=False, checkpoint_dir=str(tmp_path), **KW)
-  resumed, _ = train(algo, init, dataset, 8, eval_every=4, progress=False, resume=str(tmp_path), **KW)
+  every4 = Evaluation(every=4)
+  full, _ = train(algo, init, dataset, 8, SAMPLING, evaluation=every4, progress=False)
+  train(algo, init, dataset, 4, SAMPLING, evaluation=every4, progress=False, checkpointing=Checkpointing(str(tmp_path)))
+  resumed, _ = train(algo, init, dataset, 8, SAMPLING, evaluation=every4, progress=False,
+                     checkpointing=Checkpointing(str(tmp_path), resume=True))
   _assert_same_state(full, resumed)
   # Only the sampled clients' control variates moved: 5 clients per round, 8 rounds, 30 clients.
   table = full.client_control_variates["linear"]["kernel"]
@@ -189,8 +197,8 @@ def test_proportional_sampling_averages_the_draws_uniformly_and_is_unbiased():
   algo = fo.algorithms.fedavg(lambda w, batch: -batch["c"] @ w, client_optimizer=optax.sgd(1.0))
   rounds, per_round, kw = 2000, 2, dict(clients_per_round=2, local_steps=1, batch_size=5,
                                        client_sampling="proportional")
-  state, history = train(algo, algo.init(jnp.zeros(2), jax.random.key(0)), dataset, rounds, eval_every=rounds,
-                         progress=False, seed=5, **kw)
+  state, history = train(algo, algo.init(jnp.zeros(2), jax.random.key(0)), dataset, rounds, Sampling(**kw),
+                         evaluation=Evaluation(every=rounds), progress=False, seed=5)
   draws = np.asarray(jax.jit(jax.vmap(lambda r: fo.data.sample_round(
       jax.random.fold_in(jax.random.key(5), r), dataset, **kw).client_id))(jnp.arange(rounds)))
   np.testing.assert_allclose(np.asarray(state.params), c[draws].mean(axis=1).sum(axis=0), rtol=1e-5, atol=1e-4)
@@ -227,14 +235,16 @@ def test_vector_round_metrics_keep_the_round_axis_across_chunks(setup):
   several chunks: row r is round r + 1's vector, checked against the values the step wrote."""
   dataset, model, _, params = setup
   algo = _with_vector_metric(fo.algorithms.fedavg(model.loss_fn, client_optimizer=optax.sgd(0.05)))
-  _, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 6, eval_every=2, progress=False, **KW)
+  _, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 6, SAMPLING, evaluation=Evaluation(every=2),
+                     progress=False)
   want = np.arange(1, 7)[:, None] * np.array([1.0, 10.0, 100.0])
   assert history.num_rounds == 6
   np.testing.assert_array_equal(history.round_metrics["per_round"], want)
   assert history.round_metrics["client_loss"].shape == (6,)
 
   swept = fo.sweep.seeds(algo, 2)
-  _, history = train(swept, swept.init(params, jax.random.key(1)), dataset, 6, eval_every=3, progress=False, **KW)
+  _, history = train(swept, swept.init(params, jax.random.key(1)), dataset, 6, SAMPLING,
+                     evaluation=Evaluation(every=3), progress=False)
   assert history.num_rounds == 6
   np.testing.assert_array_equal(history.round_metrics["per_round"], np.stack([want, want]))
   assert history.round_metrics["client_loss"].shape == (2, 6)

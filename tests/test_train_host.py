@@ -17,14 +17,20 @@ def setup():
   algo = fo.algorithms.fedma(agnostic.loss_fn, layers=layers, client_optimizer=optax.sgd(0.1), sigma=0.05,
                              iterations=1)
   state = algo.init(model.init(jax.random.key(0)), jax.random.key(1))
-  kwargs = dict(clients_per_round=3, local_steps=2, batch_size=8, seed=5, progress=False,
-                metric_fns={"loss": agnostic.loss_fn, "accuracy": agnostic.accuracy_fn})
+  kwargs = dict(seed=5, progress=False)
   return dataset, agnostic, algo, state, kwargs
 
 
+SAMPLING = fo.Sampling(clients_per_round=3, local_steps=2, batch_size=8)
+
+
+def _evaluation(agnostic, every):
+  return fo.Evaluation(every=every, metric_fns={"loss": agnostic.loss_fn, "accuracy": agnostic.accuracy_fn})
+
+
 def test_the_rounds_are_those_of_a_hand_loop_with_the_documented_keys(setup):
-  dataset, _, algo, state, kwargs = setup
-  trained, history = fo.train(algo, state, dataset, 3, eval_every=2, **kwargs)
+  dataset, agnostic, algo, state, kwargs = setup
+  trained, history = fo.train(algo, state, dataset, 3, SAMPLING, evaluation=_evaluation(agnostic, 2), **kwargs)
   expected = state
   for r in range(3):
     batches = fo.data.sample_round(jax.random.fold_in(jax.random.key(5), r), dataset, clients_per_round=3,
@@ -37,20 +43,22 @@ def test_the_rounds_are_those_of_a_hand_loop_with_the_documented_keys(setup):
 
 
 def test_resume_restores_a_grown_model_and_finishes_bit_for_bit(setup, tmp_path):
-  dataset, _, algo, state, kwargs = setup
-  whole, whole_history = fo.train(algo, state, dataset, 4, eval_every=2, **kwargs)
-  half, _ = fo.train(algo, state, dataset, 2, eval_every=2, checkpoint_dir=str(tmp_path), **kwargs)
+  dataset, agnostic, algo, state, kwargs = setup
+  every2 = _evaluation(agnostic, 2)
+  whole, whole_history = fo.train(algo, state, dataset, 4, SAMPLING, evaluation=every2, **kwargs)
+  half, _ = fo.train(algo, state, dataset, 2, SAMPLING, evaluation=every2,
+                     checkpointing=fo.Checkpointing(str(tmp_path)), **kwargs)
   grown = [int(np.shape(half.params[name]["bias"])[0]) for name in ("hidden_0", "hidden_1")]
   assert max(grown) > 8  # the checkpoint holds wider layers than the template `state`
-  resumed, history = fo.train(algo, state, dataset, 4, eval_every=2, checkpoint_dir=str(tmp_path), resume=True,
-                              **kwargs)
+  resumed, history = fo.train(algo, state, dataset, 4, SAMPLING, evaluation=every2,
+                              checkpointing=fo.Checkpointing(str(tmp_path), resume=True), **kwargs)
   jax.tree.map(np.testing.assert_array_equal, resumed.params, whole.params)
   assert history.evals[-1]["test_accuracy"] == whole_history.evals[-1]["test_accuracy"]
 
 
 def test_bits_count_each_layer_once_per_client_and_the_new_model_once(setup):
-  dataset, _, algo, state, kwargs = setup
-  trained, history = fo.train(algo, state, dataset, 1, eval_every=1, **kwargs)
+  dataset, agnostic, algo, state, kwargs = setup
+  trained, history = fo.train(algo, state, dataset, 1, SAMPLING, evaluation=_evaluation(agnostic, 1), **kwargs)
   metrics = history.round_metrics
   clients = float(metrics["num_clients"][0])
   assert float(metrics["bits_up"][0]) * clients == pytest.approx(32 * float(metrics["uploaded_floats"][0]))
@@ -61,7 +69,7 @@ def test_bits_count_each_layer_once_per_client_and_the_new_model_once(setup):
 def test_what_is_not_an_algorithm_is_refused(setup):
   dataset, _, _, state, kwargs = setup
   with pytest.raises(TypeError, match="host-driven algorithm with init and run"):
-    fo.train(object(), state, dataset, 1, **kwargs)
+    fo.train(object(), state, dataset, 1, SAMPLING, **kwargs)
 
 
 def test_fedma_model_refuses_a_model_without_hidden_units():

@@ -14,7 +14,7 @@ import pytest
 import fedjax_opt as fo
 
 train_lib = importlib.import_module("fedjax_opt.train")  # `fedjax_opt.train`, the package attribute, is the function
-KW = dict(clients_per_round=5, local_steps=4, batch_size=10)
+SAMPLING = fo.Sampling(clients_per_round=5, local_steps=4, batch_size=10)
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +28,14 @@ def setup():
   return dataset, algo, params, fns
 
 
-def _run(setup, rounds, **kwargs):
+def _run(setup, rounds, checkpointing=None):
   dataset, algo, params, fns = setup
-  return train_lib.train(algo, algo.init(params, jax.random.key(1)), dataset, rounds, eval_every=5, metric_fns=fns,
-                         progress=False, **KW, **kwargs)
+  return train_lib.train(algo, algo.init(params, jax.random.key(1)), dataset, rounds, SAMPLING,
+                         evaluation=fo.Evaluation(every=5, metric_fns=fns), progress=False, checkpointing=checkpointing)
 
 
 def _same(a, b):
-  chex.assert_trees_all_equal(train_lib._to_raw(a), train_lib._to_raw(b))  # pylint: disable=protected-access
+  chex.assert_trees_all_equal(train_lib.checkpoint.to_raw(a), train_lib.checkpoint.to_raw(b))
 
 
 def _damage(step_dir):
@@ -47,26 +47,26 @@ def _damage(step_dir):
 
 def test_a_truncated_latest_checkpoint_resumes_from_the_previous_one(setup, tmp_path):
   whole, whole_history = _run(setup, 15)
-  _run(setup, 10, checkpoint_dir=str(tmp_path))  # checkpoints at rounds 5 and 10
+  _run(setup, 10, fo.Checkpointing(str(tmp_path)))  # checkpoints at rounds 5 and 10
   assert sorted(int(d) for d in os.listdir(tmp_path) if d.isdigit()) == [5, 10]
   _damage(tmp_path / "10")
   with pytest.warns(train_lib.CheckpointWarning, match=r"round\(s\) 10 .* unreadable .*resuming from round 5"):
-    resumed, history = _run(setup, 15, resume=str(tmp_path))
+    resumed, history = _run(setup, 15, fo.Checkpointing(str(tmp_path), resume=True))
   _same(whole, resumed)
   np.testing.assert_array_equal(history.round_metrics["client_loss"], whole_history.round_metrics["client_loss"])
   # The broken step was replaced by a good one: the folder resumes cleanly again.
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    again, _ = _run(setup, 15, resume=str(tmp_path))
+    again, _ = _run(setup, 15, fo.Checkpointing(str(tmp_path), resume=True))
   _same(whole, again)
 
 
 def test_no_readable_checkpoint_is_one_clear_error(setup, tmp_path):
-  _run(setup, 10, checkpoint_dir=str(tmp_path))
+  _run(setup, 10, fo.Checkpointing(str(tmp_path)))
   for step in ("5", "10"):
     _damage(tmp_path / step)
   with pytest.raises(train_lib.CheckpointError, match=r"^no valid checkpoint in .* \(round\(s\) 10, 5 unreadable"):
-    _run(setup, 15, resume=str(tmp_path))
+    _run(setup, 15, fo.Checkpointing(str(tmp_path), resume=True))
 
 
 def _interrupt(original, n):
@@ -89,11 +89,11 @@ def _interrupt(original, n):
 def test_ctrl_c_saves_the_last_completed_chunk_and_resume_is_exact(setup, tmp_path, monkeypatch, where, saved_round):
   whole, whole_history = _run(setup, 15)
   if where == "progress":
-    monkeypatch.setattr(train_lib._Progress, "update", _interrupt(train_lib._Progress.update, 2))  # pylint: disable=protected-access
+    monkeypatch.setattr(train_lib.progress.Progress, "update", _interrupt(train_lib.progress.Progress.update, 2))
   else:
     monkeypatch.setattr(train_lib.History, "extended", _interrupt(train_lib.History.extended, 2))
   with pytest.raises(KeyboardInterrupt):
-    _run(setup, 15, checkpoint_dir=str(tmp_path), checkpoint_every=100)
+    _run(setup, 15, fo.Checkpointing(str(tmp_path), every=100))
   monkeypatch.undo()
   checkpointer = train_lib.Checkpointer(str(tmp_path))
   assert checkpointer.latest_round() == saved_round
@@ -101,7 +101,7 @@ def test_ctrl_c_saves_the_last_completed_chunk_and_resume_is_exact(setup, tmp_pa
   state, history = checkpointer.restore(algo.init(params, jax.random.key(1)))
   assert int(state.round) == saved_round and history.num_rounds == saved_round
   assert [e["round"] for e in history.evals] == list(range(5, saved_round + 1, 5))
-  resumed, resumed_history = _run(setup, 15, resume=str(tmp_path))
+  resumed, resumed_history = _run(setup, 15, fo.Checkpointing(str(tmp_path), resume=True))
   _same(whole, resumed)
   np.testing.assert_array_equal(resumed_history.round_metrics["client_loss"],
                                 whole_history.round_metrics["client_loss"])
@@ -120,24 +120,26 @@ def _least_squares(client_lr):
 @pytest.mark.parametrize("client_lr", [30.0, 1e6])
 def test_a_diverging_run_stops_and_says_when_and_why(client_lr, tmp_path):
   dataset, algo, fns = _least_squares(client_lr)
-  state, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 200, clients_per_round=3,
-                                   local_steps=5, batch_size=4, eval_every=5, metric_fns=fns, progress=False,
-                                   checkpoint_dir=str(tmp_path))
+  sampling = fo.Sampling(clients_per_round=3, local_steps=5, batch_size=4)
+  evaluation = fo.Evaluation(every=5, metric_fns=fns)
+  state, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 200, sampling,
+                                   evaluation=evaluation, progress=False, checkpointing=fo.Checkpointing(str(tmp_path)))
   assert history.diverged_at_round is not None and history.diverged_at_round < 200
   assert int(state.round) == history.diverged_at_round == history.num_rounds
   assert history.diverged_reason
   assert train_lib.History.from_dict(history.to_dict()).diverged_at_round == history.diverged_at_round
   # Resuming a diverged run trains no further.
-  again, again_history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 300,
-                                         clients_per_round=3, local_steps=5, batch_size=4, eval_every=5,
-                                         metric_fns=fns, progress=False, resume=str(tmp_path))
+  again, again_history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 300, sampling,
+                                         evaluation=evaluation, progress=False,
+                                         checkpointing=fo.Checkpointing(str(tmp_path), resume=True))
   assert int(again.round) == history.diverged_at_round and again_history.diverged_at_round == history.diverged_at_round
 
 
 def test_a_sane_run_is_never_flagged():
   dataset, algo, fns = _least_squares(0.05)
-  _, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 40, clients_per_round=3,
-                               local_steps=5, batch_size=4, eval_every=5, metric_fns=fns, progress=False)
+  _, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 40,
+                               fo.Sampling(clients_per_round=3, local_steps=5, batch_size=4),
+                               evaluation=fo.Evaluation(every=5, metric_fns=fns), progress=False)
   assert history.diverged_at_round is None and history.num_rounds == 40
 
 
@@ -173,7 +175,7 @@ def test_the_divergence_rule_against_hand_made_histories():
 
 
 def test_a_round_too_big_for_the_device_is_refused_before_it_runs(setup, monkeypatch):
-  monkeypatch.setattr(train_lib, "_available_bytes", lambda: 1000)
+  monkeypatch.setattr(train_lib.safety, "_available_bytes", lambda: 1000)
   with pytest.raises(train_lib.RoundTooLargeError, match=r"a chunk of 5 round\(s\) \(5 clients × 4 steps × batch 10\) "
                      r"needs about .* GiB of memory but the device has 0.0 GiB available; lower batch_size, local_steps or "
                      r"clients_per_round$"):
@@ -206,5 +208,6 @@ def test_metric_fns_without_test_examples_is_a_clear_error():
   loss = lambda p, b: 0.5 * jnp.square(b["x"] @ p - b["y"])
   algo = fo.algorithms.fedavg(loss, client_optimizer=optax.sgd(0.1))
   with pytest.raises(ValueError, match="this dataset has none: load it with test_fraction > 0, or pass metric_fns=None"):
-    train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 2, clients_per_round=2, local_steps=1,
-                    batch_size=2, metric_fns={"loss": loss}, progress=False)
+    train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 2,
+                    fo.Sampling(clients_per_round=2, local_steps=1, batch_size=2),
+                    evaluation=fo.Evaluation(metric_fns={"loss": loss}), progress=False)

@@ -36,7 +36,7 @@ Design. `fedavg_finetune(...)` returns `FederatedAlgorithm(init, step, personali
   one client, pure and jittable; step k uses the client's batch k mod S
   (S = 1 with every example in the batch: K steps of full-batch descent).
   `personalize_steps = 0` returns `params` unchanged. It is the `personalize`
-  argument of `fo.train` and the `adapt_fn` of `fo.evaluate.adapted` (each
+  field of `fo.Evaluation` (for `fo.train`) and the `adapt_fn` of `fo.evaluate.adapted` (each
   client's test metrics after personalization); map it over a round's
   clients with `fo.client_map.map_clients` for a stack `[C, ...]`.
 """

@@ -37,7 +37,7 @@ client loss is the post-adaptation loss f_i(w̃; D') before each step.
 Evaluation. Per-FedAvg has no stored personalized models: client i's model is
 one adaptation step from the global model on its own data,
 `algorithm.personalize(state.params, data, mask)` = w − α∇f_i(w), with the α
-the algorithm was built with (the `personalize` argument of `fo.train`, the
+the algorithm was built with (the `personalize` field of `fo.Evaluation`, the
 `adapt_fn` of `fo.evaluate.adapted`; map it over clients with
 `fo.client_map.map_clients` or `jax.vmap` for a stack).
 """

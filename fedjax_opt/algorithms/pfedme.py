@@ -37,7 +37,7 @@ sampled, aggregated and its θ_i written; weight 0 with data: not sampled, its
 took at least one local step and its w_{i,R} and θ_i are finite (the
 non-finite rule), independently of whether the round was accepted; a padding row must therefore carry an empty mask
 (zero weight alone does not make it padding). With `fo.train` use
-`client_sampling="all"` and zero the weights of the rows outside S_t, e.g.
+`fo.Sampling(client_sampling="all", ...)` and zero the weights of the rows outside S_t, e.g.
 `batches.replace(weight=jnp.where(sampled, batches.weight, 0))`.
 `personalize_all=False` (the default, the behaviour kept from earlier
 versions) lets only the sampled clients compute: weight-0 rows do nothing,

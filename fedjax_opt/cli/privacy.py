@@ -156,7 +156,7 @@ def build(config: dict[str, Any], num_clients: int):
 
 
 def train_kwargs(plan) -> dict[str, Any]:
-  """`fo.train`'s sampling keywords that draw clients as `plan` says."""
+  """The fields of `fo.Sampling` that draw clients as `plan` says."""
   return plan.train_kwargs()
 
 

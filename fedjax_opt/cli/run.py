@@ -108,7 +108,8 @@ def build_model(config: dict[str, Any], dataset):
 
 
 def sampling(spec: registry.Spec, hyper: dict[str, Any], config: dict[str, Any], dataset) -> dict[str, Any]:
-  """`fo.train`'s sampling keywords for `spec`: sampled clients, or every client's whole train split."""
+  """The fields of `fo.Sampling` for `spec` (`sample_round`'s keywords): sampled clients, or every client's whole
+  train split."""
   if spec.sampling == "clients":
     steps = config["local_steps"] if spec.data_steps is None else spec.data_steps(hyper, config["local_steps"])
     out = dict(clients_per_round=config["clients_per_round"], local_steps=steps, batch_size=config["batch_size"])
@@ -489,11 +490,13 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
     per_round = steps_per_round(spec, config)
     try:
       state, history = train_lib.train(
-          algo_run, init_state, dataset, config["rounds"] * per_round, **sampling(spec, hyper, config, dataset),
-          eval_every=config["eval_every"] * per_round, metric_fns=metric_fns, seed=data_seed,
-          progress=not config["quiet"], label=name if per_round == 1 else f"{name} (server events)",
-          checkpoint_dir=os.path.join(out, "checkpoints", name),
-          checkpoint_every=config["checkpoint_every"], resume=resume, **hooks)
+          algo_run, init_state, dataset, config["rounds"] * per_round,
+          train_lib.Sampling(**sampling(spec, hyper, config, dataset)),
+          evaluation=train_lib.Evaluation(every=config["eval_every"] * per_round, metric_fns=metric_fns, **hooks),
+          checkpointing=train_lib.Checkpointing(os.path.join(out, "checkpoints", name),
+                                                every=config["checkpoint_every"], resume=resume),
+          seed=data_seed, progress=not config["quiet"],
+          label=name if per_round == 1 else f"{name} (server events)")
     except KeyboardInterrupt:
       raise report.Interrupted(name) from None
     except tuple(_train_errors()) as e:
@@ -568,7 +571,7 @@ def _train_errors() -> list[type]:
 
 
 def _train_module():
-  """The module `fedjax_opt.train` (the package attribute of that name is the function)."""
+  """The package `fedjax_opt.train` (the attribute of that name of `fedjax_opt` is the function)."""
   import importlib
 
   return importlib.import_module("fedjax_opt.train")

@@ -158,7 +158,7 @@ class FederatedAlgorithm(NamedTuple):
       evaluation time from the global model (Per-FedAvg's adaptation step,
       FedAvg + fine-tuning's local steps), `personalize(params, data [S, B, ...],
       mask [S, B]) -> params` for one client: pure and jittable, the
-      `personalize` argument of `fedjax_opt.train` and the `adapt_fn` of
+      `personalize` field of `fedjax_opt.Evaluation` and the `adapt_fn` of
       `fedjax_opt.evaluate.adapted`.
   """
 

@@ -3,8 +3,8 @@
 One round of DP-FedAvg is a subsampled Gaussian mechanism on the clients'
 clipped updates. What the accountant is told must be what the run did:
 
-* Poisson sampling (`Sampling.poisson(N, q, cap)`, `fo.train(...,
-  client_sampling="poisson", sampling_probability=q, clients_per_round=cap)`):
+* Poisson sampling (`Sampling.poisson(N, q, cap)`; in `fo.train`,
+  `fo.Sampling(client_sampling="poisson", sampling_probability=q, clients_per_round=cap, ...)`):
   every client independently with probability q; neighbouring datasets add
   or remove one client (`ADD_OR_REMOVE_ONE`), so the clipped sum has
   sensitivity C and the event is `PoissonSampledDpEvent(q,
@@ -14,7 +14,7 @@ clipped updates. What the accountant is told must be what the run did:
   accountant supports; with `cap = N` nothing is ever truncated and both
   accountants apply.
 * Fixed-size sampling (`Sampling.fixed(N, m)`, `client_sampling="uniform"`
-  with `clients_per_round=m`, fo.train's default): m distinct clients
+  with `clients_per_round=m`, `fo.Sampling`'s default): m distinct clients
   uniformly without replacement. N is public, so neighbouring datasets
   *replace* one client (`REPLACE_ONE`), and replacing one clipped update
   moves the sum by up to 2C: the accountant is given noise multiplier σ/2
@@ -34,7 +34,9 @@ dp-accounting's `compute_epsilon`, the improved conversion of Canonne, Kamath,
 Steinke 2020 / Asoodeh et al. 2020; PLD: one accountant composed round after
 round), `noise_multiplier_for` solves σ for a target ε with
 `dp_accounting.calibrate_dp_mechanism`, and `check_sampling` refuses a
-`fo.train` configuration that is not the `Sampling` given to the accountant.
+`fo.train` configuration (its `fo.Sampling`) that is not the `Sampling` given to the accountant.
+This module's `Sampling` is the accountant's view of the client draw;
+`fo.Sampling` is the driver's, and `Sampling.train_kwargs()` are its fields.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ class Sampling:
 
   @classmethod
   def fixed(cls, num_clients: int, clients_per_round: int) -> "Sampling":
-    """m = `clients_per_round` distinct clients out of N, uniformly (fo.train's "uniform"; m = N: "all")."""
+    """m = `clients_per_round` distinct clients out of N, uniformly (fo.Sampling's "uniform"; m = N: "all")."""
     _check_count(num_clients, "num_clients")
     _check_count(clients_per_round, "clients_per_round")
     return cls("fixed", int(num_clients), int(clients_per_round), clients_per_round / num_clients)
@@ -158,7 +160,7 @@ class Sampling:
     return self.kind == "poisson" and self.clients_per_round < self.num_clients
 
   def train_kwargs(self) -> dict:
-    """The keywords of `fo.train` / `fo.data.sample_round` that draw clients this way."""
+    """The fields of `fo.Sampling` (keywords of `fo.data.sample_round`) that draw clients this way."""
     if self.kind == "poisson":
       return dict(client_sampling="poisson", clients_per_round=self.clients_per_round,
                   sampling_probability=self.sampling_probability)
@@ -374,11 +376,12 @@ def noise_multiplier_for(target_epsilon: float, rounds: int, *, delta: float, sa
 
 def check_sampling(sampling: Sampling, *, client_sampling: str, clients_per_round: int, num_clients: int,
                    sampling_probability: float | None = None, expected_clients: float | None = None) -> None:
-  """Raises `SamplingMismatchError` unless a `fo.train` run with these keywords draws clients as `sampling` says.
+  """Raises `SamplingMismatchError` unless a `fo.train` run with these `fo.Sampling` fields draws clients as
+  `sampling` says.
 
   Args:
     sampling: what the accountant is given.
-    client_sampling, clients_per_round, sampling_probability: the run's `fo.train` keywords.
+    client_sampling, clients_per_round, sampling_probability: the run's `fo.Sampling` fields.
     num_clients: the dataset's N.
     expected_clients: `dp_mean`'s m, when given: must be `sampling.expected_clients`.
   """
@@ -398,7 +401,7 @@ def check_sampling(sampling: Sampling, *, client_sampling: str, clients_per_roun
   if not same:
     raise SamplingMismatchError(
         f"the run draws clients with {run}, but the accountant is given {sampling.describe()} "
-        f"(fo.train keywords {sampling.train_kwargs()} over {sampling.num_clients} clients); "
+        f"(fo.Sampling fields {sampling.train_kwargs()} over {sampling.num_clients} clients); "
         "ε would not describe this run.")
   if expected_clients is not None and not math.isclose(float(expected_clients), sampling.expected_clients):
     raise SamplingMismatchError(

@@ -1,0 +1,352 @@
+"""The training driver: rounds as compiled chunks, with evaluation, progress, history and checkpoints between them.
+
+`train(algorithm, state, dataset, rounds, sampling, ...)` runs any `FederatedAlgorithm`:
+
+* Rounds run in chunks of `evaluation.every`: one jitted `lax.scan` per
+  chunk, whose body draws the round's clients and batches with
+  `fedjax_opt.data.sample_round` and applies `algorithm.step`. Nothing
+  returns to Python inside a chunk. The batches are drawn `deferred`: a
+  round whose clients run in a loop gathers each chunk's examples from the
+  packed dataset inside the loop, so its memory does not grow with the
+  clients per round (`core.rounds`). Chunks end on multiples of
+  `evaluation.every` (counted from round 0), so a resumed run executes
+  exactly the same chunks as an uninterrupted one.
+* The data of round r are drawn with the key `fold_in(key(seed), r)`, and the
+  algorithm's own randomness lives in `state.key`, so a run is a deterministic
+  function of (state, dataset, seed) whatever the chunking: resuming from a
+  checkpoint gives the bit-for-bit final state of an uninterrupted run.
+* Compilation. Each program (a chunk of a given length, the evaluation, the
+  host-driven sampler) is a `jax.jit` function whose static arguments are
+  the algorithm's `step`, the `Sampling`, the seed and the chunk length, so
+  JAX's own caches (and its persistent compilation cache, when configured)
+  reuse it across `train` calls. It is compiled ahead of time once per
+  distinct argument signature within a call (`lower(...).compile()`), which
+  is when its memory is checked and its compile time goes to
+  `History.compile_seconds`.
+* Between chunks: evaluation (`fedjax_opt.train.evaluation`: the served
+  model on every split, and each client's own model for personalized
+  algorithms), a progress line or bar (`progress`), the `History`, and,
+  every `checkpointing.every` chunks and at the end, an orbax checkpoint of
+  the state and the history (`checkpoint`).
+* Safety (`safety`): the first chunk's memory is checked before it runs
+  (`RoundTooLargeError`); after each chunk the run is checked for divergence
+  and stops there (`History.diverged_at_round`). Ctrl-C checkpoints the last
+  completed chunk.
+* Proportional sampling. With `client_sampling="proportional"` (C draws
+  with replacement, P(k) = n_k / n: Scheme I of Li et al., ICLR 2020,
+  arXiv:1907.02189) the expectation of the *plain* mean of the drawn clients'
+  updates is already the n_k-weighted full-participation mean
+  Σ_k n_k Δ_k / Σ_k n_k; weighting the draws by n_k again would count n_k
+  twice. So under this scheme the driver hands the algorithm uniform
+  weights, `batches.weight` = 1 for every draw (0 for a client without train
+  examples, which is never drawn), and every aggregator — the default
+  `weighted_mean()` included — averages the draws uniformly, a client drawn
+  twice counting twice (`proportional_weights`).
+* Host-driven algorithms (`is_host_driven`: `init` and `run`, FedMA) run
+  under the same driver, their rounds a Python loop
+  (`fedjax_opt.algorithms.fedma_driver`, which says what differs).
+* Sweeps: a `fedjax_opt.sweep.SweptAlgorithm` (K runs vmapped into one
+  program) runs the same way. Its state, the round metrics and every
+  evaluated value carry a leading sweep axis `[K]`; `seed` may then be K
+  seeds, one data stream per member (K separate runs in one program), or one
+  seed shared by all members.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_opt.core import per_client
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm
+from fedjax_opt.core.validation import check_int
+from fedjax_opt.data.dataset import FederatedDataset
+from fedjax_opt.data.sampling import sample_round
+from fedjax_opt.sweep import SweptAlgorithm
+from fedjax_opt.train.checkpoint import Checkpointer, current_round
+from fedjax_opt.train.config import Checkpointing, Evaluation, Sampling
+from fedjax_opt.train.evaluation import EvalProgram, evaluate
+from fedjax_opt.train.history import History
+from fedjax_opt.train.progress import Progress, format_point, host_value
+from fedjax_opt.train.safety import check_fits, divergence
+
+PyTree = Any
+Seed = int | tuple[int, ...]
+
+
+def is_host_driven(algorithm: Any) -> bool:
+  """True for an algorithm `train` runs round by round on the host: `init` and `run(state, batches)`, no `step`."""
+  return (not isinstance(algorithm, (FederatedAlgorithm, SweptAlgorithm)) and callable(getattr(algorithm, "init", None))
+          and callable(getattr(algorithm, "run", None)))
+
+
+def proportional_weights(batches: ClientBatches) -> ClientBatches:
+  """The weights `train` gives the algorithm under `client_sampling="proportional"`: 1 per draw (0 where n_k = 0).
+
+  The draws already carry P(k) ∝ n_k, so their uniform mean is unbiased for Σ_k n_k Δ_k / Σ_k n_k (module
+  docstring); n_k weights on top would count n_k twice.
+  """
+  weight = jnp.where(batches.weight > 0, jnp.ones_like(batches.weight), jnp.zeros_like(batches.weight))
+  return batches.replace(weight=weight)
+
+
+# ---- the compiled programs -------------------------------------------------------------------------------------
+
+
+def _sample(key: jax.Array, dataset: FederatedDataset, sampling: Sampling) -> ClientBatches:
+  batches = sample_round(key, dataset, deferred=True, **sampling.kwargs())
+  return proportional_weights(batches) if sampling.client_sampling == "proportional" else batches
+
+
+def _draw(state: PyTree, dataset: FederatedDataset, sampling: Sampling, seed: Seed, swept: bool) -> ClientBatches:
+  """The batches of round `state.round`, drawn with `fold_in(key(seed), round)`."""
+  if isinstance(seed, tuple):  # a sweep with one data stream per member
+    keys = jnp.stack([jax.random.key(k) for k in seed])
+    return jax.vmap(lambda k, r: _sample(jax.random.fold_in(k, r), dataset, sampling))(keys, state.round)
+  r = state.round[0] if swept else state.round
+  return _sample(jax.random.fold_in(jax.random.key(seed), r), dataset, sampling)
+
+
+@functools.partial(jax.jit, static_argnames=("step", "swept", "sampling", "seed", "length"))
+def _run_chunk(state: PyTree, dataset: FederatedDataset, *, step: Callable, swept: bool, sampling: Sampling,
+               seed: Seed, length: int) -> tuple[PyTree, PyTree]:
+  """`length` rounds of `step` as one scan; returns (state, metrics `[R, ...]`, or `[K, R, ...]` for a sweep)."""
+
+  def body(s, _):
+    s = step(s, _draw(s, dataset, sampling, seed, swept))
+    return s, s.metrics
+
+  state, metrics = per_client.scan_rounds(body, state, None, length=length)  # 16-bit tables in place
+  if swept:  # [R, K, ...] -> [K, R, ...]: the sweep axis leads
+    metrics = jax.tree.map(lambda m: jnp.moveaxis(m, 0, 1), metrics)
+  return state, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "seed"))
+def _sample_for_round(r: jax.Array, dataset: FederatedDataset, *, sampling: Sampling, seed: int) -> ClientBatches:
+  """The batches of round `r` for a host-driven algorithm (the same keys as a compiled chunk's)."""
+  return _sample(jax.random.fold_in(jax.random.key(seed), r), dataset, sampling)
+
+
+def _signature(tree: PyTree) -> tuple:
+  """Hashable abstract signature: tree structure (static fields included), shapes, dtypes and shardings.
+
+  The sharding is part of it because a program compiled ahead of time accepts only the placements it was
+  compiled for: a state that comes back from a sharded round spread over a mesh gets its own program.
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((jnp.shape(x), jnp.result_type(x), getattr(x, "sharding", None)) for x in leaves)
+
+
+class _Programs:
+  """The programs one `train` call runs, each compiled ahead of time once per argument signature.
+
+  The compile time goes to `history.compile_seconds` (JAX's caches make a program compiled by an earlier call
+  cost almost nothing here).
+  """
+
+  def __init__(self):
+    self._compiled: dict[Any, Any] = {}
+
+  def get(self, jitted: Any, args: tuple, history: History, **static: Any) -> Any:
+    key = (jitted, tuple(sorted(static.items())), _signature(args))
+    if key not in self._compiled:
+      t0 = time.perf_counter()
+      self._compiled[key] = jitted.lower(*args, **static).compile()
+      history.compile_seconds += time.perf_counter() - t0
+    return self._compiled[key]
+
+
+# ---- checks ----------------------------------------------------------------------------------------------------
+
+
+def _check_args(algorithm: Any, dataset: Any, rounds: Any, sampling: Any, evaluation: Any, checkpointing: Any):
+  if not isinstance(algorithm, (FederatedAlgorithm, SweptAlgorithm)) and not is_host_driven(algorithm):
+    raise TypeError(f"algorithm must be a fedjax_opt.FederatedAlgorithm (or a fedjax_opt.sweep.SweptAlgorithm, or "
+                    f"a host-driven algorithm with init and run, like fo.algorithms.fedma); "
+                    f"got {type(algorithm).__name__}.")
+  if not isinstance(dataset, FederatedDataset):
+    raise TypeError(f"dataset must be a fedjax_opt.data.FederatedDataset; got {type(dataset).__name__}.")
+  check_int(rounds, "rounds")
+  for name, value, cls in (("sampling", sampling, Sampling), ("evaluation", evaluation, Evaluation),
+                           ("checkpointing", checkpointing, Checkpointing)):
+    if not isinstance(value, cls) and not (name == "checkpointing" and value is None):
+      raise TypeError(f"{name} must be a fedjax_opt.{cls.__name__}(...); got {type(value).__name__}.")
+  if sampling.clients_per_round > dataset.num_clients:
+    raise ValueError(f"clients_per_round={sampling.clients_per_round} exceeds the dataset's {dataset.num_clients} "
+                     f"clients.")
+  if evaluation.metric_fns and not dataset.has_test_examples:
+    raise ValueError("metric_fns are evaluated on the clients' test examples, and this dataset has none: load it "
+                     "with test_fraction > 0, or pass metric_fns=None.")
+
+
+def _check_seed(seed: Any, algorithm: Any) -> Seed:
+  """One int seed, or K int seeds for a sweep of K members."""
+  if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+    return int(seed)
+  seeds = tuple(seed) if isinstance(seed, (list, tuple, np.ndarray)) else None
+  if seeds is None or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in seeds):
+    raise TypeError(f"seed must be an int, or a sequence of K ints for a sweep; got {seed!r}.")
+  if not isinstance(algorithm, SweptAlgorithm):
+    raise ValueError("a sequence of seeds needs a sweep (fedjax_opt.sweep.SweptAlgorithm); got a single algorithm.")
+  if len(seeds) != algorithm.size:
+    raise ValueError(f"seed must hold one seed per sweep member: K={algorithm.size}; got {len(seeds)} seeds.")
+  return tuple(int(s) for s in seeds)
+
+
+def _default_eval_params(state: PyTree) -> PyTree:
+  return state.params
+
+
+def _no_table(state: PyTree) -> None:
+  del state
+  return None
+
+
+# ---- the driver ------------------------------------------------------------------------------------------------
+
+
+def train(
+    algorithm: FederatedAlgorithm | SweptAlgorithm,
+    state: PyTree,
+    dataset: FederatedDataset,
+    rounds: int,
+    sampling: Sampling,
+    *,
+    evaluation: Evaluation = Evaluation(),
+    checkpointing: Checkpointing | None = None,
+    seed: int | Sequence[int] = 0,
+    progress: bool = True,
+    label: str = "train",
+    divergence_factor: float | None = 1e3,
+    check_memory: bool = True,
+) -> tuple[PyTree, History]:
+  """Runs `algorithm` from `state` until `state.round == rounds` (or until it diverges).
+
+  Args:
+    algorithm: any `FederatedAlgorithm`, or a `fedjax_opt.sweep.SweptAlgorithm`
+      (K runs in one program; state, metrics and evaluations gain a leading [K]),
+      or a host-driven algorithm (`init`, `run`: FedMA;
+      `fedjax_opt.algorithms.fedma_driver`).
+    state: its state, e.g. `algorithm.init(params, key)`; with
+      `checkpointing.resume`, the template the checkpoint is restored into.
+    dataset: a packed `FederatedDataset` (train split sampled, test split evaluated).
+    rounds: the round to stop at (a total, so resuming does not add rounds).
+    sampling: how each round's clients and batches are drawn (`Sampling`:
+      the keywords of `fedjax_opt.data.sample_round`). Under
+      `client_sampling="proportional"` the algorithm receives weight 1 per
+      drawn client instead of n_k (`proportional_weights`, module docstring):
+      the round's aggregate is the uniform mean over the draws, whose
+      expectation is the n_k-weighted mean over all clients.
+    evaluation: rounds per compiled chunk and what is evaluated between
+      chunks (`Evaluation`; default: chunks of 10 rounds, no metrics).
+    checkpointing: where and how often to checkpoint, and whether to resume
+      (`Checkpointing`; None: no checkpoints).
+    seed: seeds the data sampling; round r uses `fold_in(key(seed), r)`. For a
+      sweep, one seed shared by all members or K seeds, one per member.
+    progress: print progress (a bar on a terminal, lines otherwise).
+    label: the run's name in progress output.
+    divergence_factor: stop when the run diverges (`fedjax_opt.train.safety`): the
+      served model or a chunk's mean client loss is not finite, every client
+      of every round of a chunk sent a non-finite update, or a chunk's mean
+      client loss exceeds `divergence_factor` × the initial loss. The history then
+      records `diverged_at_round` and `diverged_reason`, the state is
+      checkpointed, and a resumed run does not train further. None: never stop.
+    check_memory: before running the first chunk, estimate its memory from the
+      compiled program and raise `RoundTooLargeError` if it exceeds what the
+      device has.
+
+  A KeyboardInterrupt (Ctrl-C) checkpoints the last completed chunk (when
+  checkpointing) and is raised again.
+
+  Returns:
+    (final state, `History`).
+  """
+  _check_args(algorithm, dataset, rounds, sampling, evaluation, checkpointing)
+  seed = _check_seed(seed, algorithm)
+  swept = isinstance(algorithm, SweptAlgorithm)
+  host = is_host_driven(algorithm)
+  checkpointing = checkpointing or Checkpointing()
+  checkpointer = (Checkpointer(checkpointing.directory, saved_shapes=host)
+                  if checkpointing.directory is not None else None)
+  history = History(sweep_size=algorithm.size if swept else None)
+  if checkpointing.resume:
+    restored = checkpointer.restore(state)
+    if restored is not None:
+      state, history = restored
+  eval_params = evaluation.eval_params or _default_eval_params
+  table_fn = evaluation.personalized_params or _no_table
+  metric_fns = evaluation.metric_fns
+  eval_program = EvalProgram.of(evaluation, swept)
+  programs = _Programs()
+
+  def evaluated(s: PyTree, history: History) -> dict:
+    params_fn = (lambda s: (eval_params(s), table_fn(s)))
+    params, table = params_fn(s) if not swept else jax.vmap(params_fn)(s)
+    args = (params, table, dataset, evaluation.holdout)
+    return programs.get(evaluate, args, history, program=eval_program)(*args)
+
+  def chunk_for(state: PyTree, length: int, history: History) -> Callable:
+    if host:
+      from fedjax_opt.algorithms import fedma_driver  # pylint: disable=import-outside-toplevel
+
+      sample = programs.get(_sample_for_round, (state.round, dataset), history, sampling=sampling, seed=seed)
+      return lambda state, dataset: fedma_driver.run_chunk(algorithm, state, dataset, length, sample)
+    return programs.get(_run_chunk, (state, dataset), history, step=algorithm.step, swept=swept, sampling=sampling,
+                        seed=seed, length=length)
+
+  start_round = current_round(state)
+  bar = Progress(progress, rounds, start_round, label)
+  chunks_done = 0
+  committed = (state, history)  # (state, history) of the last completed chunk: replaced in one assignment
+  checked_memory = not check_memory or host  # nothing of a host-driven algorithm is compiled as one program
+  try:
+    if (divergence_factor is not None and metric_fns and "loss" in metric_fns and history.initial_loss is None
+        and current_round(state) == 0 and rounds > 0):
+      history.initial_loss = host_value(evaluated(state, history)["test_loss"])
+      committed = (state, history)
+    while current_round(state) < rounds and history.diverged_at_round is None:
+      current = current_round(state)
+      length = min(rounds, (current // evaluation.every + 1) * evaluation.every) - current
+      chunk = chunk_for(state, length, history)
+      if not checked_memory:
+        steps = sampling.local_steps or sampling.local_epochs
+        check_fits(chunk, f"a chunk of {length} round(s) ({sampling.clients_per_round} clients × {steps} "
+                          f"{'steps' if sampling.local_steps else 'epochs'} × batch {sampling.batch_size})",
+                   "lower batch_size, local_steps or clients_per_round")
+        checked_memory = True
+      t0 = time.perf_counter()
+      new_state, metrics = chunk(state, dataset)
+      metrics = jax.device_get(metrics)
+      elapsed = time.perf_counter() - t0
+      point = {"round": current_round(new_state), "seconds": history.train_seconds + elapsed,
+               "train_loss": (host_value(np.mean(metrics["client_loss"], axis=-1)) if "client_loss" in metrics
+                              else float("nan"))}
+      if metric_fns:
+        point.update({k: host_value(v) for k, v in evaluated(new_state, history).items()})
+      new_history = history.extended(metrics, point, elapsed)
+      if divergence_factor is not None:
+        reason = divergence(new_history, eval_params(new_state) if not swept else jax.vmap(eval_params)(new_state),
+                            length, divergence_factor, swept)
+        if reason is not None:
+          new_history.diverged_at_round, new_history.diverged_reason = current_round(new_state), reason
+      committed = (new_state, new_history)
+      state, history = committed
+      bar.update(current_round(state), format_point(point, length / max(elapsed, 1e-9)))
+      chunks_done += 1
+      if checkpointer is not None and (chunks_done % checkpointing.every == 0 or current_round(state) >= rounds
+                                       or history.diverged_at_round is not None):
+        checkpointer.save(state, history)
+  except KeyboardInterrupt:
+    state, history = committed
+    if checkpointer is not None and current_round(state) > start_round:
+      checkpointer.save(state, history)
+    raise
+  finally:
+    bar.close()
+  return state, history
