@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from fedjax_opt.core.server import check_aggregator
 from fedjax_opt.core.types import Aggregator, StreamingSum
 
+__all__ = ["mean", "normalized_sum", "resolve", "weighted_mean", "weighted_sum"]
+
 PyTree = Any
 
 

@@ -20,6 +20,9 @@ from typing import Any
 
 from fedjax_opt.cli import registry
 
+__all__ = ["DEFAULTS", "MODELS", "PARTITIONS", "SHAKESPEARE_ROLES", "UsageError", "build_parser", "clear_previous",
+           "finish", "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
+
 PARTITIONS = ("iid", "dirichlet", "shards", "labels", "power_law")
 MODELS = ("auto", "logreg", "mlp", "cnn", "rnn")
 

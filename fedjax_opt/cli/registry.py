@@ -30,6 +30,9 @@ import inspect
 import math
 from typing import Any, Callable, Mapping
 
+__all__ = ["CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES", "HyperParameterError", "PSEUDO", "REGISTRY",
+           "Spec", "WIRED", "build", "check_registry", "describe_defaults", "resolve"]
+
 
 class _RunClientLR:
   """The default "the run's --client-lr"."""

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+__all__ = ["Model", "classification_accuracy", "classification_loss", "count_params", "from_flax"]
+
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 """`apply_fn(params, x [B, ...]) -> logits [B, K]`."""

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 from fedjax_opt.models.base import Model, flatten_examples, from_flax
 
+__all__ = ["LogisticRegression", "logistic_regression"]
+
 
 class LogisticRegression(nn.Module):
   """`x [B, ...] -> logits [B, K]`, with `prod(x.shape[1:]) == num_features`.

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 
 from fedjax_opt.models.base import Model, flatten_examples, from_flax
 
+__all__ = ["MLP", "mlp_2nn"]
+
 
 class MLP(nn.Module):
   """`x [B, ...] -> logits [B, K]`: dense layers with ReLU, then a linear output.
