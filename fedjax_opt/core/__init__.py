@@ -1,5 +1,10 @@
 """Shared mechanics: the contracts, client mapping, local training, server-side aggregation.
 
+The ground floor of the package: `fedjax_opt.core` imports nothing from
+`fedjax_opt` outside itself, and what two algorithm families (or an
+aggregator and an attack) share lives here, since families do not import
+each other (tests/test_layering.py checks both).
+
 The names below are imported on first use (`fedjax_opt.core.lazy`), so
 importing one module of `fedjax_opt.core` does not load the others.
 """
