@@ -57,7 +57,7 @@ import numpy as np
 from jax import lax
 
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
-from fedjax_opt.aggregators.robust import _position, _sort_rows  # pylint: disable=protected-access
+from fedjax_opt.core.ordering import row_positions, sort_rows
 from fedjax_opt.core.server import check_aggregator
 from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, FederatedAlgorithm
 
@@ -312,9 +312,9 @@ def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
       if b > 23:
         raise ValueError(f"generalized_byzantine: at most 2**23 clients per round; got C = {c}.")
       bits = jax.random.randint(k, u.shape, 0, 1 << (24 - b))
-      keys = (bits * (1 << b) + _position(u)).astype(jnp.float32)
+      keys = (bits * (1 << b) + row_positions(u)).astype(jnp.float32)
       keys = jnp.where(_rows(eligible, u), keys, jnp.inf)
-      kth = lax.dynamic_index_in_dim(_sort_rows(keys), jnp.clip(per_coordinate - 1, 0, c - 1), keepdims=False)
+      kth = lax.dynamic_index_in_dim(sort_rows(keys), jnp.clip(per_coordinate - 1, 0, c - 1), keepdims=False)
       chosen = _rows(eligible, u) & (keys <= kth) & (per_coordinate > 0)
       return jnp.where(chosen, s, u)
 

@@ -44,6 +44,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.types import ClientBatches
 
+__all__ = ["CLIENTS_AXIS", "client_mesh", "global_batches", "initialize", "pad_batches", "replicate",
+           "shard_per_client_state", "shutdown", "to_host"]
+
 PyTree = Any
 
 CLIENTS_AXIS = client_map_lib.CLIENTS_AXIS

@@ -44,6 +44,9 @@ from fedjax_opt.core.validation import check_choice, check_int, is_concrete
 from fedjax_opt.data.dataset import FederatedDataset
 from fedjax_opt.data.sampling import client_batches
 
+__all__ = ["MetricFn", "PersonalizedEvaluation", "adapted", "centralized", "global_model", "histogram",
+           "percentile_suffix", "personalized", "summarize"]
+
 MetricFn = Callable[[PyTree, Any], jax.Array]
 
 

@@ -38,6 +38,9 @@ import optax
 
 from fedjax_opt.core.validation import check_in_range, check_positive, is_concrete
 
+__all__ = ["ServerAdaptivityState", "available", "fedadagrad", "fedadam", "fedavg", "fedavgm", "fedyogi", "get",
+           "scale_by_server_adaptivity"]
+
 Rule = Literal["adagrad", "adam", "yogi"]
 ScalarOrSchedule = float | jax.Array | optax.Schedule
 

@@ -40,6 +40,8 @@ import numpy as np
 
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm
 
+__all__ = ["SweptAlgorithm", "grid", "member", "seeds", "stack", "vmap_algorithm"]
+
 PyTree = Any
 
 

@@ -70,8 +70,8 @@ TABLES = {"scaffold": "client_control_variates", "feddyn": "client_gradients", "
 
 
 def _public_functions():
-  return {name: obj for name, obj in vars(fo.algorithms).items()
-          if not name.startswith("_") and inspect.isfunction(obj)}
+  members = {name: getattr(fo.algorithms, name) for name in dir(fo.algorithms)}  # loads the lazy names too
+  return {name: obj for name, obj in members.items() if not name.startswith("_") and inspect.isfunction(obj)}
 
 
 def test_every_public_function_is_a_listed_factory_or_helper():

@@ -5,3 +5,7 @@ from fedjax_opt.core.types import StreamingSum
 from fedjax_opt.aggregators.robust import (CenteredClippingState, bulyan, centered_clipping, geometric_median, krum,
                                            marginal_median, mean_around_median, multi_krum, trimmed_mean)
 from fedjax_opt.aggregators.sign import majority_vote
+
+__all__ = ["Aggregator", "StreamingSum", "mean", "normalized_sum", "resolve", "weighted_mean", "weighted_sum",
+           "CenteredClippingState", "bulyan", "centered_clipping", "geometric_median", "krum", "marginal_median",
+           "mean_around_median", "multi_krum", "trimmed_mean", "majority_vote"]

@@ -25,10 +25,13 @@ import jax.numpy as jnp
 from fedjax_opt.core.server import check_aggregator
 from fedjax_opt.core.types import Aggregator, StreamingSum
 
+__all__ = ["mean", "normalized_sum", "resolve", "weighted_mean", "weighted_sum"]
+
 PyTree = Any
 
 
-def _stateless_init(params: PyTree) -> tuple:
+def stateless_init(params: PyTree) -> tuple:
+  """The `init` of an aggregator without state: `()`."""
   del params
   return ()
 
@@ -87,7 +90,7 @@ def weighted_mean() -> Aggregator:
     del key
     return normalized_sum(updates, weights), state
 
-  return Aggregator(_stateless_init, aggregate, _normalized_streaming(lambda w: w.astype(jnp.float32)))
+  return Aggregator(stateless_init, aggregate, _normalized_streaming(lambda w: w.astype(jnp.float32)))
 
 
 def mean() -> Aggregator:
@@ -103,7 +106,7 @@ def mean() -> Aggregator:
     taking_part = (weights > 0).astype(weights.dtype)
     return normalized_sum(updates, taking_part), state
 
-  return Aggregator(_stateless_init, aggregate, _normalized_streaming(lambda w: (w > 0).astype(jnp.float32)))
+  return Aggregator(stateless_init, aggregate, _normalized_streaming(lambda w: (w > 0).astype(jnp.float32)))
 
 
 def resolve(aggregator: Aggregator | None, default: Callable[[], Aggregator]) -> Aggregator:

@@ -24,6 +24,8 @@ import numpy as np
 
 from fedjax_opt.core.types import ClientBatches
 
+__all__ = ["run_chunk"]
+
 PyTree = Any
 
 

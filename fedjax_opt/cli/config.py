@@ -20,6 +20,9 @@ from typing import Any
 
 from fedjax_opt.cli import registry
 
+__all__ = ["DEFAULTS", "MODELS", "PARTITIONS", "SHAKESPEARE_ROLES", "UsageError", "build_parser", "clear_previous",
+           "finish", "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
+
 PARTITIONS = ("iid", "dirichlet", "shards", "labels", "power_law")
 MODELS = ("auto", "logreg", "mlp", "cnn", "rnn")
 
@@ -250,9 +253,6 @@ def _check_number(config: dict, key: str, integer: bool) -> None:
 
 def finish(given: dict[str, Any]) -> dict[str, Any]:
   """Defaults ← `given`, checked, with the dataset-dependent defaults chosen; what `config.json` holds."""
-  from fedjax_opt import data
-  from fedjax_opt.core import client_map
-
   from fedjax_opt.cli import network
 
   config = dict(DEFAULTS, hyper={})
@@ -260,6 +260,8 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   config["algorithms"] = network.default_algorithms(given) or config["algorithms"]
   names = _algorithms(config["algorithms"])
   config["algorithms"] = ",".join(names)
+  from fedjax_opt import data  # after the checks that need no JAX, so they answer at once
+
   infos = {info.name: info for info in data.available()}
   if config["dataset"] not in infos:
     raise UsageError(f"unknown dataset {config['dataset']!r}; choose from {', '.join(infos)}")
@@ -284,6 +286,8 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
       config["alpha"] = 0.5
     if config["num_clients"] is None:
       config["num_clients"] = getattr(info, "default_num_clients", None) or 100
+  from fedjax_opt.core import client_map
+
   try:
     client_map.resolve(config["client_map"])
   except ValueError as e:

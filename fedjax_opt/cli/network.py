@@ -23,6 +23,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+__all__ = ["DEFAULT_DELAY", "DELAYS", "MATCHING_PERIOD", "NetworkError", "TOPOLOGIES", "check", "compute_time",
+           "default_algorithms", "describe", "mixing"]
+
 TOPOLOGIES = ("ring", "torus", "exponential", "complete", "erdos_renyi", "matchings")
 DELAYS = ("exp:MEAN", "const:VALUE", "lognormal:MU,SIGMA")
 DEFAULT_DELAY = "exp:1"

@@ -28,6 +28,8 @@ import functools
 import math
 from typing import Any
 
+__all__ = ["PrivacyError", "build", "check", "describe", "enabled", "report", "sampling", "train_kwargs"]
+
 DP_ALGORITHMS = ("fedsgd", "fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi", "fedprox")
 """Algorithms whose model depends on the clients only through the aggregated update (so DP of the aggregate
 covers the model). SCAFFOLD and FedDyn keep per-client state on the server, FedNova rescales by the clients' step

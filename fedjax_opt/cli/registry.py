@@ -30,6 +30,9 @@ import inspect
 import math
 from typing import Any, Callable, Mapping
 
+__all__ = ["CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES", "HyperParameterError", "PSEUDO", "REGISTRY",
+           "Spec", "WIRED", "build", "check_registry", "describe_defaults", "resolve"]
+
 
 class _RunClientLR:
   """The default "the run's --client-lr"."""
@@ -274,138 +277,196 @@ def _fedu_wire(ctx, hyper):
   return {"graph": graphs.ring(ctx.num_clients)}
 
 
-def _build_registry() -> dict[str, Spec]:
-  from fedjax_opt import algorithms as a
-
+def _builders() -> dict[str, Callable[[Any], Spec]]:
+  """Name → `builder(fo.algorithms) -> Spec`."""
   admm_local = {"client_lr": 0.2, "l2": 1e-3}
   return {
       # ---- averaging -------------------------------------------------------------------------------------------
-      "fedsgd": Spec("averaging", "one full-batch gradient per client, server SGD (McMahan et al. 2017)", a.fedsgd,
-                     {"server_lr": 0.5}, lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])},
-                     server_lr="server_lr"),
-      "fedavg": _fedopt("fedavg", 1.0, "local SGD, weighted average of deltas (McMahan et al. 2017)"),
-      "fedavgm": _fedopt("fedavgm", 0.3, "FedAvg with server momentum 0.9 (Hsu et al. 2019)"),
-      "fedadagrad": _fedopt("fedadagrad", 0.03, "FedOpt with server Adagrad (Reddi et al. 2021)"),
-      "fedadam": _fedopt("fedadam", 0.003, "FedOpt with server Adam (Reddi et al. 2021)"),
-      "fedyogi": _fedopt("fedyogi", 0.003, "FedOpt with server Yogi (Reddi et al. 2021)"),
-      "fedprox": Spec("averaging", "local steps on f_k + (μ/2)‖x − x_t‖² (Li et al. 2020)", a.fedprox,
-                      {"mu": 0.01, "client_lr": CLIENT_LR, "server_optimizer": "fedavg", "server_lr": 1.0},
-                      _client_server, server_lr="server_lr"),
-      "scaffold": Spec("averaging", "control variates correct client drift (Karimireddy et al. 2020)", a.scaffold,
-                       {"eta_l": CLIENT_LR, "eta_g": 1.0}, server_lr="eta_g", messages=(2, 2)),
-      "fednova": Spec("averaging", "normalized averaging of heterogeneous local work (Wang et al. 2020)", a.fednova,
-                      {"eta": CLIENT_LR, "rho": 0.0, "server_lr": 1.0},
-                      lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])}, server_lr="server_lr"),
-      "feddyn": Spec("averaging", "dynamic regularization (Acar et al. 2021); no server step size", a.feddyn,
-                     {"alpha": 0.01, "client_lr": CLIENT_LR}, _client),
+      "fedsgd": lambda a: Spec(
+          "averaging", "one full-batch gradient per client, server SGD (McMahan et al. 2017)", a.fedsgd,
+          {"server_lr": 0.5}, lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])},
+          server_lr="server_lr"),
+      "fedavg": lambda a: _fedopt("fedavg", 1.0, "local SGD, weighted average of deltas (McMahan et al. 2017)"),
+      "fedavgm": lambda a: _fedopt("fedavgm", 0.3, "FedAvg with server momentum 0.9 (Hsu et al. 2019)"),
+      "fedadagrad": lambda a: _fedopt("fedadagrad", 0.03, "FedOpt with server Adagrad (Reddi et al. 2021)"),
+      "fedadam": lambda a: _fedopt("fedadam", 0.003, "FedOpt with server Adam (Reddi et al. 2021)"),
+      "fedyogi": lambda a: _fedopt("fedyogi", 0.003, "FedOpt with server Yogi (Reddi et al. 2021)"),
+      "fedprox": lambda a: Spec(
+          "averaging", "local steps on f_k + (μ/2)‖x − x_t‖² (Li et al. 2020)", a.fedprox,
+          {"mu": 0.01, "client_lr": CLIENT_LR, "server_optimizer": "fedavg", "server_lr": 1.0},
+          _client_server, server_lr="server_lr"),
+      "scaffold": lambda a: Spec(
+          "averaging", "control variates correct client drift (Karimireddy et al. 2020)", a.scaffold,
+          {"eta_l": CLIENT_LR, "eta_g": 1.0}, server_lr="eta_g", messages=(2, 2)),
+      "fednova": lambda a: Spec(
+          "averaging", "normalized averaging of heterogeneous local work (Wang et al. 2020)", a.fednova,
+          {"eta": CLIENT_LR, "rho": 0.0, "server_lr": 1.0},
+          lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])}, server_lr="server_lr"),
+      "feddyn": lambda a: Spec(
+          "averaging", "dynamic regularization (Acar et al. 2021); no server step size", a.feddyn,
+          {"alpha": 0.01, "client_lr": CLIENT_LR}, _client),
       # ---- personalized ----------------------------------------------------------------------------------------
-      "ditto": Spec("personalized", "FedAvg for w, proximal personal models v_k (Li et al. 2021)", a.ditto,
-                    {"lam": 0.1, "eta": CLIENT_LR, "personal_steps": 5, "client_lr": CLIENT_LR,
-                     "server_optimizer": "fedavg", "server_lr": 1.0},
-                    _client_server, server_lr="server_lr", evaluation="table"),
-      "pfedme": Spec("personalized", "Moreau-envelope personal models (Dinh et al. 2020)", a.pfedme,
-                     {"lam": 15.0, "eta": CLIENT_LR, "beta": 1.0, "inner_steps": 5, "inner_lr": 0.03},
-                     lambda ctx, h: {"local_steps": ctx.local_steps}, evaluation="table"),
-      "per_fedavg": Spec("personalized", "MAML-style meta-learning, first-order (Fallah et al. 2020)", a.per_fedavg,
-                         {"alpha": 0.1, "beta": CLIENT_LR},
-                         lambda ctx, h: {"local_steps": max(1, ctx.local_steps // _per_fedavg_batches(h))},
-                         evaluation="adapt",
-                         data_steps=lambda h, s: _per_fedavg_batches(h) * max(1, s // _per_fedavg_batches(h))),
-      "fedavg_ft": Spec("personalized", "FedAvgM, then FedAvg, then local fine-tuning (Jiang et al. 2019)",
-                        a.fedavg_finetune,
-                        {"client_lr": CLIENT_LR, "server_optimizer": "fedavgm", "server_lr": 0.3,
-                         "switch_round": None, "personalize_steps": 10, "finetune_lr": 0.025,
-                         "personalize_lr": CLIENT_LR},
-                        _fedavg_finetune_wire, server_lr="server_lr", evaluation="adapt"),
-      "fedem": Spec("personalized", "M shared component models, per-client mixture weights by EM (Marfoq et al. "
-                    "2021)", a.fedem, {"num_components": 3, "client_lr": CLIENT_LR, "server_optimizer": "fedavg",
-                                       "server_lr": 1.0}, _client_server, server_lr="server_lr",
-                    evaluation="adapt", eval_model=a.fedem_mixture_model),
-      "ifca": Spec("personalized", "K cluster models, each client trains the one of lowest loss (Ghosh et al. 2020)",
-                   a.ifca, {"num_clusters": 4, "client_lr": CLIENT_LR, "averaging": "model", "server_lr": 1.0},
-                   lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]),
-                                   **({"server_optimizer": _sgd(h["server_lr"])} if h["averaging"] == "gradient"
-                                      else {})},
-                   server_lr="server_lr", evaluation="table", communication="metrics"),
-      "clustered_fl": Spec("personalized", "FedAvg per cluster, split by the cosine similarity of updates at a "
-                           "stationary point (Sattler et al. 2020)", a.clustered_fl,
-                           {"eps_1": 0.4, "eps_2": 1.6, "max_clusters": 8, "client_lr": CLIENT_LR}, _client,
-                           evaluation="table", sampling="all"),
-      "fedmd": Spec("personalized", "no model is shared: clients distil towards the mean of their scores on "
-                    "public examples, then train on their own (Li & Wang 2019); test acc is client 0's model", a.fedmd,
-                    {"public_size": 1000, "public_per_round": 500, "digest_steps": 10, "digest_batch_size": 50,
-                     "client_lr": CLIENT_LR}, _fedmd_wire, evaluation="table", sampling="all",
-                    communication="metrics"),
-      "l2gd": Spec("personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
-                   a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
-                   evaluation="table", sampling="full", communication="metrics"),
-      "l2sgd_plus": Spec("personalized", "L2GD with per-example variance reduction (Hanzely & Richtárik 2020)",
-                         a.l2sgd_plus, {"lam": 0.1, "alpha": None, "p": 0.2, "example_lr": 0.003},
-                         _l2sgd_plus_wire, evaluation="table", sampling="full_fixed", communication="metrics"),
-      "fedu": Spec("personalized", "decentralized Laplacian-regularized personal models on a ring (Dinh et al. 2021)",
-                   a.fedu, {"lam": 0.1, "eta": CLIENT_LR},
-                   lambda ctx, h: {**_fedu_wire(ctx, h), "local_steps": ctx.local_steps},
-                   evaluation="table", messages=(1, 0)),
-      "easgd": Spec("personalized", "elastic averaging of local models and a center (Zhang et al. 2015)", a.easgd,
-                    {"alpha": 0.1, "client_lr": CLIENT_LR}, _client, evaluation="table"),
+      "ditto": lambda a: Spec(
+          "personalized", "FedAvg for w, proximal personal models v_k (Li et al. 2021)", a.ditto,
+          {"lam": 0.1, "eta": CLIENT_LR, "personal_steps": 5, "client_lr": CLIENT_LR,
+           "server_optimizer": "fedavg", "server_lr": 1.0},
+          _client_server, server_lr="server_lr", evaluation="table"),
+      "pfedme": lambda a: Spec(
+          "personalized", "Moreau-envelope personal models (Dinh et al. 2020)", a.pfedme,
+          {"lam": 15.0, "eta": CLIENT_LR, "beta": 1.0, "inner_steps": 5, "inner_lr": 0.03},
+          lambda ctx, h: {"local_steps": ctx.local_steps}, evaluation="table"),
+      "per_fedavg": lambda a: Spec(
+          "personalized", "MAML-style meta-learning, first-order (Fallah et al. 2020)", a.per_fedavg,
+          {"alpha": 0.1, "beta": CLIENT_LR},
+          lambda ctx, h: {"local_steps": max(1, ctx.local_steps // _per_fedavg_batches(h))},
+          evaluation="adapt",
+          data_steps=lambda h, s: _per_fedavg_batches(h) * max(1, s // _per_fedavg_batches(h))),
+      "fedavg_ft": lambda a: Spec(
+          "personalized", "FedAvgM, then FedAvg, then local fine-tuning (Jiang et al. 2019)",
+          a.fedavg_finetune,
+          {"client_lr": CLIENT_LR, "server_optimizer": "fedavgm", "server_lr": 0.3,
+           "switch_round": None, "personalize_steps": 10, "finetune_lr": 0.025,
+           "personalize_lr": CLIENT_LR},
+          _fedavg_finetune_wire, server_lr="server_lr", evaluation="adapt"),
+      "fedem": lambda a: Spec(
+          "personalized", "M shared component models, per-client mixture weights by EM (Marfoq et al. "
+          "2021)", a.fedem, {"num_components": 3, "client_lr": CLIENT_LR, "server_optimizer": "fedavg",
+                             "server_lr": 1.0}, _client_server, server_lr="server_lr",
+          evaluation="adapt", eval_model=a.fedem_mixture_model),
+      "ifca": lambda a: Spec(
+          "personalized", "K cluster models, each client trains the one of lowest loss (Ghosh et al. 2020)",
+          a.ifca, {"num_clusters": 4, "client_lr": CLIENT_LR, "averaging": "model", "server_lr": 1.0},
+          lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]),
+                          **({"server_optimizer": _sgd(h["server_lr"])} if h["averaging"] == "gradient"
+                             else {})},
+          server_lr="server_lr", evaluation="table", communication="metrics"),
+      "clustered_fl": lambda a: Spec(
+          "personalized", "FedAvg per cluster, split by the cosine similarity of updates at a "
+          "stationary point (Sattler et al. 2020)", a.clustered_fl,
+          {"eps_1": 0.4, "eps_2": 1.6, "max_clusters": 8, "client_lr": CLIENT_LR}, _client,
+          evaluation="table", sampling="all"),
+      "fedmd": lambda a: Spec(
+          "personalized", "no model is shared: clients distil towards the mean of their scores on "
+          "public examples, then train on their own (Li & Wang 2019); test acc is client 0's model", a.fedmd,
+          {"public_size": 1000, "public_per_round": 500, "digest_steps": 10, "digest_batch_size": 50,
+           "client_lr": CLIENT_LR}, _fedmd_wire, evaluation="table", sampling="all",
+          communication="metrics"),
+      "l2gd": lambda a: Spec(
+          "personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
+          a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
+          evaluation="table", sampling="full", communication="metrics"),
+      "l2sgd_plus": lambda a: Spec(
+          "personalized", "L2GD with per-example variance reduction (Hanzely & Richtárik 2020)",
+          a.l2sgd_plus, {"lam": 0.1, "alpha": None, "p": 0.2, "example_lr": 0.003},
+          _l2sgd_plus_wire, evaluation="table", sampling="full_fixed", communication="metrics"),
+      "fedu": lambda a: Spec(
+          "personalized", "decentralized Laplacian-regularized personal models on a ring (Dinh et al. 2021)",
+          a.fedu, {"lam": 0.1, "eta": CLIENT_LR},
+          lambda ctx, h: {**_fedu_wire(ctx, h), "local_steps": ctx.local_steps},
+          evaluation="table", messages=(1, 0)),
+      "easgd": lambda a: Spec(
+          "personalized", "elastic averaging of local models and a center (Zhang et al. 2015)", a.easgd,
+          {"alpha": 0.1, "client_lr": CLIENT_LR}, _client, evaluation="table"),
       # ---- ADMM (convex) ---------------------------------------------------------------------------------------
-      "admm_consensus": Spec("admm", "consensus ADMM, inexact local steps, pooled-risk objective (Boyd et al. 2011)",
-                   a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local},
-                   lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
-                   sampling="full", messages=(1, 1), objective="pooled"),
-      "gadmm": Spec("admm", "group ADMM on a chain of workers, no server (Elgabli et al. 2020)", a.gadmm,
-                    {"rho": 0.1, "objective": "examples", **admm_local},
-                    lambda ctx, h: {**_graph("chain")(ctx, h), "local_steps": ctx.local_steps},
-                    sampling="full", messages=(1, 0), objective="pooled"),
-      "cq_ggadmm": Spec("admm", "censored and quantized GADMM on a chain (Issaid et al. 2020)", a.cq_ggadmm,
-                        {"rho": 0.1, "tau0": 0.5, "xi": 0.9, "bits": 8, "objective": "examples", **admm_local},
-                        lambda ctx, h: {**_graph("chain")(ctx, h), "local_steps": ctx.local_steps},
-                        sampling="full", communication="bits", objective="pooled"),
-      "mixture_admm": Spec("admm", "ADMM on the mixture of global and local models (personalized)", a.mixture_admm,
-                           {"lam": 0.1, "rho": 0.1, **admm_local},
-                           lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
-                           evaluation="table", sampling="full", messages=(1, 1), objective="mixture"),
+      "admm_consensus": lambda a: Spec(
+          "admm", "consensus ADMM, inexact local steps, pooled-risk objective (Boyd et al. 2011)",
+          a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local},
+          lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
+          sampling="full", messages=(1, 1), objective="pooled"),
+      "gadmm": lambda a: Spec(
+          "admm", "group ADMM on a chain of workers, no server (Elgabli et al. 2020)", a.gadmm,
+          {"rho": 0.1, "objective": "examples", **admm_local},
+          lambda ctx, h: {**_graph("chain")(ctx, h), "local_steps": ctx.local_steps},
+          sampling="full", messages=(1, 0), objective="pooled"),
+      "cq_ggadmm": lambda a: Spec(
+          "admm", "censored and quantized GADMM on a chain (Issaid et al. 2020)", a.cq_ggadmm,
+          {"rho": 0.1, "tau0": 0.5, "xi": 0.9, "bits": 8, "objective": "examples", **admm_local},
+          lambda ctx, h: {**_graph("chain")(ctx, h), "local_steps": ctx.local_steps},
+          sampling="full", communication="bits", objective="pooled"),
+      "mixture_admm": lambda a: Spec(
+          "admm", "ADMM on the mixture of global and local models (personalized)", a.mixture_admm,
+          {"lam": 0.1, "rho": 0.1, **admm_local},
+          lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
+          evaluation="table", sampling="full", messages=(1, 1), objective="mixture"),
       # ---- decentralized (--topology) -------------------------------------------------------------------------
-      "gossip": Spec("decentralized", "local SGD, then averaging with the neighbours: x ← W(x + Δ) (decentralized "
-                     "FedAvg)", a.gossip, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table",
-                     sampling="nodes", communication="bytes"),
-      "dpsgd": Spec("decentralized", "D-PSGD: x_i ← Σ_j W_ij x_j − η ∇f_i(x_i), one step per batch "
-                    "(Lian et al. 2017)", a.dpsgd, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table", sampling="nodes",
-                    communication="bytes"),
-      "gradient_tracking": Spec("decentralized", "DIGing: tracks the average gradient, exact under heterogeneity "
-                                "(Nedić et al. 2017)", a.gradient_tracking, {"eta": CLIENT_LR}, _decentralized_wire,
-                                evaluation="table", sampling="nodes", communication="bytes"),
-      "d_fedem": Spec("decentralized", "FedEM without a server: each node's components averaged with its "
-                      "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
-                      lambda ctx, h: {**_decentralized_wire(ctx, h), "client_optimizer": _sgd(h["client_lr"])},
-                      evaluation="table", sampling="nodes", communication="bytes", eval_model=a.fedem_mixture_model),
+      "gossip": lambda a: Spec(
+          "decentralized", "local SGD, then averaging with the neighbours: x ← W(x + Δ) (decentralized "
+          "FedAvg)", a.gossip, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table",
+          sampling="nodes", communication="bytes"),
+      "dpsgd": lambda a: Spec(
+          "decentralized", "D-PSGD: x_i ← Σ_j W_ij x_j − η ∇f_i(x_i), one step per batch "
+          "(Lian et al. 2017)", a.dpsgd, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table", sampling="nodes",
+          communication="bytes"),
+      "gradient_tracking": lambda a: Spec(
+          "decentralized", "DIGing: tracks the average gradient, exact under heterogeneity "
+          "(Nedić et al. 2017)", a.gradient_tracking, {"eta": CLIENT_LR}, _decentralized_wire,
+          evaluation="table", sampling="nodes", communication="bytes"),
+      "d_fedem": lambda a: Spec(
+          "decentralized", "FedEM without a server: each node's components averaged with its "
+          "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
+          lambda ctx, h: {**_decentralized_wire(ctx, h), "client_optimizer": _sgd(h["client_lr"])},
+          evaluation="table", sampling="nodes", communication="bytes", eval_model=a.fedem_mixture_model),
       # ---- matched averaging (host-driven) --------------------------------------------------------------------
-      "fedma": Spec("matched", "match hidden units layer by layer (BBP-MAP, Hungarian), average, retrain the layers "
-                    "above (Wang et al. 2020); widths grow", a.fedma,
-                    {"client_lr": CLIENT_LR, "sigma": 1.0, "sigma0": 1.0, "gamma": 1.0, "iterations": 3},
-                    _fedma_wire, communication="metrics", eval_model=_fedma_model, train_model=_fedma_model),
+      "fedma": lambda a: Spec(
+          "matched", "match hidden units layer by layer (BBP-MAP, Hungarian), average, retrain the layers "
+          "above (Wang et al. 2020); widths grow", a.fedma,
+          {"client_lr": CLIENT_LR, "sigma": 1.0, "sigma0": 1.0, "gamma": 1.0, "iterations": 3},
+          _fedma_wire, communication="metrics", eval_model=_fedma_model, train_model=_fedma_model),
       # ---- asynchronous (--async) ------------------------------------------------------------------------------
-      "fedbuff": Spec("asynchronous", "buffer K stale deltas, then a server step (Nguyen et al. 2022); K default C/2",
-                      a.fedbuff, {"client_lr": CLIENT_LR, "buffer_size": None, "staleness_weight": "polynomial",
-                                  "server_optimizer": "fedavg", "server_lr": 1.0, "history_size": None},
-                      _fedbuff_wire, server_lr="server_lr", sampling="events"),
-      "fedasync": Spec("asynchronous", "mix each arriving model in by a staleness weight (Xie et al. 2019)",
-                       a.fedasync, {"alpha": 0.6, "client_lr": CLIENT_LR, "staleness_weight": "polynomial",
-                                   "history_size": None},
-                       _async_wire, sampling="events"),
-      "co_op": Spec("asynchronous", "merge each arriving model by its age, drop the too old (Wang 2017); "
-                    "max_age default 4C", a.co_op,
-                    {"alpha": 0.6, "max_age": None, "client_lr": CLIENT_LR, "history_size": None},
-                    _co_op_wire, sampling="events"),
-      "zeno_plus_plus": Spec("asynchronous", "apply a stale gradient only if it passes a validation test (Xie et "
-                             "al. 2020); 64 pooled train examples on the server", a.zeno_plus_plus,
-                             {"gamma": 0.2, "rho": 0.01, "eps": 0.2, "history_size": None}, _zeno_wire,
-                             server_lr="gamma",
-                             sampling="events"),
+      "fedbuff": lambda a: Spec(
+          "asynchronous", "buffer K stale deltas, then a server step (Nguyen et al. 2022); K default C/2",
+          a.fedbuff, {"client_lr": CLIENT_LR, "buffer_size": None, "staleness_weight": "polynomial",
+                      "server_optimizer": "fedavg", "server_lr": 1.0, "history_size": None},
+          _fedbuff_wire, server_lr="server_lr", sampling="events"),
+      "fedasync": lambda a: Spec(
+          "asynchronous", "mix each arriving model in by a staleness weight (Xie et al. 2019)",
+          a.fedasync, {"alpha": 0.6, "client_lr": CLIENT_LR, "staleness_weight": "polynomial",
+                      "history_size": None},
+          _async_wire, sampling="events"),
+      "co_op": lambda a: Spec(
+          "asynchronous", "merge each arriving model by its age, drop the too old (Wang 2017); "
+          "max_age default 4C", a.co_op,
+          {"alpha": 0.6, "max_age": None, "client_lr": CLIENT_LR, "history_size": None},
+          _co_op_wire, sampling="events"),
+      "zeno_plus_plus": lambda a: Spec(
+          "asynchronous", "apply a stale gradient only if it passes a validation test (Xie et "
+          "al. 2020); 64 pooled train examples on the server", a.zeno_plus_plus,
+          {"gamma": 0.2, "rho": 0.01, "eps": 0.2, "history_size": None}, _zeno_wire,
+          server_lr="gamma",
+          sampling="events"),
   }
 
 
-REGISTRY: dict[str, Spec] = _build_registry()
+class _Registry(Mapping[str, Spec]):
+  """Name → `Spec`, each built the first time it is read.
+
+  The names are known at once, so checking `--algorithms` imports no JAX; a
+  `Spec` holds its factory, so building one imports that algorithm's family.
+  """
+
+  def __init__(self, builders: dict[str, Callable[[Any], Spec]]):
+    self._builders = builders
+    self._specs: dict[str, Spec] = {}
+
+  def __getitem__(self, name: str) -> Spec:
+    if name not in self._specs:
+      builder = self._builders[name]
+      from fedjax_opt import algorithms
+
+      self._specs[name] = builder(algorithms)
+    return self._specs[name]
+
+  def __contains__(self, name: object) -> bool:
+    return name in self._builders
+
+  def __iter__(self):
+    return iter(self._builders)
+
+  def __len__(self) -> int:
+    return len(self._builders)
+
+
+REGISTRY: Mapping[str, Spec] = _Registry(_builders())
 """Every algorithm of the command line, by name."""
 
 

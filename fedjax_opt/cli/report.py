@@ -6,6 +6,8 @@ import math
 import os
 from typing import Any
 
+__all__ = ["Interrupted", "plot_all", "results_table"]
+
 
 class Interrupted(Exception):
   """Ctrl-C while `algorithm` trained; its last completed chunk is checkpointed."""

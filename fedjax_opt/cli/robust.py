@@ -26,6 +26,8 @@ import inspect
 import math
 from typing import Any
 
+__all__ = ["RobustError", "build", "check", "describe"]
+
 
 class _FromRun:
   """A default filled in from the run (`num_byzantine`, `beta`)."""

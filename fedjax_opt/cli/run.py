@@ -12,6 +12,9 @@ from fedjax_opt.cli import config as config_lib
 from fedjax_opt.cli import network, privacy, registry, report, robust
 from fedjax_opt.cli.config import UsageError
 
+__all__ = ["bits_per_round", "build_model", "command_run", "compile_cache_dir", "load_dataset", "network_context",
+           "pooled_sample", "sampling"]
+
 FLOAT_BITS = 32
 """Bits per parameter of a model-sized message (float32)."""
 

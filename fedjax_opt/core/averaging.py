@@ -44,6 +44,8 @@ from fedjax_opt.core.server import apply_server_update, check_aggregator, initia
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, PyTree
 from fedjax_opt.core.validation import check_client_batches, check_key, check_optimizer
 
+__all__ = ["AveragingState", "aggregated_round", "averaging_algorithm", "initial_fields", "initial_residuals"]
+
 
 @flax.struct.dataclass
 class AveragingState:

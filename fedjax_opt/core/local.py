@@ -27,6 +27,8 @@ from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import LossFn, PyTree
 from fedjax_opt.core.validation import check_per_example_loss
 
+__all__ = ["LocalResult", "as_single_step", "cycle_steps", "local_train", "masked_mean_loss"]
+
 
 class LocalResult(NamedTuple):
   """What a client sends back (and reports) after local training.

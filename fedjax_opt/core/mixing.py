@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_opt import graphs as graphs_lib
+from fedjax_opt.core import graphs as graphs_lib
 from fedjax_opt.core.types import PyTree
 from fedjax_opt.core.validation import is_concrete
 

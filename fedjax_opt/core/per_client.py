@@ -50,6 +50,9 @@ import numpy as np
 
 from fedjax_opt.core.validation import check_num_clients, is_concrete
 
+__all__ = ["Scattered", "broadcast", "gather", "init", "last_writers", "nbytes", "num_rows", "personalized_params",
+           "scan_rounds", "scatter"]
+
 PyTree = Any
 
 

@@ -87,6 +87,8 @@ from fedjax_opt.core.server import (Aggregated, aggregate_updates, client_is_fin
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, PyTree
 
+__all__ = ["ClientOutput", "Round", "client_round"]
+
 COMPRESSION_STREAM = 0x636F6D70
 """Folded into the round's aggregator key to make the compression key (ASCII "comp"): a separate stream."""
 

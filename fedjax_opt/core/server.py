@@ -21,6 +21,9 @@ import optax
 from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
 from fedjax_opt.core.types import Aggregator
 
+__all__ = ["Aggregated", "ROUND_METRICS", "aggregate_updates", "apply_server_update", "check_aggregator",
+           "client_is_finite", "finish_aggregation", "initial_round_metrics", "round_metrics", "zero_nonfinite"]
+
 PyTree = Any
 
 

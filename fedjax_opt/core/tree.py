@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+__all__ = ["global_norm", "select_rows", "select_tree", "tree_bits"]
+
 PyTree = Any
 
 

@@ -42,6 +42,9 @@ from typing import Any, Callable, Iterator, NamedTuple, Protocol
 import flax.struct
 import jax
 
+__all__ = ["Aggregator", "ClientBatches", "DeferredData", "FederatedAlgorithm", "LossFn", "PyTree", "ServerState",
+           "StreamingSum", "materialize"]
+
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 """Per-example loss: `loss_fn(params, batch) -> [B]`. The library masks and averages."""

@@ -16,6 +16,10 @@ import numpy as np
 
 from fedjax_opt.core.types import ClientBatches
 
+__all__ = ["check_choice", "check_client_batches", "check_full_participation", "check_in_range", "check_int",
+           "check_key", "check_loss_fn", "check_num_clients", "check_optimizer", "check_optional_int",
+           "check_per_example_loss", "check_positive", "check_probability", "check_scalar", "is_concrete"]
+
 
 def is_concrete(x: Any) -> bool:
   """True when `x` holds values Python can read (not a tracer inside jit/vmap/grad)."""

@@ -38,6 +38,9 @@ import flax.struct
 import jax
 import numpy as np
 
+__all__ = ["DEFAULT_MAX_PADDING_FACTOR", "FederatedDataset", "num_test_examples", "pack", "pack_sequences",
+           "sequence_split", "unpack"]
+
 Arrays = dict[str, np.ndarray]
 
 DEFAULT_MAX_PADDING_FACTOR = 10.0

@@ -34,6 +34,10 @@ from fedjax_opt.data.dataset import DEFAULT_MAX_PADDING_FACTOR, FederatedDataset
 from fedjax_opt.data.partition import Partition, make_partition
 from fedjax_opt.data.readers import read_idx_images
 
+__all__ = ["AUTO_MAX_PADDED_BYTES", "CentralizedData", "DatasetInfo", "FASHION_MNIST_DIR", "available",
+           "digits_arrays", "fashion_mnist_arrays", "federate", "load", "load_centralized", "load_digits",
+           "load_fashion_mnist", "load_mnist5k", "mnist5k_arrays"]
+
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 """Where Debian's `dataset-fashion-mnist` package puts the IDX files."""
 

@@ -37,6 +37,9 @@ import numpy as np
 
 from fedjax_opt.core.validation import check_num_clients
 
+__all__ = ["PARTITIONERS", "Partition", "dirichlet_partition", "iid_partition", "label_partition", "make_partition",
+           "natural_partition", "power_law_partition", "shard_partition"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Partition:

@@ -35,6 +35,9 @@ import numpy as np
 from fedjax_opt.data.dataset import FederatedDataset, pack
 from fedjax_opt.data.shakespeare import LEAF_VOCAB, encode
 
+__all__ = ["ClientData", "load_leaf", "load_tff_hdf5", "read_idx", "read_idx_images", "read_leaf_json", "read_npz",
+           "read_svmlight", "read_tff_hdf5", "write_npz"]
+
 Transform = Callable[[dict[str, Any]], Mapping[str, Any]]
 
 

@@ -78,6 +78,8 @@ import numpy as np
 from fedjax_opt.core.types import ClientBatches, DeferredData
 from fedjax_opt.data.dataset import FederatedDataset
 
+__all__ = ["CLIENT_SAMPLING", "EXAMPLE_ORDERS", "client_batches", "sample_round", "steps_for_epochs"]
+
 CLIENT_SAMPLING = ("uniform", "proportional", "all", "poisson")
 EXAMPLE_ORDERS = ("shuffled", "fixed")
 

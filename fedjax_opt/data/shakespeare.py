@@ -36,6 +36,8 @@ import numpy as np
 
 from fedjax_opt.data.dataset import FederatedDataset, pack_sequences, sequence_split
 
+__all__ = ["LEAF_VOCAB", "OOV_INDEX", "decode", "encode", "load_shakespeare", "parse_play", "plays_directory"]
+
 LEAF_VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
 """LEAF's 80 characters (leaf/models/utils/language_utils.py); index = class."""
 

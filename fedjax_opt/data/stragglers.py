@@ -48,6 +48,8 @@ import numpy as np
 from fedjax_opt.core.types import ClientBatches
 from fedjax_opt.core.validation import check_client_batches, check_in_range
 
+__all__ = ["StragglerDraw", "draw_stragglers", "drop_stragglers", "stragglers"]
+
 
 class StragglerDraw(NamedTuple):
   """Which clients straggle in a round, and how many of their steps each keeps.

@@ -30,6 +30,8 @@ import numpy as np
 
 from fedjax_opt.data.dataset import FederatedDataset, pack
 
+__all__ = ["SyntheticData", "SyntheticParams", "fedprox_client_sizes", "generate_synthetic", "load_synthetic"]
+
 
 class SyntheticParams(NamedTuple):
   """Per-device parameters of the generator (K devices, d features, L classes).

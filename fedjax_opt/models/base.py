@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+__all__ = ["Model", "classification_accuracy", "classification_loss", "count_params", "from_flax"]
+
 PyTree = Any
 ApplyFn = Callable[[PyTree, jax.Array], jax.Array]
 """`apply_fn(params, x [B, ...]) -> logits [B, K]`."""
@@ -208,7 +210,7 @@ def count_params(params: PyTree) -> int:
   return sum(math.prod(np.shape(leaf)) for leaf in jax.tree_util.tree_leaves(params))
 
 
-def _flatten_examples(x: jax.Array, num_features: int, model_name: str) -> jax.Array:
+def flatten_examples(x: jax.Array, num_features: int, model_name: str) -> jax.Array:
   """Reshapes `x [B, ...]` to `[B, num_features]`, with a clear error if sizes disagree."""
   if jnp.ndim(x) < 1:
     raise ValueError(f"{model_name} expects x shaped [B, ...]; got a scalar.")

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 
 from fedjax_opt.models.base import Model, from_flax
 
+__all__ = ["EmnistCNN", "emnist_cnn"]
+
 
 def _as_images(x: jax.Array, height: int, width: int) -> jax.Array:
   """Reshapes `[B, H, W]`, `[B, H, W, 1]` or `[B, H·W]` to `[B, H, W, 1]`."""

@@ -17,7 +17,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_opt.models.base import Model, _flatten_examples, from_flax
+from fedjax_opt.models.base import Model, flatten_examples, from_flax
+
+__all__ = ["LogisticRegression", "logistic_regression"]
 
 
 class LogisticRegression(nn.Module):
@@ -39,7 +41,7 @@ class LogisticRegression(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    x = _flatten_examples(x, self.num_features, "LogisticRegression")
+    x = flatten_examples(x, self.num_features, "LogisticRegression")
     return nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype,
                     kernel_init=nn.initializers.zeros, name="linear")(x)
 

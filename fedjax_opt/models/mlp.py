@@ -17,7 +17,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fedjax_opt.models.base import Model, _flatten_examples, from_flax
+from fedjax_opt.models.base import Model, flatten_examples, from_flax
+
+__all__ = ["MLP", "mlp_2nn"]
 
 
 class MLP(nn.Module):
@@ -41,7 +43,7 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    h = _flatten_examples(x, self.input_dim, "MLP")
+    h = flatten_examples(x, self.input_dim, "MLP")
     for i, width in enumerate(self.hidden_sizes):
       h = nn.relu(nn.Dense(width, dtype=self.dtype, param_dtype=self.param_dtype, name=f"hidden_{i}")(h))
     return nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="output")(h)

@@ -41,6 +41,8 @@ import jax.numpy as jnp
 
 from fedjax_opt.models.base import Model, from_flax
 
+__all__ = ["CELLS", "CharRNN", "char_rnn"]
+
 CELLS = ("gru", "lstm")
 
 

@@ -21,6 +21,8 @@ import numpy as np
 
 from fedjax_opt.train.history import History
 
+__all__ = ["CheckpointError", "CheckpointWarning", "Checkpointer", "current_round", "from_raw", "to_raw"]
+
 PyTree = Any
 
 

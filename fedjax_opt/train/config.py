@@ -20,6 +20,8 @@ import jax
 
 from fedjax_opt.core.validation import check_int
 
+__all__ = ["Checkpointing", "Evaluation", "Sampling"]
+
 PyTree = Any
 
 

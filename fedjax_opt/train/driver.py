@@ -75,6 +75,8 @@ from fedjax_opt.train.history import History
 from fedjax_opt.train.progress import Progress, format_point, host_value
 from fedjax_opt.train.safety import check_fits, divergence
 
+__all__ = ["is_host_driven", "proportional_weights", "train"]
+
 PyTree = Any
 Seed = int | tuple[int, ...]
 

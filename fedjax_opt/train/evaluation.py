@@ -30,6 +30,8 @@ import jax
 from fedjax_opt import evaluate as evaluate_lib
 from fedjax_opt.train.config import Evaluation
 
+__all__ = ["EvalProgram", "PERSONALIZED_PERCENTILE", "evaluate"]
+
 PyTree = Any
 
 PERSONALIZED_PERCENTILE = 10.0

@@ -8,6 +8,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+__all__ = ["History"]
+
 
 @dataclasses.dataclass
 class History:

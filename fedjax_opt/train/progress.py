@@ -7,6 +7,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+__all__ = ["Progress", "format_point", "host_value"]
+
 
 class Progress:
   """A rich progress bar on a terminal, one line per chunk elsewhere (logs, CI, notebooks)."""

@@ -19,6 +19,8 @@ import numpy as np
 
 from fedjax_opt.train.history import History
 
+__all__ = ["RoundTooLargeError", "check_fits", "compiled_bytes", "divergence"]
+
 PyTree = Any
 
 

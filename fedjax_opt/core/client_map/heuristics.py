@@ -21,6 +21,8 @@ from fedjax_opt.core.client_map.rewrites import has_convolution, has_small_batch
 from fedjax_opt.core.client_map.tracing import num_clients, trace_client, trace_mapped
 from fedjax_opt.core.types import PyTree
 
+__all__ = ["CPU_VMAP_MAX_BYTES", "CPU_VMAP_MAX_PARAMS", "Choice", "choose"]
+
 CPU_VMAP_MAX_PARAMS = 16_384
 """On CPU, `auto` vmaps dense per-client functions whose `shared` inputs hold at most this many scalars."""
 

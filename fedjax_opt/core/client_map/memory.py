@@ -28,6 +28,8 @@ from jax.extend import core as jex_core
 from fedjax_opt.core.client_map.tracing import abstract, equations, num_clients, trace_client
 from fedjax_opt.core.types import PyTree
 
+__all__ = ["ACCELERATOR_PLATFORMS", "client_footprint", "default_chunk_size", "default_memory_budget"]
+
 ACCELERATOR_PLATFORMS = ("gpu", "tpu")
 """Platforms whose memory `default_memory_budget` reads from the device (host RAM otherwise)."""
 

@@ -31,6 +31,9 @@ from fedjax_opt.core.client_map.tracing import num_clients
 from fedjax_opt.core.types import PyTree
 from fedjax_opt.core.validation import check_optional_int
 
+__all__ = ["Auto", "CLIENTS_AXIS", "Chunked", "ClientMap", "Sharded", "VMap", "auto", "chunked", "client_mesh",
+           "map_clients", "pad_clients", "resolve", "sequential", "sharded", "vmap"]
+
 CLIENTS_AXIS = "clients"
 """The name of the device-mesh axis that clients are sharded on."""
 

@@ -30,6 +30,9 @@ from jax.extend.core import primitives as jex_primitives
 
 from fedjax_opt.core.client_map.tracing import equations
 
+__all__ = ["FUSED_DOT_MAX_CONTRACTION", "canonical_conv", "has_convolution", "has_small_batched_dot",
+           "is_canonical_conv", "rewrite_client_fn", "sum_of_products"]
+
 FUSED_DOT_MAX_CONTRACTION = 16
 """`fuse_small_dots` rewrites batched dot_generals that contract at most this many entries (per output entry)."""
 

@@ -16,6 +16,8 @@ from jax.extend import core as jex_core
 
 from fedjax_opt.core.types import PyTree
 
+__all__ = ["abstract", "equations", "num_clients", "trace_client", "trace_mapped"]
+
 
 def num_clients(per_client: PyTree) -> int:
   """C, the leading axis that every leaf of `per_client` shares (a clear error otherwise)."""
