@@ -1,4 +1,4 @@
-"""PFNM and FedMA (fedjax_opt/algorithms/matched_averaging.py) against independent references.
+"""PFNM and FedMA (fedjax_opt/algorithms/matched_averaging/) against independent references.
 
 * Permutation invariance (both papers' argument): J copies of one network whose
   hidden units were randomly permuted are matched back to that network exactly
@@ -30,6 +30,7 @@ import pytest
 
 import fedjax_opt as fo
 from fedjax_opt.algorithms import matched_averaging as ma
+from fedjax_opt.algorithms.matched_averaging import neurons as ma_neurons
 
 MLP_LAYERS = ("hidden_0", "hidden_1", "output")
 CNN_LAYERS = ("conv_0", "conv_1", "dense", "output")
@@ -68,7 +69,7 @@ def _permuted(params, layers, rng):
 def _unpermute(candidate, reference, layers):
   """`candidate` with each hidden layer's units moved to the position of the nearest unit of `reference`."""
   for n, name in enumerate(layers[:-1]):
-    got, want = ma._as_neurons(candidate[name]), ma._as_neurons(reference[name])  # pylint: disable=protected-access
+    got, want = ma_neurons.as_neurons(candidate[name]), ma_neurons.as_neurons(reference[name])
     order = np.argmin(((got[:, None] - want[None]) ** 2).sum(-1), axis=1)
     assert sorted(order) == list(range(len(want))), "matched units are not a permutation of the reference's"
     candidate = ma.apply_assignment(jax.tree.map(np.asarray, candidate), layers, n, order, len(want))

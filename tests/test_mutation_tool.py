@@ -63,3 +63,19 @@ def test_selection_by_function_and_by_change(tmp_path):
   assert mutation._select(changes, None, {survivor}) == [prefix + "x_scale__mutmut_2"]
   assert mutation._select(changes, ["clip"], {survivor}) == []
   assert mutation._select(changes, ["scale", "clip"], {survivor}) == [prefix + "x_scale__mutmut_2"]
+
+
+def test_every_module_the_tool_knows_is_a_file_with_tests():
+  """A module moved into a package (or renamed) is not silently dropped from mutation testing."""
+  for module, tests in mutation.TESTS_OF.items():
+    assert (ROOT / mutation._path(module)).is_file(), module
+    assert tests and all((ROOT / t).is_file() for t in tests), module
+  assert mutation._path("matched_averaging.matching") == "fedjax_opt/algorithms/matched_averaging/matching.py"
+  assert mutation._path("asynchrony.events") == "fedjax_opt/core/asynchrony/events.py"
+  every_module = {str(p.relative_to(ROOT)) for package in ("algorithms/matched_averaging", "core/asynchrony")
+                  for p in (ROOT / "fedjax_opt" / package).glob("*.py") if p.name != "__init__.py"}
+  assert {mutation._path(m) for m in mutation._modules(["matched_averaging", "asynchrony"])} == every_module
+  assert mutation._modules(["fedavg", "matched_averaging.models", "matched_averaging"])[:2] == [
+      "fedavg", "matched_averaging.models"]
+  assert mutation._module_of("fedjax_opt.algorithms.matched_averaging.matching.x_bbp_map__mutmut_3") == (
+      "matched_averaging.matching")

@@ -5,11 +5,12 @@
     /tmp/mutation-venv/bin/python tools/mutation.py fedprox scaffold feddyn --out benchmarks/results/mutation.json
     /tmp/mutation-venv/bin/python tools/mutation.py admm_sharing --functions _logistic_z_update   # one function
 
-For each named module of `fedjax_opt/algorithms/`, mutmut (3.x) changes one
-thing at a time in its update rules (an operator, a constant, an argument;
-lines of argument checks, error messages, defaults and metric names are left
-alone, `NOT_UPDATE_RULES`) and
-runs the tests that reach the mutated function, chosen from the module's own
+For each named module of `fedjax_opt/algorithms/` (one module of a package by
+its dotted name, `matched_averaging.matching`; all of them by the package's
+name, `matched_averaging`, or `asynchrony` for `fedjax_opt/core/asynchrony/`),
+mutmut (3.x) changes one thing at a time in its update rules (an operator, a
+constant, an argument; lines of argument checks, error messages, defaults and
+metric names are left alone, `NOT_UPDATE_RULES`) and runs the tests that reach the mutated function, chosen from the module's own
 test file plus the shared checks (tests/test_rounds.py, test_nonfinite.py,
 test_convention.py, test_bits_metrics.py). A mutant is killed when a test fails, survives when all
 pass; a timeout is a mutant whose tests ran much longer than the clean run
@@ -56,19 +57,33 @@ TESTS_OF = {
     "admm_sharing": ["tests/test_admm.py"], "gadmm": ["tests/test_gadmm.py"],
     "mixture_admm": ["tests/test_mixture_admm.py"],
     "ifca": ["tests/test_ifca.py"], "clustered_fl": ["tests/test_clustered_fl.py"], "fedem": ["tests/test_fedem.py"],
-    "fedmd": ["tests/test_fedmd.py"], "matched_averaging": ["tests/test_matched_averaging.py"],
+    "fedmd": ["tests/test_fedmd.py"],
+    **{f"matched_averaging.{m}": ["tests/test_matched_averaging.py"]
+       for m in ("neurons", "matching", "layerwise", "one_shot", "fedma_rounds", "models")},
     "decentralized": ["tests/test_decentralized.py"], "p2p_bayes": ["tests/test_p2p_bayes.py"],
     "asynchronous": ["tests/test_asynchronous.py", "tests/test_asynchrony.py"],
-    # Outside fedjax_opt/algorithms/: the robust aggregators and the attacks.
+    # Outside fedjax_opt/algorithms/: the robust aggregators, the attacks, the asynchronous simulation.
     "robust": ["tests/test_robust_aggregators.py"],
     "attacks": ["tests/test_attacks.py", "tests/test_robust_aggregators.py"],
+    **{f"asynchrony.{m}": ["tests/test_asynchrony.py", "tests/test_asynchronous.py", "tests/test_cli_network.py"]
+       for m in ("history", "distributions", "schedules", "staleness", "events", "synchronous")},
 }
-PATH_OF = {"robust": "fedjax_opt/aggregators/robust.py", "attacks": "fedjax_opt/attacks.py"}
-"""Module files not under fedjax_opt/algorithms/ (the others are fedjax_opt/algorithms/<name>.py)."""
+PATH_OF = {"robust": "fedjax_opt/aggregators/robust.py", "attacks": "fedjax_opt/attacks.py",
+           **{m: f"fedjax_opt/core/{m.replace('.', '/')}.py" for m in TESTS_OF if m.startswith("asynchrony.")}}
+"""Module files not under fedjax_opt/algorithms/ (the others are fedjax_opt/algorithms/<name>.py, a dotted name
+<package>.<module> the file fedjax_opt/algorithms/<package>/<module>.py)."""
+PACKAGES = {package: [m for m in TESTS_OF if m.startswith(package + ".")]
+            for package in ("matched_averaging", "asynchrony")}
+"""A package's name on the command line stands for all of its modules."""
 
 
 def _path(module: str) -> str:
-  return PATH_OF.get(module, f"fedjax_opt/algorithms/{module}.py")
+  return PATH_OF.get(module, f"fedjax_opt/algorithms/{module.replace('.', '/')}.py")
+
+
+def _modules(names: list[str]) -> list[str]:
+  """The module keys of command-line names: a package's name expands to its modules, in order, once each."""
+  return list(dict.fromkeys(m for name in names for m in PACKAGES.get(name, [name])))
 
 
 def _module_of(mutant: str) -> str:
@@ -148,8 +163,10 @@ def _config(modules: list[str], timeout: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("modules", nargs="+", choices=sorted(TESTS_OF),
-                      help="modules of fedjax_opt/algorithms/, or robust (aggregators/robust.py) or attacks")
+  parser.add_argument("modules", nargs="+", choices=sorted(TESTS_OF) + sorted(PACKAGES),
+                      help="modules of fedjax_opt/algorithms/ (matched_averaging: all of its package's modules, "
+                           "matched_averaging.<module>: one), robust (aggregators/robust.py), attacks, or "
+                           "asynchrony (core/asynchrony/, or asynchrony.<module>)")
   parser.add_argument("--out", default=None, help="JSON file for the table and the survivors")
   parser.add_argument("--timeout", type=float, default=60.0, help="seconds added to every mutant's allowance")
   parser.add_argument("--workdir", default=None, help="where to copy the repository (default: a new temp dir)")
@@ -160,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--functions", nargs="+", default=None, metavar="NAME",
                       help="mutate only these functions of the modules (e.g. _logistic_z_update after rewriting it)")
   args = parser.parse_args(argv)
+  args.modules = _modules(args.modules)
   try:
     import fedjax_opt  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     print("fedjax_opt is installed in this environment: mutmut's mutated copy would not be the one tested. "

@@ -1,0 +1,253 @@
+"""FedMA with communication rounds: local training, then layer-wise matching with retraining (host-driven).
+
+Wang, Yurochkin, Sun, Papailiopoulos, Khazaeni. "Federated Learning with
+Matched Averaging." ICLR 2020. arXiv:2002.06440. (FedMA: layer-wise matching,
+each matching followed by local retraining of the layers above, Algorithm 1.)
+
+One FedMA round: every client trains the whole model from the global one,
+then Algorithm 1 (`layerwise.py`) matches layer by layer, each matching
+followed by the clients' retraining of the layers above it. A round is N
+communications (one per layer).
+
+Why host-driven. The matching runs on the host between layers (one small
+Hungarian problem per layer) and the global layers grow, so neither the
+round's control flow nor the model's shapes are static: FedMA is not a
+`FederatedAlgorithm(init, step)` but a host-driven `(init, run)`. `fo.train`
+runs it round by round on the host with the same sampling, keys, evaluation,
+checkpoints and resume as any algorithm (`fedjax_opt.train`, "Host-driven
+algorithms"), and so does `fedjax-opt run --algorithms fedma` (the model
+applied for any widths: `models.matchable`, exported as
+`fo.algorithms.fedma_model`). Each local training in between is one jitted
+program over the clients (`core.client_map`, compiled once per set of widths).
+The price: a round returns to Python N times, and a model whose width changed
+recompiles. A fixed maximum width with a mask of active units would keep the
+shapes static, but the growth is decided by the Hungarian solutions of all the
+layers below, so the host would be needed anyway.
+
+    model, layers = fo.algorithms.fedma_model(fo.models.mlp_2nn())   # any widths; ("hidden_0", "hidden_1", "output")
+    fedma = fo.algorithms.fedma(model.loss_fn, layers=layers, client_optimizer=optax.sgd(0.05))
+    state = fedma.init(model.init(key), key)
+    state, history = fo.train(fedma, state, ds, rounds, clients_per_round=10, local_steps=20, batch_size=20,
+                              metric_fns={"accuracy": model.accuracy_fn})   # one FedMA round = N communications
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_opt.algorithms.matched_averaging.layerwise import match_layers
+from fedjax_opt.algorithms.matched_averaging.matching import check_prior
+from fedjax_opt.algorithms.matched_averaging.neurons import check_layers
+from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core.local import local_train
+from fedjax_opt.core.types import ClientBatches, LossFn, PyTree, materialize
+from fedjax_opt.core.validation import check_client_batches, check_int, check_loss_fn, check_optimizer
+
+__all__ = ["METRICS", "FedMAState", "MatchedAveraging", "fedma"]
+
+
+METRICS = ("client_loss", "num_clients", "num_nonfinite", "communication_rounds", "uploaded_floats", "bits_up",
+           "bits_down")
+
+
+@flax.struct.dataclass
+class FedMAState:
+  """The state of FedMA.
+
+  Attributes:
+    params: the global model; its hidden widths grow as matching opens new neurons.
+    round: FedMA rounds done (each is N communication rounds, one per layer).
+    key: PRNG key (seeds BBP-MAP's refinement order, folded with the round).
+    metrics: `client_loss` (mean client loss of the round's first local training),
+      `num_clients` (clients matched), `num_nonfinite` (clients left out: a
+      non-finite model after training), `communication_rounds` (N: one
+      upload and broadcast per layer), `uploaded_floats` (Σ over the layers
+      and the matched clients of the layer's parameter count), `bits_up`
+      (32 · uploaded_floats / matched clients: float32 bits per client),
+      `bits_down` (32 · the new global model's parameter count: each global
+      layer is broadcast once, as it is matched), `widths` (`[N − 1]`
+      global hidden widths).
+  """
+
+  params: PyTree
+  round: jax.Array
+  key: jax.Array
+  metrics: dict[str, jax.Array]
+
+
+class MatchedAveraging(NamedTuple):
+  """FedMA as host-driven functions (not a `FederatedAlgorithm`: see the module docstring).
+
+  Attributes:
+    init: `init(params, key) -> FedMAState`.
+    run: `run(state, batches) -> state`: one FedMA round (N communications):
+      every client trains the whole model from `state.params` on its batches,
+      then `match`.
+    match: `match(client_params, batches, seed=0) -> (params, metrics)`:
+      Algorithm 1 on given client models (leaves `[J, ...]`, one row per
+      client of `batches`; they may start from different initializations):
+      for each layer n < N, match, broadcast, retrain layers n+1 … N on the
+      batches with layers 1 … n frozen; then the class-weighted classifier.
+  """
+
+  init: Callable[[PyTree, jax.Array], FedMAState]
+  run: Callable[[FedMAState, ClientBatches], FedMAState]
+  match: Callable[..., tuple[PyTree, dict]]
+
+
+def _stack(params: list[dict]) -> PyTree:
+  return jax.tree.map(lambda *a: jnp.stack([jnp.asarray(x) for x in a]), *params)
+
+
+def _unstack(params: PyTree, num: int) -> list[dict]:
+  host = jax.tree.map(np.asarray, params)
+  return [jax.tree.map(lambda a, k=k: a[k], host) for k in range(num)]
+
+
+def _finite_rows(params: PyTree) -> np.ndarray:
+  leaves = [np.asarray(a).reshape(a.shape[0], -1) for a in jax.tree.leaves(params)]
+  return np.all(np.concatenate([np.isfinite(a) for a in leaves], axis=1), axis=1)
+
+
+def _class_counts(data: PyTree, mask: np.ndarray, num_classes: int) -> np.ndarray | None:
+  """n_jk from the round's labels `data["y"]` `[J, S, B]` (real slots; a slot drawn twice counts twice)."""
+  if not isinstance(data, dict) or "y" not in data:
+    return None
+  y = np.asarray(data["y"])
+  if y.shape != mask.shape or not np.issubdtype(y.dtype, np.integer):
+    return None
+  return np.stack([np.bincount(y[j][mask[j]], minlength=num_classes)[:num_classes] for j in range(y.shape[0])])
+
+
+def fedma(
+    loss_fn: LossFn,
+    *,
+    layers: Sequence[str],
+    client_optimizer: optax.GradientTransformation,
+    sigma: float = 1.0,
+    sigma0: float = 1.0,
+    gamma: float = 1.0,
+    mu0: float = 0.0,
+    iterations: int = 3,
+    max_width: int | None = None,
+    client_map: client_map_lib.ClientMap | str | None = None,
+) -> MatchedAveraging:
+  """Federated Matched Averaging (FedMA, Algorithm 1), with communication rounds.
+
+  One round: each client trains all layers from the global model (S masked
+  local steps of `client_optimizer` over its batches), then for n = 1 … N−1:
+
+      {Π_j} = BBP-MAP({W_{j,n}})                       match layer n (host, Hungarian)
+      W_n = mean of the matched neurons                  the global layer n, broadcast
+      W_{j,n+1} ← Π_j W_{j,n+1}                          move the next layer's inputs
+      train {W_{j,n+1}, …, W_{j,N}} with W_1 … W_n frozen  (the same S steps, jitted over clients)
+
+  and last W_N[:, k] = Σ_j p_jk W_{j,N}[:, k] (p_jk: client j's share of
+  class k in the round's labels `batches.data["y"]`; the n_j weights when the
+  data has no integer "y"). A round is N communications, each uploading one
+  layer per client, so its upload equals one FedAvg round's.
+
+  Args:
+    loss_fn: per-example loss `loss_fn(params, batch) -> [B]`, for any hidden
+      widths (flax modules check their shapes: use `mlp_apply` /
+      `emnist_cnn_apply` with `fo.models.classification_loss`).
+    layers: the layer names in forward order, the last one the classifier.
+    client_optimizer: ClientOpt, any optax optimizer, fresh for every local training.
+    sigma: σ (std of a client neuron around its global neuron).
+    sigma0: σ₀ (prior std of a global neuron; `math.inf`: flat prior).
+    gamma: γ₀ (Beta-Bernoulli mass: the propensity to open new neurons).
+    mu0: μ₀ (prior mean).
+    iterations: BBP-MAP refinement passes per layer.
+    max_width: None, or a cap on each global layer's width.
+    client_map: how clients are mapped in local training (see `fo.algorithms.fedavg`).
+
+  Returns:
+    `MatchedAveraging(init, run, match)`; state `FedMAState`.
+  """
+  check_loss_fn(loss_fn)
+  check_optimizer(client_optimizer, "client_optimizer")
+  check_prior(sigma, sigma0, gamma)
+  check_int(iterations, "iterations", 0)
+  layers = tuple(layers)
+  prior = dict(sigma=sigma, sigma0=sigma0, gamma=gamma, mu0=mu0, iterations=iterations, max_width=max_width)
+
+  @functools.partial(jax.jit, static_argnames="first")
+  def train(params, data, mask, first):
+    """Every client trains layers[first:] from its own params; leaves `[J, ...]`."""
+    labels = {name: jax.tree.map(lambda _, n=n: "train" if n >= first else "frozen", params[name])
+              for n, name in enumerate(layers)}
+    optimizer = optax.multi_transform({"train": client_optimizer, "frozen": optax.set_to_zero()}, labels)
+
+    def one(_, inputs):
+      p, d, m = inputs
+      result = local_train(loss_fn, optimizer, p, d, m)
+      return jax.tree.map(jnp.add, p, result.delta), result.loss
+
+    return client_map_lib.map_clients(client_map, one, None, (params, data, mask))
+
+  def init(params: PyTree, key: jax.Array) -> FedMAState:
+    check_layers(params, layers)
+    metrics = {name: jnp.zeros((), jnp.float32) for name in METRICS}
+    metrics["widths"] = jnp.asarray([np.shape(params[n]["bias"])[0] for n in layers[:-1]], jnp.int32)
+    return FedMAState(params=params, round=jnp.zeros((), jnp.int32), key=key, metrics=metrics)
+
+  def match(client_params: PyTree, batches: ClientBatches, seed: int = 0) -> tuple[PyTree, dict]:
+    check_client_batches(batches)
+    data, mask = materialize(batches.data), np.asarray(batches.mask)
+    num = batches.num_clients
+    if any(np.shape(leaf)[0] != num for leaf in jax.tree.leaves(client_params)):
+      raise ValueError(f"client_params must have a leading axis of the C = {num} clients of batches; got "
+                       f"{jax.tree.map(np.shape, client_params)}.")
+    keep = (np.asarray(batches.weight) > 0) & _finite_rows(client_params)
+    num_nonfinite = int(np.sum((np.asarray(batches.weight) > 0) & ~keep))
+    if not keep.any():
+      return None, {"num_clients": 0, "num_nonfinite": num_nonfinite}
+    rows = np.flatnonzero(keep)
+    data = jax.tree.map(lambda a: jnp.asarray(a)[rows], data)
+    mask_kept = jnp.asarray(mask[rows])
+
+    def retrain(params_list, first, alive):
+      subset = jax.tree.map(lambda a: a[alive], data)
+      trained, _ = train(_stack(params_list), subset, mask_kept[alive], first)
+      return _unstack(trained, len(params_list))
+
+    clients = _unstack(jax.tree.map(lambda a: np.asarray(a)[rows], client_params), len(rows))
+    check_layers(clients[0], layers)
+    num_classes = np.shape(clients[0][layers[-1]]["bias"])[0]
+    counts = _class_counts(data, mask[rows], num_classes)
+    params, widths, uploaded, diverged = match_layers(clients, layers, np.asarray(batches.weight)[rows],
+                                                            counts, retrain, seed, **prior)
+    return params, {"num_clients": len(rows) - diverged, "num_nonfinite": num_nonfinite + diverged,
+                    "widths": widths, "uploaded_floats": uploaded, "uploaders": len(rows)}
+
+  def run(state: FedMAState, batches: ClientBatches) -> FedMAState:
+    check_client_batches(batches)
+    num = batches.num_clients
+    start = jax.tree.map(lambda a: jnp.broadcast_to(a, (num,) + jnp.shape(a)), state.params)
+    trained, losses = train(start, materialize(batches.data), batches.mask, 0)
+    weight = np.asarray(batches.weight)
+    losses = np.asarray(losses)
+    ok = (weight > 0) & np.isfinite(losses)
+    seed = int(jax.random.randint(jax.random.fold_in(state.key, state.round), (), 0, 2**31 - 1))
+    params, info = match(trained, batches, seed=seed)
+    metrics = dict(state.metrics)
+    metrics.update(num_nonfinite=jnp.float32(info["num_nonfinite"]), num_clients=jnp.float32(info["num_clients"]))
+    if params is None:  # no finite client: the round is rejected, the model kept
+      return state.replace(round=state.round + 1, metrics=metrics)
+    metrics.update(
+        client_loss=jnp.float32(np.sum(losses[ok] * weight[ok]) / max(np.sum(weight[ok]), 1e-30)),
+        communication_rounds=jnp.float32(len(layers)), uploaded_floats=jnp.float32(info["uploaded_floats"]),
+        bits_up=jnp.float32(32 * info["uploaded_floats"] / info["uploaders"]),
+        bits_down=jnp.float32(32 * sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))),
+        widths=jnp.asarray(info["widths"], jnp.int32))
+    return state.replace(params=params, round=state.round + 1, metrics=metrics)
+
+  return MatchedAveraging(init=init, run=run, match=match)

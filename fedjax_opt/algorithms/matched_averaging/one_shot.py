@@ -1,0 +1,68 @@
+"""PFNM: one-shot matched averaging of J trained networks into one global network, without retraining.
+
+Yurochkin, Agarwal, Ghosh, Greenewald, Hoang, Khazaeni. "Bayesian Nonparametric
+Federated Learning of Neural Networks." ICML 2019. arXiv:1905.12022.
+
+One communication: each client uploads its trained network once, and the
+server matches and averages it layer by layer (`layerwise.py` without the
+retraining; the matching of each layer is BBP-MAP, `matching.py`). The
+global layers grow where a client's neurons match no other client's.
+
+    global_params = fo.algorithms.pfnm([p_1, ..., p_J], layers=...)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from fedjax_opt.algorithms.matched_averaging.layerwise import match_layers
+from fedjax_opt.algorithms.matched_averaging.neurons import check_layers
+from fedjax_opt.core.types import PyTree
+from fedjax_opt.core.validation import check_int
+
+__all__ = ["pfnm"]
+
+
+def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float = 1.0, sigma0: float = 1.0,
+         gamma: float = 1.0, mu0: float = 0.0, iterations: int = 3, max_width: int | None = None,
+         client_weights: Sequence[float] | None = None, class_counts: Any = None, seed: int = 0) -> PyTree:
+  """One-shot matched averaging (PFNM, with FedMA's layer-wise rule): J trained networks -> one global network.
+
+  Layer by layer, bottom up: BBP-MAP matches the J clients' neurons
+  (`bbp_map`), the global layer is the mean of the matched neurons, and each
+  client's next layer has its inputs moved to the global positions. The last
+  layer is the class-weighted average Σ_j p_jk W_{j,N}[:, k]. No retraining:
+  that is `fedma`.
+
+  Args:
+    client_params: J params dicts (widths may differ), each `{layer: {"kernel", "bias"}}`.
+    layers: the layer names in forward order, the last one the classifier.
+    sigma: σ (std of a client neuron around its global neuron).
+    sigma0: σ₀ (prior std of a global neuron; `math.inf`: flat prior).
+    gamma: γ₀ (Beta-Bernoulli mass: the propensity to open new neurons).
+    mu0: μ₀ (prior mean).
+    iterations: BBP-MAP refinement passes per layer.
+    max_width: None, or a cap on each global layer's width.
+    client_weights: n_j for the classifier average when `class_counts` is None or a class is held
+      by no client; default uniform.
+    class_counts: None, or `[J, K]` n_jk, client j's examples of class k.
+    seed: seeds the refinement order.
+
+  Returns:
+    The global params (jnp arrays), with the grown widths.
+  """
+  client_params = [jax.tree.map(np.asarray, p) for p in client_params]
+  if not client_params:
+    raise ValueError("client_params must hold at least one client's params.")
+  layers = tuple(check_layers(p, layers) for p in client_params)[0]
+  num = len(client_params)
+  weights = np.ones(num) if client_weights is None else np.asarray(client_weights, np.float64)
+  if weights.shape != (num,) or np.any(weights < 0) or not np.all(np.isfinite(weights)):
+    raise ValueError(f"client_weights must be J = {num} finite values >= 0; got {client_weights}.")
+  check_int(iterations, "iterations", 0)
+  params, _, _, _ = match_layers(client_params, layers, weights, class_counts, None, seed, sigma=sigma, sigma0=sigma0,
+                                 gamma=gamma, mu0=mu0, iterations=iterations, max_width=max_width)
+  return params
