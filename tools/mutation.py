@@ -60,6 +60,7 @@ TESTS_OF = {
     "fedmd": ["tests/test_fedmd.py"],
     **{f"matched_averaging.{m}": ["tests/test_matched_averaging.py"]
        for m in ("neurons", "matching", "layerwise", "one_shot", "fedma_rounds", "models")},
+    "matched_averaging.host_loop": ["tests/test_train_host.py"],
     "decentralized": ["tests/test_decentralized.py"], "p2p_bayes": ["tests/test_p2p_bayes.py"],
     "asynchronous": ["tests/test_asynchronous.py", "tests/test_asynchrony.py"],
     # Outside fedjax_opt/algorithms/: the robust aggregators, the attacks, the asynchronous simulation.

@@ -44,7 +44,7 @@
   twice counting twice (`proportional_weights`).
 * Host-driven algorithms (`is_host_driven`: `init` and `run`, FedMA) run
   under the same driver, their rounds a Python loop
-  (`fedjax_opt.algorithms.fedma_driver`, which says what differs).
+  (`fedjax_opt.algorithms.matched_averaging.host_loop`, which says what differs).
 * Sweeps: a `fedjax_opt.sweep.SweptAlgorithm` (K runs vmapped into one
   program) runs the same way. Its state, the round metrics and every
   evaluated value carry a leading sweep axis `[K]`; `seed` may then be K
@@ -234,7 +234,7 @@ def train(
     algorithm: any `FederatedAlgorithm`, or a `fedjax_opt.sweep.SweptAlgorithm`
       (K runs in one program; state, metrics and evaluations gain a leading [K]),
       or a host-driven algorithm (`init`, `run`: FedMA;
-      `fedjax_opt.algorithms.fedma_driver`).
+      `fedjax_opt.algorithms.matched_averaging.host_loop`).
     state: its state, e.g. `algorithm.init(params, key)`; with
       `checkpointing.resume`, the template the checkpoint is restored into.
     dataset: a packed `FederatedDataset` (train split sampled, test split evaluated).
@@ -295,10 +295,10 @@ def train(
 
   def chunk_for(state: PyTree, length: int, history: History) -> Callable:
     if host:
-      from fedjax_opt.algorithms import fedma_driver  # pylint: disable=import-outside-toplevel
+      from fedjax_opt.algorithms.matched_averaging import host_loop  # pylint: disable=import-outside-toplevel
 
       sample = programs.get(_sample_for_round, (state.round, dataset), history, sampling=sampling, seed=seed)
-      return lambda state, dataset: fedma_driver.run_chunk(algorithm, state, dataset, length, sample)
+      return lambda state, dataset: host_loop.run_chunk(algorithm, state, dataset, length, sample)
     return programs.get(_run_chunk, (state, dataset), history, step=algorithm.step, swept=swept, sampling=sampling,
                         seed=seed, length=length)
 

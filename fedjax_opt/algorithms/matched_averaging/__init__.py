@@ -31,8 +31,10 @@ The package, one idea a module:
     model, layers = fo.algorithms.fedma_model(fo.models.mlp_2nn())   # any widths; ("hidden_0", "hidden_1", "output")
     fedma = fo.algorithms.fedma(model.loss_fn, layers=layers, client_optimizer=optax.sgd(0.05))
     state = fedma.init(model.init(key), key)
-    state, history = fo.train(fedma, state, ds, rounds, clients_per_round=10, local_steps=20, batch_size=20,
-                              metric_fns={"accuracy": model.accuracy_fn})   # one FedMA round = N communications
+    state, history = fo.train(fedma, state, ds, rounds,
+                              fo.Sampling(clients_per_round=10, local_steps=20, batch_size=20),
+                              evaluation=fo.Evaluation(metric_fns={"accuracy": model.accuracy_fn}))
+                              # one FedMA round = N communications
     global_params = fo.algorithms.pfnm([p_1, ..., p_J], layers=...)   # one-shot, no retraining
 """
 

@@ -14,8 +14,7 @@ Hungarian problem per layer) and the global layers grow, so neither the
 round's control flow nor the model's shapes are static: FedMA is not a
 `FederatedAlgorithm(init, step)` but a host-driven `(init, run)`. `fo.train`
 runs it round by round on the host with the same sampling, keys, evaluation,
-checkpoints and resume as any algorithm (`fedjax_opt.train`, "Host-driven
-algorithms"), and so does `fedjax-opt run --algorithms fedma` (the model
+checkpoints and resume as any algorithm (`host_loop`, beside this module), and so does `fedjax-opt run --algorithms fedma` (the model
 applied for any widths: `models.matchable`, exported as
 `fo.algorithms.fedma_model`). Each local training in between is one jitted
 program over the clients (`core.client_map`, compiled once per set of widths).
@@ -27,8 +26,10 @@ layers below, so the host would be needed anyway.
     model, layers = fo.algorithms.fedma_model(fo.models.mlp_2nn())   # any widths; ("hidden_0", "hidden_1", "output")
     fedma = fo.algorithms.fedma(model.loss_fn, layers=layers, client_optimizer=optax.sgd(0.05))
     state = fedma.init(model.init(key), key)
-    state, history = fo.train(fedma, state, ds, rounds, clients_per_round=10, local_steps=20, batch_size=20,
-                              metric_fns={"accuracy": model.accuracy_fn})   # one FedMA round = N communications
+    state, history = fo.train(fedma, state, ds, rounds,
+                              fo.Sampling(clients_per_round=10, local_steps=20, batch_size=20),
+                              evaluation=fo.Evaluation(metric_fns={"accuracy": model.accuracy_fn}))
+                              # one FedMA round = N communications
 """
 
 from __future__ import annotations
