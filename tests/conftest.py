@@ -31,7 +31,7 @@ TEST_CACHE = os.environ.get("FEDJAX_OPT_TEST_CACHE",
 if TEST_CACHE != "off":
   jax.config.update("jax_compilation_cache_dir", TEST_CACHE)
   jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    float(os.environ.get("FEDJAX_OPT_TEST_CACHE_MIN_SECONDS", "0.05")))
+                    float(os.environ.get("FEDJAX_OPT_TEST_CACHE_MIN_SECONDS", "0.2")))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
