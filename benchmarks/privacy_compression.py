@@ -69,15 +69,15 @@ QUICK_PIECES = ("fedavg", "top_k1%+EF", "dp_mean", "secure(mean)")
 
 
 def compressors(num_clients: int) -> dict[str, tuple[Any, Any]]:
-  """name → (compression or None, aggregator or None) for task (a)."""
+  """name → (client stage or None, aggregator or None) for task (a)."""
   c = fo.compression
   base = {"qsgd2": c.qsgd(bits=2), "qsgd4": c.qsgd(bits=4), "qsgd8": c.qsgd(bits=8), "top_k1%": c.top_k(0.01),
           "top_k10%": c.top_k(0.1), "rand_k10%": c.rand_k(0.1), "sign": c.sign()}
   out: dict[str, tuple[Any, Any]] = {"identity": (None, None)}
   for name, compressor in base.items():
-    out[name] = (c.compressed(compressor), None)
-    out[name + "+EF"] = (c.compressed(compressor, error_feedback=True, num_clients=num_clients), None)
-  out["sign+vote"] = (c.compressed(c.sign(scaled=False)), fo.aggregators.majority_vote())
+    out[name] = (c.compress(compressor), None)
+    out[name + "+EF"] = (c.compress(compressor, error_feedback=True, num_clients=num_clients), None)
+  out["sign+vote"] = (c.compress(c.sign(scaled=False)), fo.aggregators.majority_vote())
   return out
 
 
@@ -112,13 +112,15 @@ def run_compression(settings: dict, quick: bool, log) -> dict:
   for partition in settings["partitions"]:
     dataset = _dataset(s["num_clients"], partition)
     runs = {}
-    for name, (compression, aggregator) in compressors(s["num_clients"]).items():
+    for name, (stage, aggregator) in compressors(s["num_clients"]).items():
       if quick and name not in QUICK_COMPRESSORS:
         continue
       server_lr = s["vote_server_lr"] if aggregator is not None else 1.0
+      aggregator = fo.aggregators.weighted_mean() if aggregator is None else aggregator
+      if stage is not None:
+        aggregator = fo.aggregators.chain(stage, aggregator)
       algo = fo.algorithms.fedavg(model.loss_fn, client_optimizer=optax.sgd(s["client_lr"]),
-                                  server_optimizer=optax.sgd(server_lr), aggregator=aggregator,
-                                  compression=compression)
+                                  server_optimizer=optax.sgd(server_lr), aggregator=aggregator)
       metrics, evals, seconds = _train(algo, model, dataset, settings["rounds"], settings["eval_every"],
                                        clients_per_round=s["clients_per_round"], local_steps=s["local_steps"],
                                        batch_size=s["batch_size"])
@@ -169,21 +171,25 @@ def run_dp(settings: dict, log) -> dict:
 def _pieces(num_clients: int, clients: int) -> dict[str, dict]:
   """name → fedavg keywords for task (c)."""
   c = fo.compression
+  chain = fo.aggregators.chain
+  mean = fo.aggregators.weighted_mean
   dp = lambda: fo.privacy.dp_mean(DP["clip"], 1.0, expected_clients=clients)
   return {
       "fedavg": {},
-      "qsgd4": {"compression": c.compressed(c.qsgd(bits=4))},
-      "qsgd8+EF": {"compression": c.compressed(c.qsgd(bits=8), error_feedback=True, num_clients=num_clients)},
-      "top_k1%+EF": {"compression": c.compressed(c.top_k(0.01), error_feedback=True, num_clients=num_clients)},
-      "rand_k10%": {"compression": c.compressed(c.rand_k(0.1))},
-      "sign+EF": {"compression": c.compressed(c.sign(), error_feedback=True, num_clients=num_clients)},
-      "sign+vote": {"compression": c.compressed(c.sign(scaled=False)), "aggregator": fo.aggregators.majority_vote()},
+      "qsgd4": {"aggregator": chain(c.compress(c.qsgd(bits=4)), mean())},
+      "qsgd8+EF": {"aggregator": chain(c.compress(c.qsgd(bits=8), error_feedback=True, num_clients=num_clients),
+                                       mean())},
+      "top_k1%+EF": {"aggregator": chain(c.compress(c.top_k(0.01), error_feedback=True, num_clients=num_clients),
+                                         mean())},
+      "rand_k10%": {"aggregator": chain(c.compress(c.rand_k(0.1)), mean())},
+      "sign+EF": {"aggregator": chain(c.compress(c.sign(), error_feedback=True, num_clients=num_clients), mean())},
+      "sign+vote": {"aggregator": chain(c.compress(c.sign(scaled=False)), fo.aggregators.majority_vote())},
       "dp_mean": {"aggregator": dp()},
       "secure(mean)": {"aggregator": fo.privacy.secure_aggregation(fo.aggregators.mean(), bound=1.0)},
       "secure(dp_mean)": {"aggregator": fo.privacy.secure_aggregation(dp(), bound=1.0)},
       "top_k1%+EF, dp_mean, secure": {
-          "compression": c.compressed(c.top_k(0.01), error_feedback=True, num_clients=num_clients),
-          "aggregator": fo.privacy.secure_aggregation(dp(), bound=1.0)},
+          "aggregator": chain(c.compress(c.top_k(0.01), error_feedback=True, num_clients=num_clients),
+                              fo.privacy.secure_aggregation(dp(), bound=1.0))},
   }
 
 

@@ -58,7 +58,7 @@ from jax import lax
 
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.ordering import row_positions, sort_rows
-from fedjax_opt.core.server import check_aggregator
+from fedjax_opt.core.server import check_aggregator, refuse_client_stage
 from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, FederatedAlgorithm
 
 PyTree = Any
@@ -398,7 +398,8 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
   wrapped aggregator sees the corrupted updates and the original weights.
 
   Args:
-    aggregator: any `Aggregator` (mean, a robust rule, ...).
+    aggregator: any `Aggregator` (mean, a robust rule, ...) without a client
+      stage (chain a stage in front of the corrupted aggregator instead).
     attack: an `Attack` (`gaussian`, `omniscient`, `sign_flip`,
       `generalized_byzantine`, `alie`, `ipm`, or one of your own).
     attackers: a fraction in [0, 1] or a count of the clients taking part,
@@ -413,6 +414,9 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
     An `Aggregator` with state `CorruptState`.
   """
   check_aggregator(aggregator)
+  refuse_client_stage(aggregator, "corrupt", "the attack acts on what the server receives, after the client "
+                      "stage; chain the stage in front of the attack: fo.aggregators.chain(stage, "
+                      "fo.attacks.corrupt(aggregator, ...)).")
   if not isinstance(attack, Attack):
     raise TypeError(f"attack must be a fedjax_opt.attacks.Attack (e.g. fo.attacks.omniscient(1e4)); "
                     f"got {type(attack).__name__}.")

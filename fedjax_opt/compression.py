@@ -49,20 +49,31 @@ Python int, and `compress` returns it as a float32 scalar (exact below 2²⁴;
 a relative error ≤ 6·10⁻⁸ beyond). Arithmetic is in float32 (or the widest
 leaf dtype if wider) and x̂ is cast back to each leaf's dtype.
 
-Error feedback (`compressed(compressor, error_feedback=True, num_clients=N)`;
+Error feedback (`compress(compressor, error_feedback=True, num_clients=N)`;
 Seide et al. 2014, Stich et al. 2018, Karimireddy et al. 2019). Client i keeps
-a residual e_i (a per-client table `[N, ...]` in the server state, zeros at
-the start) and in each round it takes part:
+a residual e_i (a per-client table `[N, ...]` in the aggregator's state,
+zeros at the start) and in each round it takes part:
 
     v_i = Δ_i + e_i;    sent_i = C(v_i);    e_i ← v_i − sent_i
 
 so Σ_t sent_{i,t} + e_{i,T} = Σ_t Δ_{i,t}: what was not sent is only delayed.
-Without error feedback a client sends C(Δ_i) and keeps nothing. The round
-(`core.rounds.client_round`) draws client i's compression key as
-fold_in(fold_in(round key, stream), i), so a run is reproducible from its seed
-and the server can regenerate rand-k's indices; the residual row is written
-only for a client that took part and was aggregated in an accepted round
-(a NaN client's row is left as it was), like every other per-client row.
+Without error feedback a client sends C(Δ_i) and keeps nothing.
+
+The stage of a round. `compress(...)` is a `core.types.ClientStage`, the
+client side of the aggregator seam: `fo.aggregators.chain(compress(...),
+aggregator)` gives any factory's `aggregator=` a compressing client stage, in
+front of the mean, a robust rule, `fo.privacy.dp_mean` or
+`fo.privacy.secure_aggregation`. `compress` lives here, beside the
+compressors it wraps, because it is what turns a compressor into a stage;
+`chain` lives in `fedjax_opt.aggregators`, because composing stages with an
+aggregator is the aggregator seam's business, whatever the stage. The round
+(`core.rounds.client_round`) runs the stage on every message a client sends
+and draws client i's key for its j-th kind of message as
+fold_in(fold_in(round key, stream_j), i), so a run is reproducible from its
+seed and the server can regenerate rand-k's indices; the residual row is
+written only for a client that took part and was aggregated in an accepted
+round (a NaN client's row is left as it was), like every other per-client
+row. `residuals(state.aggregator_state)` reads the table.
 """
 
 from __future__ import annotations
@@ -75,13 +86,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_opt.core import per_client
 from fedjax_opt.core.tree import tree_bits
+from fedjax_opt.core.types import ClientStage, StagedState
 from fedjax_opt.core.validation import check_int, check_num_clients, check_probability
 
 PyTree = Any
 
-__all__ = ["Compression", "Compressor", "check_compression", "compressed", "identity", "num_entries", "qsgd",
-           "rand_k", "send", "sign", "top_k", "tree_bits"]
+__all__ = ["Compressor", "compress", "identity", "num_entries", "qsgd", "rand_k", "residuals", "send", "sign",
+           "top_k", "tree_bits"]
 
 FLOAT_BITS = 32
 """Bits of one float32 scalar (a norm, a scale, a value, a seed)."""
@@ -104,22 +117,6 @@ class Compressor(NamedTuple):
   compress: Callable[[jax.Array, PyTree], tuple[PyTree, jax.Array]]
   unbiased: bool
   bits: Callable[[PyTree], int]
-
-
-class Compression(NamedTuple):
-  """The client-side compression stage of a round (`compressed` builds it).
-
-  Attributes:
-    compressor: the `Compressor`.
-    error_feedback: whether each client keeps the residual e_i of what it did not send.
-    num_clients: N, the rows of the residual table (with error feedback), else None.
-    storage_dtype: dtype of the residual table; None: the model's.
-  """
-
-  compressor: Compressor
-  error_feedback: bool = False
-  num_clients: int | None = None
-  storage_dtype: Any = None
 
 
 # ----------------------------------------------------------------------------- one vector from a pytree
@@ -340,9 +337,14 @@ def sign(*, scaled: bool = True) -> Compressor:
 # ----------------------------------------------------------------------------- the stage of a round
 
 
-def compressed(compressor: Compressor, *, error_feedback: bool = False, num_clients: int | None = None,
-               storage_dtype: Any = None) -> Compression:
-  """The client-side compression stage for an algorithm's `compression=` (module docstring).
+def compress(compressor: Compressor, *, error_feedback: bool = False, num_clients: int | None = None,
+             storage_dtype: Any = None) -> ClientStage:
+  """A compressor as the client stage of the aggregator seam (module docstring).
+
+      sent_i = C(Δ_i + e_i),   e_i ← Δ_i + e_i − sent_i      (error feedback)
+      sent_i = C(Δ_i)                                        (without)
+
+  Chain it before an aggregator: `fo.aggregators.chain(compress(C, ...), fo.aggregators.mean())`.
 
   Args:
     compressor: a `Compressor` (`identity`, `qsgd`, `top_k`, `rand_k`, `sign`).
@@ -351,44 +353,56 @@ def compressed(compressor: Compressor, *, error_feedback: bool = False, num_clie
     storage_dtype: dtype of the residual table (e.g. `jnp.bfloat16`); None: the model's.
 
   Returns:
-    A `Compression`.
+    A `core.types.ClientStage` whose table (with error feedback) is the residuals, zeros at the start.
   """
   if not isinstance(compressor, Compressor):
-    raise TypeError(f"compressed: compressor must be a fedjax_opt.compression.Compressor (e.g. "
+    raise TypeError(f"compress: compressor must be a fedjax_opt.compression.Compressor (e.g. "
                     f"fo.compression.qsgd(bits=4)); got {type(compressor).__name__}.")
   if not isinstance(error_feedback, bool):
-    raise TypeError(f"compressed: error_feedback must be a bool; got {type(error_feedback).__name__}.")
+    raise TypeError(f"compress: error_feedback must be a bool; got {type(error_feedback).__name__}.")
   if error_feedback:
     if num_clients is None:
-      raise ValueError("compressed: error_feedback=True keeps a residual per client: give num_clients=N "
+      raise ValueError("compress: error_feedback=True keeps a residual per client: give num_clients=N "
                        "(the number of clients in the federation).")
-    num_clients = check_num_clients(num_clients, "compressed: num_clients")
+    num_clients = check_num_clients(num_clients, "compress: num_clients")
   elif num_clients is not None:
-    num_clients = check_num_clients(num_clients, "compressed: num_clients")
-  return Compression(compressor, error_feedback, num_clients, storage_dtype)
+    num_clients = check_num_clients(num_clients, "compress: num_clients")
+
+  def init(params: PyTree) -> PyTree:
+    return per_client.init(params, num_clients, storage_dtype=storage_dtype) if error_feedback else None
+
+  def apply(key: jax.Array, update: PyTree, row: PyTree) -> tuple[PyTree, PyTree, jax.Array]:
+    return send(compressor, key, update, row if error_feedback else None)
+
+  name = f"compress({compressor.name}{', error_feedback' if error_feedback else ''})"
+  return ClientStage(init, apply, num_clients if error_feedback else None, name)
 
 
-def check_compression(compression: Any) -> Compression | None:
-  """`compression` if it is None or a `Compression`; a TypeError naming `compressed` otherwise."""
-  if compression is None or isinstance(compression, Compression):
-    return compression
-  if isinstance(compression, Compressor):
-    raise TypeError(f"compression must be a fedjax_opt.compression.Compression: wrap the compressor, "
-                    f"fo.compression.compressed({compression.name}, error_feedback=...).")
-  raise TypeError(f"compression must be None or fedjax_opt.compression.compressed(...); "
-                  f"got {type(compression).__name__}.")
-
-
-def send(compression: Compression, key: jax.Array, update: PyTree,
+def send(compressor: Compressor, key: jax.Array, update: PyTree,
          residual: PyTree | None) -> tuple[PyTree, PyTree | None, jax.Array]:
   """One client's message: `(sent, new residual, bits)`.
 
-  With error feedback: v = Δ + e, sent = C(v), e' = v − sent. Without
+  With a residual (error feedback): v = Δ + e, sent = C(v), e' = v − sent. Without
   (`residual` None): sent = C(Δ), e' None.
   """
-  if not compression.error_feedback:
-    sent, bits = compression.compressor.compress(key, update)
+  if residual is None:
+    sent, bits = compressor.compress(key, update)
     return sent, None, bits
   v = jax.tree.map(lambda u, e: u + e.astype(u.dtype), update, residual)
-  sent, bits = compression.compressor.compress(key, v)
+  sent, bits = compressor.compress(key, v)
   return sent, jax.tree.map(jnp.subtract, v, sent), bits
+
+
+def residuals(aggregator_state: Any, message: int = 0) -> PyTree | None:
+  """The error-feedback residual table e `[N, ...]` in an algorithm's `aggregator_state`, or None.
+
+  Args:
+    aggregator_state: `state.aggregator_state` of an algorithm whose aggregator has a client stage.
+    message: which kind of message: 0 the update, 1 a second upload (SCAFFOLD's Δc_i).
+
+  Returns:
+    The table, or None when the stage keeps none (no error feedback) or there is no client stage.
+  """
+  if not isinstance(aggregator_state, StagedState):
+    return None
+  return aggregator_state.rows[message]

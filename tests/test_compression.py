@@ -4,7 +4,8 @@ The compressors against closed forms and NumPy (QSGD's unbiasedness and
 Alistarh et al.'s Lemma 3.1 variance bound, rand-k's unbiasedness, top-k
 against argsort, sign's scale, every bit formula counted by hand); error
 feedback's telescoping identity Σ_t sent_t + e_T = Σ_t Δ_t; the integration
-in `core.rounds.client_round` (identity is FedAvg bit for bit, the stacked
+in `core.rounds.client_round` as the client stage of a chained aggregator
+(identity is FedAvg bit for bit, the stacked
 and streamed paths agree, one FedAvg round against a float64 NumPy
 transcription, a NaN client is dropped and its residual row not written);
 signSGD's majority vote against NumPy; bad arguments.
@@ -24,8 +25,15 @@ from algorithm_examples import N, example_inputs, loss_fn
 import fedjax_opt as fo
 from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.rounds import ClientOutput, client_round
+from fedjax_opt.core.types import StagedState
 
 C = fo.compression
+
+
+def _chain(stage, aggregator=None):
+  """`aggregator` (default FedAvg's weighted mean) with the client stage `stage` in front (none when None)."""
+  aggregator = fo.aggregators.weighted_mean() if aggregator is None else aggregator
+  return aggregator if stage is None else fo.aggregators.chain(stage, aggregator)
 
 
 def _vector(p, seed=0):
@@ -141,7 +149,7 @@ def test_each_bit_count_matches_its_message_layout_in_the_compressor_and_the_rou
   # In a round: FedAvg on the examples' model (P = 4), clients 2 and 3 without weight take no part.
   params, batches = example_inputs("fedavg")
   batches = batches.replace(weight=batches.weight.at[2:].set(0.0))
-  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.01), compression=C.compressed(compressor))
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.01), aggregator=_chain(C.compress(compressor)))
   state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
   assert float(state.metrics["bits_up"]) == _expected_bits(name, 4)
   assert float(state.metrics["bits_down"]) == 32 * 4
@@ -175,7 +183,7 @@ def test_compressors_are_jittable_and_vmappable():
 # ----------------------------------------------------------------------------- error feedback in the round
 
 
-def _recording_round(compression, deltas, ids, residuals):
+def _recording_round(stage, deltas, ids, residuals):
   """One `client_round` whose clients send the given Δ `[C, P]` and whose aggregator records what arrived."""
 
   def client_update(shared, data, mask):
@@ -188,16 +196,17 @@ def _recording_round(compression, deltas, ids, residuals):
   c = len(ids)
   batches = fo.ClientBatches(data={"delta": jnp.asarray(deltas)[:, None, None]}, mask=jnp.ones((c, 1, 1), bool),
                              weight=jnp.ones(c), client_id=jnp.asarray(ids, jnp.int32))
-  out = client_round("vmap", client_update, jnp.zeros(deltas.shape[1]), batches, aggregator=record,
-                     aggregator_state=record.init(jnp.zeros(deltas.shape[1])), key=jax.random.key(len(ids)),
-                     compression=compression, residuals=residuals)
-  return np.asarray(out.agg.state), out.residuals.table
+  aggregator = fo.aggregators.chain(stage, record)
+  state = StagedState(rows=(residuals,), server=record.init(jnp.zeros(deltas.shape[1])))
+  out = client_round("vmap", client_update, jnp.zeros(deltas.shape[1]), batches, aggregator=aggregator,
+                     aggregator_state=state, key=jax.random.key(len(ids)))
+  return np.asarray(out.agg.state.server), C.residuals(out.agg.state)
 
 
 def test_error_feedback_telescopes_and_each_step_is_top_k_of_delta_plus_residual():
   """Σ_t sent_{i,t} + e_{i,T} = Σ_t Δ_{i,t} per client; each sent = top_k(Δ + e) and e' = Δ + e − sent (NumPy)."""
   n, p, k, rounds = 6, 10, 2, 8
-  comp = C.compressed(C.top_k(k=k), error_feedback=True, num_clients=n)
+  comp = C.compress(C.top_k(k=k), error_feedback=True, num_clients=n)
   residuals = fo.core.per_client.init(jnp.zeros(p), n)
   rng = np.random.default_rng(4)
   sent_total, delta_total = np.zeros((n, p)), np.zeros((n, p))
@@ -222,7 +231,7 @@ def test_error_feedback_telescopes_and_each_step_is_top_k_of_delta_plus_residual
 def test_the_compression_key_is_the_round_key_folded_with_the_client_id():
   """rand-k's indices (which the server must regenerate) depend on the client id, not on its position."""
   p = 20
-  comp = C.compressed(C.rand_k(k=3), error_feedback=True, num_clients=6)
+  comp = C.compress(C.rand_k(k=3), error_feedback=True, num_clients=6)
   delta = np.ones((2, p), np.float32)
   sent_a, _ = _recording_round(comp, delta, [3, 5], fo.core.per_client.init(jnp.zeros(p), 6))
   sent_b, _ = _recording_round(comp, delta, [5, 3], fo.core.per_client.init(jnp.zeros(p), 6))
@@ -230,11 +239,11 @@ def test_the_compression_key_is_the_round_key_folded_with_the_client_id():
   assert not np.array_equal(sent_a[0] != 0, sent_a[1] != 0)
 
 
-def _run(compression, mode="vmap", rounds=2, poisoned=None, **kw):
+def _run(stage, mode="vmap", rounds=2, poisoned=None, aggregator=None):
   params, batches = example_inputs("fedavg", poisoned=poisoned)
   batches = batches.replace(weight=jnp.asarray([6.0, 2.0, 5.0, 1.0]))
-  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), compression=compression, client_map=mode,
-                              **kw)
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), aggregator=_chain(stage, aggregator),
+                              client_map=mode)
   state = algo.init(params, jax.random.key(7))
   step = jax.jit(algo.step)
   for _ in range(rounds):
@@ -244,13 +253,14 @@ def _run(compression, mode="vmap", rounds=2, poisoned=None, **kw):
 
 def test_identity_compression_leaves_fedavg_unchanged_bit_for_bit():
   want = _run(None, rounds=3)
-  for comp in (C.compressed(C.identity()), C.compressed(C.identity(), error_feedback=True, num_clients=N)):
+  for comp in (C.compress(C.identity()), C.compress(C.identity(), error_feedback=True, num_clients=N)):
     got = _run(comp, rounds=3)
     for a, b in zip(jax.tree.leaves((got.params, got.server_opt_state, got.metrics)),
                     jax.tree.leaves((want.params, want.server_opt_state, want.metrics))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert got.residuals is None or all(not np.any(np.asarray(t)) for t in jax.tree.leaves(got.residuals))
-  assert want.residuals is None
+    got_residuals = C.residuals(got.aggregator_state)
+    assert got_residuals is None or all(not np.any(np.asarray(t)) for t in jax.tree.leaves(got_residuals))
+  assert C.residuals(want.aggregator_state) is None
 
 
 @pytest.mark.parametrize("compressor", [C.qsgd(bits=3), C.rand_k(k=2), C.top_k(k=1), C.sign()],
@@ -258,13 +268,13 @@ def test_identity_compression_leaves_fedavg_unchanged_bit_for_bit():
 @pytest.mark.parametrize("aggregator", ["weighted_mean", "mean"])
 def test_compression_gives_the_same_state_stacked_and_streamed(compressor, aggregator):
   """vmap stacks the updates; sequential and chunked:3 (4 clients) stream them: the same state, residuals and bits."""
-  comp = C.compressed(compressor, error_feedback=True, num_clients=N)
+  comp = C.compress(compressor, error_feedback=True, num_clients=N)
   make = getattr(fo.aggregators, aggregator)
   want = _run(comp, "vmap", aggregator=make())
   for mode in ("sequential", "chunked:3"):
     got = _run(comp, mode, aggregator=make())
-    for a, b in zip(jax.tree.leaves((got.params, got.residuals, got.metrics)),
-                    jax.tree.leaves((want.params, want.residuals, want.metrics))):
+    for a, b in zip(jax.tree.leaves((got.params, C.residuals(got.aggregator_state), got.metrics)),
+                    jax.tree.leaves((want.params, C.residuals(want.aggregator_state), want.metrics))):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6, err_msg=mode)
 
 
@@ -301,12 +311,13 @@ def test_two_fedavg_rounds_with_error_feedback_match_a_float64_numpy_transcripti
   params, batches = example_inputs("fedavg")
   weights = np.array([6.0, 2.0, 5.0, 1.0])
   data = {k: np.asarray(v) for k, v in batches.data.items()}
-  comp = C.compressed(compressor, error_feedback=True, num_clients=N)
+  comp = C.compress(compressor, error_feedback=True, num_clients=N)
   state = _run(comp, rounds=1)
   want, res = _numpy_fedavg_round(params, data, weights, 0.05, reference, np.zeros((N, 4)))
   np.testing.assert_allclose(state.params["w"], want["w"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(state.params["b"], want["b"], rtol=1e-5, atol=1e-6)
-  got_res = np.concatenate([np.asarray(state.residuals["b"])[:, None], np.asarray(state.residuals["w"])], axis=1)
+  residuals = C.residuals(state.aggregator_state)
+  got_res = np.concatenate([np.asarray(residuals["b"])[:, None], np.asarray(residuals["w"])], axis=1)
   np.testing.assert_allclose(got_res, res, rtol=1e-5, atol=1e-6)
   state = _run(comp, rounds=2)
   want, res = _numpy_fedavg_round(want, data, weights, 0.05, reference, res)
@@ -316,30 +327,32 @@ def test_two_fedavg_rounds_with_error_feedback_match_a_float64_numpy_transcripti
 
 @pytest.mark.parametrize("mode", ["vmap", "chunked:3"])
 def test_a_nan_client_is_dropped_and_its_residual_row_is_not_written(mode):
-  comp = C.compressed(C.top_k(k=1), error_feedback=True, num_clients=N)
+  comp = C.compress(C.top_k(k=1), error_feedback=True, num_clients=N)
   state = _run(comp, mode, rounds=2, poisoned=1)
+  residuals = C.residuals(state.aggregator_state)
   assert int(state.metrics["num_nonfinite"]) == 1 and int(state.metrics["num_clients"]) == N - 1
-  assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves((state.params, state.residuals)))
-  rows = np.concatenate([np.asarray(state.residuals["b"])[:, None], np.asarray(state.residuals["w"])], axis=1)
+  assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves((state.params, residuals)))
+  rows = np.concatenate([np.asarray(residuals["b"])[:, None], np.asarray(residuals["w"])], axis=1)
   assert not np.any(rows[1])  # never written: still the initial zeros
   assert np.all(np.abs(rows[[0, 2, 3]]).sum(1) > 0)  # top-1 of 4 entries leaves a residual for the others
   # A rejected round (every client NaN) writes no row.
   params, batches = example_inputs("fedavg")
   nan = batches.replace(data={**batches.data, "x": jnp.full_like(batches.data["x"], jnp.nan)})
-  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), compression=comp, client_map=mode)
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), aggregator=_chain(comp), client_map=mode)
   s0 = algo.init(params, jax.random.key(0))
   s1 = jax.jit(algo.step)(s0, nan)
   assert not bool(s1.metrics["round_accepted"])
-  assert all(not np.any(np.asarray(t)) for t in jax.tree.leaves(s1.residuals))
+  assert all(not np.any(np.asarray(t)) for t in jax.tree.leaves(C.residuals(s1.aggregator_state)))
 
 
 def test_fedsgd_and_fedprox_take_compression():
   params, batches = example_inputs("fedavg")
-  comp = C.compressed(C.top_k(k=1), error_feedback=True, num_clients=N)
-  for algo in (fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(0.1), compression=comp),
-               fo.algorithms.fedprox(loss_fn, 0.1, client_optimizer=optax.sgd(0.05), compression=comp)):
+  comp = C.compress(C.top_k(k=1), error_feedback=True, num_clients=N)
+  for algo in (fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(0.1), aggregator=_chain(comp)),
+               fo.algorithms.fedprox(loss_fn, 0.1, client_optimizer=optax.sgd(0.05), aggregator=_chain(comp))):
     state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
-    assert all(np.sum(np.abs(np.asarray(r)), axis=-1).min() > 0 for r in [state.residuals["w"]])  # kept a residual
+    residuals = C.residuals(state.aggregator_state)
+    assert all(np.sum(np.abs(np.asarray(r)), axis=-1).min() > 0 for r in [residuals["w"]])  # kept a residual
     assert float(state.metrics["bits_up"]) == 1 * (32 + 2)  # one float32 value and a ⌈log₂ 4⌉-bit index
 
 
@@ -360,9 +373,9 @@ def test_majority_vote_matches_numpy_and_streams():
   params, batches = example_inputs("fedavg")
   eta = 0.01
   finals = []
-  for mode, comp in [("vmap", None), ("chunked:3", None), ("vmap", C.compressed(C.sign(scaled=False)))]:
-    algo = fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(eta), aggregator=agg, client_map=mode,
-                                compression=comp)
+  for mode, comp in [("vmap", None), ("chunked:3", None), ("vmap", C.compress(C.sign(scaled=False)))]:
+    algo = fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(eta), aggregator=_chain(comp, agg),
+                                client_map=mode)
     finals.append(jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches))
   grads = jax.vmap(lambda d, m: jax.grad(lambda p: jnp.mean(jax.vmap(lambda x, y: loss_fn(p, {"x": x, "y": y}))(
       d["x"].reshape(-1, 3), d["y"].reshape(-1))))(params))(batches.data, batches.mask)
@@ -401,9 +414,10 @@ def test_bad_arguments_raise_clear_errors():
   with pytest.raises(TypeError, match="scaled must be a bool"):
     C.sign(scaled=1)
   with pytest.raises(ValueError, match="give num_clients=N"):
-    C.compressed(C.top_k(k=1), error_feedback=True)
+    C.compress(C.top_k(k=1), error_feedback=True)
   with pytest.raises(TypeError, match="compressor must be a fedjax_opt.compression.Compressor"):
-    C.compressed("qsgd")
-  with pytest.raises(TypeError, match=r"wrap the compressor, fo.compression.compressed\(qsgd"):
-    fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.1), compression=C.qsgd(bits=4))
+    C.compress("qsgd")
+  with pytest.raises(TypeError, match=r"wrap the compressor, fo.compression.compress\(qsgd"):
+    fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.1),
+                         aggregator=fo.aggregators.chain(C.qsgd(bits=4), fo.aggregators.mean()))
   assert C.rand_k(1.0).bits(jnp.zeros(5)) == 32 * 5 + 32  # fraction 1 is allowed

@@ -6,7 +6,7 @@ Each claim is checked against an independent reference:
   and streamed, over two rounds of partial participation: a float64 NumPy
   transcription of Algorithm 1 with top-k applied to both uploads (Δy_i,
   Δc_i) and e ← e + Δ − C(e + Δ); bits counted by hand.
-* SCAFFOLD with `compressed(identity())` is SCAFFOLD without compression,
+* SCAFFOLD with `compress(identity())` is SCAFFOLD without compression,
   bit for bit (float32 and bfloat16 control variates).
 * SCAFFOLD with QSGD: the mean over keys of the server's two updates lies
   within 5 standard errors (from QSGD's closed-form variance) of the
@@ -37,6 +37,11 @@ from algorithm_examples import S, example_inputs, loss_fn
 import fedjax_opt as fo
 
 C = fo.compression
+
+
+def _chain(stage, aggregator):
+  """`aggregator` with the client stage `stage` in front (none when None)."""
+  return aggregator if stage is None else fo.aggregators.chain(stage, aggregator)
 P = 4  # the examples' model {"b": [], "w": [3]}, flattened in leaf order: b, then w
 INDEX_BITS = 2  # ⌈log₂ 4⌉
 
@@ -119,10 +124,11 @@ def _scaffold_batches(r):
   return batches.replace(client_id=jnp.asarray(ROUND_IDS[r], jnp.int32))
 
 
-def _run_scaffold(compression, rounds=2, mode="vmap", storage_dtype=None, eta_l=0.05, eta_g=0.8):
+def _run_scaffold(stage, rounds=2, mode="vmap", storage_dtype=None, eta_l=0.05, eta_g=0.8):
   params, _ = example_inputs("fedavg")
-  algo = fo.algorithms.scaffold(loss_fn, eta_l, eta_g, num_clients=N_TOTAL, compression=compression,
-                                client_map=mode, storage_dtype=storage_dtype)
+  algo = fo.algorithms.scaffold(loss_fn, eta_l, eta_g, num_clients=N_TOTAL,
+                                aggregator=_chain(stage, fo.aggregators.mean()), client_map=mode,
+                                storage_dtype=storage_dtype)
   state = algo.init(params, jax.random.key(3))
   step = jax.jit(algo.step)
   states = []
@@ -136,7 +142,7 @@ def _run_scaffold(compression, rounds=2, mode="vmap", storage_dtype=None, eta_l=
 def test_scaffold_with_top_k_matches_a_float64_numpy_transcription(error_feedback, mode):
   """Two rounds, both uploads top-2 of P = 4; chunked:3 streams the mean of the Δy_i and still matches."""
   k, eta_l, eta_g = 2, 0.05, 0.8
-  comp = C.compressed(C.top_k(k=k), error_feedback=error_feedback, num_clients=N_TOTAL if error_feedback else None)
+  comp = C.compress(C.top_k(k=k), error_feedback=error_feedback, num_clients=N_TOTAL if error_feedback else None)
   params, states = _run_scaffold(comp, mode=mode, eta_l=eta_l, eta_g=eta_g)
   z, c, table = _vec(params), np.zeros(P), np.zeros((N_TOTAL, P))
   ey = np.zeros((N_TOTAL, P)) if error_feedback else None
@@ -148,16 +154,17 @@ def test_scaffold_with_top_k_matches_a_float64_numpy_transcription(error_feedbac
     np.testing.assert_allclose(_vec(state.params), z, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(_vec(state.control_variate), c, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(_rows(state.client_control_variates), table, rtol=1e-5, atol=1e-6)
+    residuals, control_residuals = (C.residuals(state.aggregator_state, j) for j in (0, 1))
     if error_feedback:
-      np.testing.assert_allclose(_rows(state.residuals), ey, rtol=1e-5, atol=1e-6)
-      np.testing.assert_allclose(_rows(state.control_residuals), ec, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(_rows(residuals), ey, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(_rows(control_residuals), ec, rtol=1e-5, atol=1e-6)
       # What c has not received is the residuals: c = (1/N) Σ_i (c_i − e^c_i).
       np.testing.assert_allclose(_vec(state.control_variate),
-                                 (_rows(state.client_control_variates) - _rows(state.control_residuals)).mean(0),
+                                 (_rows(state.client_control_variates) - _rows(control_residuals)).mean(0),
                                  rtol=1e-5, atol=1e-6)
       assert np.abs(ec).sum() > 0 and np.abs(ey).sum() > 0  # top-2 of 4 leaves something behind
     else:
-      assert state.residuals is None and state.control_residuals is None
+      assert residuals is None and control_residuals is None
     # Both uploads counted: 2 messages of k (32-bit value + ⌈log₂ 4⌉-bit index); the broadcast (x, c) is 2 · 32 P.
     assert float(state.metrics["bits_up"]) == 2 * k * (32 + INDEX_BITS)
     assert float(state.metrics["bits_down"]) == 2 * 32 * P
@@ -167,11 +174,12 @@ def test_scaffold_counts_no_compressed_control_delta_of_a_zero_weight_client():
   """A client of weight 0 with real data computes a finite, nonzero Δc_i but takes no part: the server counts
   only the other clients' messages and its residual rows stay 0 (NumPy over the three others)."""
   k, eta_l, eta_g = 2, 0.05, 0.8
-  comp = C.compressed(C.top_k(k=k), error_feedback=True, num_clients=N_TOTAL)
+  comp = C.compress(C.top_k(k=k), error_feedback=True, num_clients=N_TOTAL)
   params, _ = example_inputs("fedavg")
   batches = _scaffold_batches(0)
   batches = batches.replace(weight=batches.weight.at[1].set(0.0))  # client id 1 (slot 1) sits the round out
-  algo = fo.algorithms.scaffold(loss_fn, eta_l, eta_g, num_clients=N_TOTAL, compression=comp)
+  algo = fo.algorithms.scaffold(loss_fn, eta_l, eta_g, num_clients=N_TOTAL,
+                                aggregator=_chain(comp, fo.aggregators.mean()))
   state = jax.jit(algo.step)(algo.init(params, jax.random.key(3)), batches)
   xs, ys = _data(batches)
   keep = [0, 2, 3]
@@ -182,8 +190,9 @@ def test_scaffold_counts_no_compressed_control_delta_of_a_zero_weight_client():
   np.testing.assert_allclose(_vec(state.params), z, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(_vec(state.control_variate), c, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(_rows(state.client_control_variates), table, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(_rows(state.control_residuals), ec, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(_rows(state.control_residuals)[1], 0.0)
+  control_residuals = C.residuals(state.aggregator_state, 1)
+  np.testing.assert_allclose(_rows(control_residuals), ec, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(_rows(control_residuals)[1], 0.0)
   assert np.abs(ec).sum() > 0
 
 
@@ -191,14 +200,14 @@ def test_scaffold_counts_no_compressed_control_delta_of_a_zero_weight_client():
 def test_scaffold_with_identity_compression_is_scaffold_bit_for_bit(storage_dtype):
   """With error feedback, so both residual tables are used (and stay exactly 0)."""
   _, want = _run_scaffold(None, storage_dtype=storage_dtype)
-  _, got = _run_scaffold(C.compressed(C.identity(), error_feedback=True, num_clients=N_TOTAL),
+  _, got = _run_scaffold(C.compress(C.identity(), error_feedback=True, num_clients=N_TOTAL),
                          storage_dtype=storage_dtype)
   fields = lambda s: (s.params, s.control_variate, s.client_control_variates, s.server_opt_state, s.metrics)
   for a, b in zip(got, want):
     for x, y in zip(jax.tree.leaves(fields(a)), jax.tree.leaves(fields(b))):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert float(a.metrics["bits_up"]) == 2 * 32 * P  # identity charges every bit of both uploads
-  assert all(not np.any(np.asarray(t)) for t in jax.tree.leaves((got[-1].residuals, got[-1].control_residuals)))
+  assert all(not np.any(np.asarray(t)) for t in jax.tree.leaves(got[-1].aggregator_state.rows))
 
 
 def _qsgd_moments(u, s, scale):
@@ -232,7 +241,7 @@ def test_scaffold_with_qsgd_is_unbiased_over_keys():
   # A start with c_i ≠ 0 and c = their mean, so the drift term is exercised.
   table = 0.3 * rng.normal(size=(N_TOTAL, P))
   algo = fo.algorithms.scaffold(loss_fn, eta_l, eta_g, num_clients=N_TOTAL,
-                                compression=C.compressed(C.qsgd(levels=s)))
+                                aggregator=_chain(C.compress(C.qsgd(levels=s)), fo.aggregators.mean()))
   as_tree = lambda a: {"b": jnp.asarray(a[..., 0], jnp.float32), "w": jnp.asarray(a[..., 1:], jnp.float32)}
   start = algo.init(params, jax.random.key(0)).replace(client_control_variates=as_tree(table),
                                                        control_variate=as_tree(table.mean(0)))
@@ -273,9 +282,10 @@ def _flat_jnp(params):
 def test_scaffold_error_feedback_needs_the_same_number_of_clients():
   with pytest.raises(ValueError, match="num_clients=5 rows but SCAFFOLD has num_clients=6"):
     fo.algorithms.scaffold(loss_fn, 0.1, 1.0, num_clients=6,
-                           compression=C.compressed(C.top_k(k=1), error_feedback=True, num_clients=5))
+                           aggregator=_chain(C.compress(C.top_k(k=1), error_feedback=True, num_clients=5),
+                                             fo.aggregators.mean()))
   with pytest.raises(TypeError, match="wrap the compressor"):
-    fo.algorithms.scaffold(loss_fn, 0.1, 1.0, num_clients=6, compression=C.top_k(k=1))
+    fo.algorithms.scaffold(loss_fn, 0.1, 1.0, num_clients=6, aggregator=_chain(C.top_k(k=1), fo.aggregators.mean()))
 
 
 # ----------------------------------------------------------------------------- FedNova
@@ -289,7 +299,8 @@ def test_fednova_with_top_k_compresses_the_normalized_direction():
   mask[0, 1] = False
   weights = np.array([3.0, 6.0, 6.0, 6.0])
   batches = batches.replace(mask=jnp.asarray(mask), weight=jnp.asarray(weights, jnp.float32))
-  algo = fo.algorithms.fednova(loss_fn, eta, compression=C.compressed(C.top_k(k=k)))
+  algo = fo.algorithms.fednova(loss_fn, eta,
+                               aggregator=_chain(C.compress(C.top_k(k=k)), fo.aggregators.weighted_mean()))
   state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
   z = _vec(params)
   xs, ys = _data(batches)
@@ -315,7 +326,8 @@ def test_fedadam_on_compressed_deltas_matches_numpy_adam():
   algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr_client),
                               server_optimizer=fo.server_optimizers.get("fedadam", learning_rate=eta, b1=b1, b2=b2,
                                                                         tau=tau),
-                              compression=C.compressed(C.top_k(k=k), error_feedback=True, num_clients=4))
+                              aggregator=_chain(C.compress(C.top_k(k=k), error_feedback=True, num_clients=4),
+                                                fo.aggregators.weighted_mean()))
   state = algo.init(params, jax.random.key(0))
   step = jax.jit(algo.step)
   z, mom, v, res = _vec(params), np.zeros(P), np.full(P, tau ** 2), np.zeros((4, P))
@@ -328,20 +340,20 @@ def test_fedadam_on_compressed_deltas_matches_numpy_adam():
     v = b2 * v + (1 - b2) * g ** 2
     z = z - eta * mom / (np.sqrt(v) + tau)
     np.testing.assert_allclose(_vec(state.params), z, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(_rows(state.residuals), res, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_rows(C.residuals(state.aggregator_state)), res, rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- DP after compression
 
 
-def _fedavg(aggregator, compression, lr=0.05):
-  return fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr), aggregator=aggregator, compression=compression)
+def _fedavg(aggregator, stage, lr=0.05):
+  return fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(lr), aggregator=_chain(stage, aggregator))
 
 
 def test_dp_mean_with_no_noise_and_a_huge_clip_is_compressed_fedavg():
   """σ = 0, C = 10⁶ ≫ every update, m = the 4 clients: the uniform mean of the messages, residuals included."""
   params, batches = example_inputs("fedavg")
-  comp = C.compressed(C.top_k(k=2), error_feedback=True, num_clients=4)
+  comp = C.compress(C.top_k(k=2), error_feedback=True, num_clients=4)
   finals = []
   for aggregator in (fo.privacy.dp_mean(1e6, 0.0, expected_clients=4), fo.aggregators.mean()):
     algo = _fedavg(aggregator, comp)
@@ -350,8 +362,8 @@ def test_dp_mean_with_no_noise_and_a_huge_clip_is_compressed_fedavg():
     for _ in range(2):
       state = step(state, batches)
     finals.append(state)
-  for a, b in zip(jax.tree.leaves((finals[0].params, finals[0].residuals)),
-                  jax.tree.leaves((finals[1].params, finals[1].residuals))):
+  for a, b in zip(jax.tree.leaves((finals[0].params, C.residuals(finals[0].aggregator_state))),
+                  jax.tree.leaves((finals[1].params, C.residuals(finals[1].aggregator_state)))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -387,9 +399,9 @@ def test_dp_mean_clips_each_compressed_message_before_the_fixed_denominator_mean
   sent, clipped, want = _clipped_reference(params, batches)
   assert np.sum(np.linalg.norm(sent, axis=1) > CLIP) >= 2 and np.any(np.linalg.norm(sent, axis=1) < CLIP)
   algo = _fedavg(_recording(fo.privacy.dp_mean(CLIP, 0.0, expected_clients=M_DENOMINATOR), 4),
-                 C.compressed(C.top_k(k=2)))
+                 C.compress(C.top_k(k=2)))
   state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
-  _, received, terms = state.aggregator_state
+  _, received, terms = state.aggregator_state.server
   np.testing.assert_allclose(_rows(received), sent, rtol=1e-5, atol=1e-7)  # the aggregator sees the messages
   got_terms = _rows(terms)
   assert np.all(np.linalg.norm(got_terms, axis=1) <= CLIP * (1 + 1e-6))  # each contribution within the clip
@@ -407,7 +419,7 @@ def test_dp_mean_noise_after_compression_has_std_sigma_clip_over_m():
   sigma, m_keys = 1.0, 2000
   params, batches = example_inputs("fedavg")
   _, _, noiseless = _clipped_reference(params, batches)
-  algo = _fedavg(fo.privacy.dp_mean(CLIP, sigma, expected_clients=M_DENOMINATOR), C.compressed(C.top_k(k=2)))
+  algo = _fedavg(fo.privacy.dp_mean(CLIP, sigma, expected_clients=M_DENOMINATOR), C.compress(C.top_k(k=2)))
   start = algo.init(params, jax.random.key(0))
   moved = jax.jit(jax.vmap(lambda key: _flat_jnp(algo.step(start.replace(key=key), batches).params)))(
       jax.random.split(jax.random.key(9), m_keys))
@@ -425,10 +437,10 @@ def test_marginal_median_of_compressed_updates_matches_numpy():
   params, batches = example_inputs("fedavg")
   xs, ys = _data(batches)
   sent, res = _numpy_fedavg_messages(_vec(params), xs, ys, 0.05, _np_top_k(2))
-  algo = _fedavg(fo.aggregators.marginal_median(), C.compressed(C.top_k(k=2), error_feedback=True, num_clients=4))
+  algo = _fedavg(fo.aggregators.marginal_median(), C.compress(C.top_k(k=2), error_feedback=True, num_clients=4))
   state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
   np.testing.assert_allclose(_vec(state.params), _vec(params) + np.median(sent, axis=0), rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(_rows(state.residuals), res, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(_rows(C.residuals(state.aggregator_state)), res, rtol=1e-5, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------- secure summation after compression
@@ -441,11 +453,11 @@ def test_secure_aggregation_of_compressed_updates_is_their_mean_up_to_the_fixed_
   xs, ys = _data(batches)
   sent, _ = _numpy_fedavg_messages(_vec(params), xs, ys, 0.05, _np_top_k(2))
   secure = fo.privacy.secure_aggregation(fo.aggregators.mean(), bound=1.0, frac_bits=16)
-  algo = _fedavg(secure, C.compressed(C.top_k(k=2)))
+  algo = _fedavg(secure, C.compress(C.top_k(k=2)))
   state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
-  assert int(state.aggregator_state.num_clipped) == 0 and bool(state.metrics["round_accepted"])
+  assert int(state.aggregator_state.server.num_clipped) == 0 and bool(state.metrics["round_accepted"])
   np.testing.assert_allclose(_vec(state.params) - _vec(params), sent.mean(0), rtol=0, atol=2.0 ** -16 + 1e-6)
   # bits_up is the compressor's charge; the masked upload the protocol sends is dense whatever the compressor:
   # 32 (P + 1) for the contribution, 2 · 32 for the public keys, 3 · 32 (n − 1) for the shares (n = 4 members).
   assert float(state.metrics["bits_up"]) == 2 * (32 + INDEX_BITS)
-  assert float(state.aggregator_state.upload_bits) == 32 * (P + 1) + 2 * 32 + 3 * 32 * 3
+  assert float(state.aggregator_state.server.upload_bits) == 32 * (P + 1) + 2 * 32 + 3 * 32 * 3

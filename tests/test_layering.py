@@ -26,12 +26,6 @@ import pytest
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "fedjax_opt"
 
-KNOWN_UPWARD_IMPORTS = {
-    # Compression is applied inside the round by core; it moves behind the aggregator seam, and these two go.
-    ("fedjax_opt.core.rounds", "fedjax_opt.compression"),
-    ("fedjax_opt.core.averaging", "fedjax_opt.compression"),
-}
-"""(core module, module above core) pairs allowed for now; to be emptied, then removed."""
 
 LAYOUT_CHANGING = ()
 """Modules (and packages) without `__all__` for now."""
@@ -142,12 +136,8 @@ def test_the_import_reader_sees_nested_relative_and_submodule_imports():
 
 
 def test_core_imports_nothing_above_it():
-  found = {(module, target) for module, target, _ in upward_imports()}
-  unexpected = [f"{where}: {module} imports {target}" for module, target, where in upward_imports()
-                if (module, target) not in KNOWN_UPWARD_IMPORTS]
-  assert not unexpected, "fedjax_opt.core must not import from the floors above it:\n" + "\n".join(unexpected)
-  gone = KNOWN_UPWARD_IMPORTS - found
-  assert not gone, f"no longer imported, remove from KNOWN_UPWARD_IMPORTS: {sorted(gone)}"
+  found = [f"{where}: {module} imports {target}" for module, target, where in upward_imports()]
+  assert not found, "fedjax_opt.core must not import from the floors above it:\n" + "\n".join(found)
 
 
 def test_algorithm_families_do_not_import_each_other():

@@ -47,7 +47,8 @@ SHARED_TESTS = ["tests/test_rounds.py", "tests/test_nonfinite.py", "tests/test_c
                 "tests/test_bits_metrics.py"]
 COMPRESSION_TESTS = ["tests/test_compression.py", "tests/test_compression_composition.py"]
 TESTS_OF = {
-    # compression= (fo.compression) on FedAvg, FedSGD, FedProx, FedNova and SCAFFOLD is tested in its own files.
+    # Compression (a client stage chained before the aggregator) on FedAvg, FedSGD, FedProx, FedNova and SCAFFOLD
+    # is tested in its own files.
     "fedavg": ["tests/test_fedavg.py", *COMPRESSION_TESTS], "fedprox": ["tests/test_fedprox.py", *COMPRESSION_TESTS],
     "fednova": ["tests/test_fednova.py", *COMPRESSION_TESTS], "scaffold": ["tests/test_scaffold.py", *COMPRESSION_TESTS],
     "feddyn": ["tests/test_feddyn.py"], "ditto": ["tests/test_ditto.py"],

@@ -11,8 +11,9 @@ transformation:
 A weight of 0 marks a client that takes no part: padding clients, and clients
 whose update was non-finite (see `fedjax_opt.core.server.aggregate_updates`,
 which every averaging algorithm calls and which zeroes those before the
-aggregator sees them). Robust rules, compression with error feedback and
-differential-privacy noise are further aggregators behind the same seam.
+aggregator sees them). Robust rules and differential-privacy noise are further
+aggregators behind the same seam; compression with error feedback is its
+client stage, put in front of any of them with `fedjax_opt.aggregators.chain`.
 """
 
 from __future__ import annotations

@@ -38,8 +38,9 @@ def majority_vote() -> Aggregator:
   rate scales the vote. Its message back is one ternary symbol per coordinate.
 
   The client's vote is computed here from its update, so a client may send
-  its raw Δ_k; with `fo.compression.compressed(fo.compression.sign(scaled=False))`
-  it sends the vote itself (P bits) and the result is the same. A sum of
+  its raw Δ_k; with the client stage `fo.compression.compress(fo.compression.sign(scaled=False))`
+  chained in front (`fo.aggregators.chain`) it sends the vote itself (P bits)
+  and the result is the same. A sum of
   per-client votes: under a sequential or chunked client map it streams.
 
   Returns:

@@ -80,7 +80,7 @@ from fedjax_opt.core import clusters
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
-from fedjax_opt.core.server import check_aggregator, initial_round_metrics, round_metrics
+from fedjax_opt.core.server import check_aggregator, initial_round_metrics, refuse_client_stage, round_metrics
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_client_batches, check_int, check_key, check_loss_fn, check_num_clients,
@@ -177,6 +177,8 @@ def clustered_fl(
   server_optimizer = check_optimizer(optax.sgd(1.0) if server_optimizer is None else server_optimizer,
                                      "server_optimizer")
   aggregator = check_aggregator(aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean))
+  refuse_client_stage(aggregator, "clustered_fl", "its rule runs once per cluster on the clients' deltas "
+                      "(core.clusters), outside the round's client stage.")
   mode = client_map_lib.resolve(client_map)
   k = max_clusters
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
-from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
 from fedjax_opt.core.local import as_single_step, local_train
@@ -52,7 +51,6 @@ def fedavg(
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
-    compression: compression_lib.Compression | None = None,
 ) -> FederatedAlgorithm:
   """Federated Averaging / FedOpt: S masked local steps per client, then a server optax step on −Δ.
 
@@ -68,13 +66,11 @@ def fedavg(
       for FedAvgM / FedAdagrad / FedAdam / FedYogi.
     aggregator: how client deltas are combined. Default
       `aggregators.weighted_mean()` (by `batches.weight`, n_k); `aggregators.mean()`
-      for the uniform 1/|S_t| average of Reddi et al.
+      for the uniform 1/|S_t| average of Reddi et al. Compression is a client
+      stage chained in front of it: `fo.aggregators.chain(fo.compression.compress(
+      fo.compression.top_k(0.01), error_feedback=True, num_clients=N), fo.aggregators.weighted_mean())`.
     client_map: how clients are mapped ("auto", "vmap", "sequential", "chunked:K",
       "sequential:unroll" ... or a mode from `fedjax_opt.core.client_map`).
-    compression: None (every client sends its Δ_k), or
-      `fo.compression.compressed(compressor, error_feedback=..., num_clients=N)`:
-      what a client sends instead (`fedjax_opt.compression`; the error-feedback
-      residuals are `state.residuals`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
@@ -87,8 +83,7 @@ def fedavg(
     return local_train(loss_fn, client_optimizer, params, data, mask)
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
-                             compression=compression)
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map)
 
 
 def fedsgd(
@@ -97,7 +92,6 @@ def fedsgd(
     server_optimizer: optax.GradientTransformation,
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
-    compression: compression_lib.Compression | None = None,
 ) -> FederatedAlgorithm:
   """FedSGD: each client sends the gradient of its mean loss over all its examples in the round.
 
@@ -112,10 +106,6 @@ def fedsgd(
       (e.g. `optax.sgd(η)`).
     aggregator: default `aggregators.weighted_mean()`.
     client_map: how clients are mapped (see `fedavg`).
-    compression: None (every client sends its Δ_k), or
-      `fo.compression.compressed(compressor, error_feedback=..., num_clients=N)`:
-      what a client sends instead (`fedjax_opt.compression`; the error-feedback
-      residuals are `state.residuals`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
@@ -127,5 +117,4 @@ def fedsgd(
     return local_train(loss_fn, one_gradient, params, *as_single_step(data, mask))
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
-                             compression=compression)
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map)

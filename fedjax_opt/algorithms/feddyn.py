@@ -45,6 +45,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput
+from fedjax_opt.core.server import refuse_client_stage
 from fedjax_opt.core.tree import global_norm, select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_loss_fn, check_num_clients, check_optimizer, check_positive, check_scalar
@@ -107,7 +108,8 @@ def feddyn(
     client_optimizer: the optax optimizer of the local steps (e.g. `optax.sgd(η)`),
       re-initialized on every client every round.
     aggregator: how the θ_k − θ^{t−1} are averaged; default
-      `aggregators.mean()`, the paper's (1/|P_t|) Σ.
+      `aggregators.mean()`, the paper's (1/|P_t|) Σ. One with a client stage
+      (compression) is refused: h needs the exact θ_k − θ^{t−1}.
     client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
     storage_dtype: dtype of the stored g_k (e.g. `jnp.bfloat16`); None keeps the
       model's dtype.
@@ -121,6 +123,8 @@ def feddyn(
   check_optimizer(client_optimizer, "client_optimizer")
   num_clients = check_num_clients(num_clients)
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
+  refuse_client_stage(aggregator, "feddyn", "its server keeps h = (1/m) Σ_k g_k from the exact θ_k − θ^{t−1}, which a "
+                      "server that receives only the stage's messages does not have.")
   mode = client_map_lib.resolve(client_map)
 
   def client_update(x, data, mask, g_k):

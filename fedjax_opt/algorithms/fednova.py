@@ -31,8 +31,8 @@ clients send d_i (and ‖a_i‖₁ beside it), the aggregate is rescaled by τ_e
 before the server step. The state is `core.averaging.AveragingState`
 (`FedAvgState`), whose metrics add `tau_eff`.
 
-Compression (`compression=`) acts on the message d_i, through the same seam
-as FedAvg's: client i sends d̂_i = C(d_i) (with error feedback C(d_i + e_i),
+A compressing client stage (`aggregator=fo.aggregators.chain(fo.compression.compress(C, ...), ...)`)
+acts on the message d_i, as for FedAvg: client i sends d̂_i = C(d_i) (with error feedback C(d_i + e_i),
 e_i ← d_i + e_i − d̂_i, the residual kept in units of the normalized
 direction), and Δ_t = τ_eff Σ_i p_i d̂_i. The scalar ‖a_i‖₁ (a function of
 τ_i) is sent as it is; `bits_up` counts the message d_i only, with or
@@ -48,7 +48,6 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
-from fedjax_opt import compression as compression_lib
 from fedjax_opt.aggregators.base import normalized_sum
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.averaging import averaging_algorithm
@@ -78,7 +77,6 @@ def fednova(
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
-    compression: compression_lib.Compression | None = None,
 ) -> FederatedAlgorithm:
   """FedNova (Wang et al. 2020): local (momentum) SGD, updates normalized by ‖a_i‖₁ and rescaled by τ_eff.
 
@@ -99,10 +97,6 @@ def fednova(
       `aggregators.weighted_mean()` (p_i ∝ n_i). τ_eff always uses p_i ∝ n_i
       over the clients taking part.
     client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
-    compression: None (every client sends its d_i), or
-      `fo.compression.compressed(compressor, error_feedback=..., num_clients=N)`:
-      what a client sends in place of d_i (module docstring; the error-feedback
-      residuals are `state.residuals`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState` (`core.averaging.AveragingState`);
@@ -130,4 +124,4 @@ def fednova(
 
   return averaging_algorithm(client_update, server_optimizer,
                              aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
-                             server_delta=rescale, extra_metrics=("tau_eff",), compression=compression)
+                             server_delta=rescale, extra_metrics=("tau_eff",))

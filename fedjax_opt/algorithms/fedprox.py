@@ -33,7 +33,6 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
-from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.averaging import averaging_algorithm
 from fedjax_opt.core.local import local_train
@@ -60,7 +59,6 @@ def fedprox(
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
-    compression: compression_lib.Compression | None = None,
 ) -> FederatedAlgorithm:
   """FedProx: S masked local steps on f_k(x) + (μ/2)‖x − x_t‖², then FedAvg's aggregation and server step.
 
@@ -73,10 +71,6 @@ def fedprox(
     server_optimizer: optax optimizer fed −Δ_t; default `optax.sgd(1.0)`.
     aggregator: default `aggregators.weighted_mean()` (n_k weights).
     client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
-    compression: None (every client sends its Δ_k), or
-      `fo.compression.compressed(compressor, error_feedback=..., num_clients=N)`:
-      what a client sends instead (`fedjax_opt.compression`; the error-feedback
-      residuals are `state.residuals`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState` (`core.averaging.AveragingState`).
@@ -92,5 +86,4 @@ def fedprox(
                        gradient_correction=proximal_correction(mu, params))
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
-                             compression=compression)
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map)

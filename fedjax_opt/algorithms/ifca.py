@@ -67,7 +67,7 @@ from fedjax_opt.core import clusters
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
-from fedjax_opt.core.server import check_aggregator, initial_round_metrics, round_metrics
+from fedjax_opt.core.server import check_aggregator, initial_round_metrics, refuse_client_stage, round_metrics
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_int, check_key, check_loss_fn,
                                         check_num_clients, check_optimizer, check_positive)
@@ -174,6 +174,8 @@ def ifca(
       raise TypeError("ifca: averaging='gradient' needs server_optimizer (e.g. optax.sgd(γ)).")
   check_optimizer(server_optimizer, "server_optimizer")
   aggregator = check_aggregator(aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean))
+  refuse_client_stage(aggregator, "ifca", "its rule runs once per cluster on the clients' deltas (core.clusters), "
+                      "outside the round's client stage.")
   mode = client_map_lib.resolve(client_map)
   one_gradient = optax.sgd(1.0)
 

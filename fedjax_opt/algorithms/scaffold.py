@@ -29,10 +29,11 @@ The average of Δy_i goes through the aggregator seam (default: the uniform
 mean of the paper; the non-finite guard of `core.server.aggregate_updates`
 around it), and the server step is `apply_server_update` with `optax.sgd(η_g)`.
 
-Compression (`compression=fo.compression.compressed(C, ...)`): both uploads
-are messages, and both are compressed with C, each with its own key and,
-with error feedback, its own residual table (e^y_i in `residuals`, e^c_i in
-`control_residuals`):
+Both uploads are messages and both pass the aggregator's client stage
+(`core.rounds.client_round`): Δy_i as the update, Δc_i as a second upload
+(`ClientOutput.uploads`), each with its own key stream and, with a stage that
+keeps rows, its own table in `aggregator_state`. With a compressing stage C
+(`aggregator=fo.aggregators.chain(fo.compression.compress(C, ...), ...)`):
 
     Δ̂y_i = C(Δy_i + e^y_i),  e^y_i ← Δy_i + e^y_i − Δ̂y_i      (e ≡ 0 without error feedback)
     Δ̂c_i = C(Δc_i + e^c_i),  e^c_i ← Δc_i + e^c_i − Δ̂c_i
@@ -42,12 +43,14 @@ with error feedback, its own residual table (e^y_i in `residuals`, e^c_i in
 so with error feedback c = (1/N) Σ_i (c_i − e^c_i) at every round (what c
 has not received yet is the residuals), and without it c drifts from the
 mean of the c_i by the accumulated compression errors (zero-mean for an
-unbiased C). Δy_i goes through the seam of `core.rounds.client_round` (inside
-the client map, key fold_in(fold_in(k, "comp"), i) with k the round's
-aggregator key); Δc_i is compressed after the map, per client, with key
-fold_in(fold_in(k, "ctrl"), i). `bits_up` is C's count for Δy_i plus C's
-count for Δc_i. Δc_i is compressed too because under option II it is
-−c − Δy_i / (K η_l): sent in full it would hand the server Δy_i exactly.
+unbiased C). Without a stage Δ̂ = Δ and c stays the mean of the stored c_i.
+The server counts the Δ̂c_i of the clients whose c_i was written (the last
+copy of a duplicated id) and whose message is finite. Δc_i is the change of
+the *stored* c_i (after rounding to `storage_dtype`), so
+`compress(identity())` is the uncompressed round bit for bit. `bits_up` is
+the bits of Δy_i plus those of Δc_i. Δc_i is compressed too because under
+option II it is −c − Δy_i / (K η_l): sent in full it would hand the server
+Δy_i exactly.
 """
 
 from __future__ import annotations
@@ -60,12 +63,11 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
-from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
-from fedjax_opt.core.averaging import aggregated_round, initial_fields, initial_residuals
+from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import as_single_step, local_train
-from fedjax_opt.core.rounds import ClientOutput, Round
+from fedjax_opt.core.rounds import ClientOutput
 from fedjax_opt.core.server import apply_server_update, client_is_finite
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
@@ -74,9 +76,6 @@ from fedjax_opt.core.validation import check_choice, check_loss_fn, check_num_cl
 __all__ = ["ScaffoldState", "scaffold"]
 
 CONTROL_UPDATES = ("I", "II")
-
-CONTROL_STREAM = 0x6374726C
-"""Folded into the round's aggregator key for the keys that compress Δc_i (ASCII "ctrl"); Δy_i's use "comp"."""
 
 
 @flax.struct.dataclass
@@ -89,14 +88,11 @@ class ScaffoldState:
     client_control_variates: the c_i's, a per-client table (leaves `[N, ...]`,
       in `storage_dtype`).
     server_opt_state: state of the server step `optax.sgd(η_g)`.
-    aggregator_state: the aggregator's state.
+    aggregator_state: the aggregator's state (with a client stage, its tables for
+      the Δy_i and the Δc_i messages: `fo.compression.residuals(state.aggregator_state, 0 or 1)`).
     round: t, rounds applied, int32.
     key: PRNG key, split once per round (aggregator randomness).
     metrics: `core.server.ROUND_METRICS` plus `control_variate_norm` = ‖c‖₂.
-    residuals: with error-feedback compression, the residuals e^y_i of the
-      Δy_i messages (a per-client table like the model, leaves `[N, ...]`); else None.
-    control_residuals: with error-feedback compression, the residuals e^c_i
-      of the Δc_i messages (leaves `[N, ...]`); else None.
   """
 
   params: PyTree
@@ -107,8 +103,6 @@ class ScaffoldState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
-  residuals: PyTree = None
-  control_residuals: PyTree = None
 
 
 def _option_i(loss_fn: LossFn, x: PyTree, data: PyTree, mask: jax.Array) -> PyTree:
@@ -134,7 +128,6 @@ def scaffold(
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
     storage_dtype: Any = None,
-    compression: compression_lib.Compression | None = None,
 ) -> FederatedAlgorithm:
   """SCAFFOLD (Karimireddy et al. 2020): local SGD corrected by c − c_i, control variates updated per round.
 
@@ -153,24 +146,11 @@ def scaffold(
       (c_i⁺ = c_i − c + (x − y_i)/(K η_l), no extra computation; the default).
     aggregator: how the Δy_i are averaged; default `aggregators.mean()`, the
       paper's uniform (1/|S|) Σ. `aggregators.weighted_mean()` weights by n_k.
+      A client stage chained in front of it (compression) acts on both uploads
+      (module docstring); one that keeps rows needs N of them.
     client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
     storage_dtype: dtype of the stored c_i (e.g. `jnp.bfloat16` to halve the
       table's memory); None keeps the model's dtype.
-    compression: None (every client sends Δy_i and Δc_i in full, 2 · 32 P
-      bits in float32), or `fo.compression.compressed(compressor,
-      error_feedback=..., num_clients=N)`: each client sends
-
-          Δ̂y_i = C(Δy_i + e^y_i)   and   Δ̂c_i = C(Δc_i + e^c_i)
-
-      (e ≡ 0 without error feedback; with it e^y_i ← Δy_i + e^y_i − Δ̂y_i and
-      e^c_i ← Δc_i + e^c_i − Δ̂c_i, in `state.residuals` and
-      `state.control_residuals`), each with its own key; the server steps
-      x ← x + η_g Agg(Δ̂y_i) and c ← c + (1/N) Σ_{i∈S} Δ̂c_i, the client keeps
-      its exact c_i⁺, so with error feedback c = (1/N) Σ_i (c_i − e^c_i).
-      Δc_i is the change of the *stored* c_i (after rounding to
-      `storage_dtype`), so `compressed(identity())` is the uncompressed
-      round bit for bit. `bits_up` = bits_C(Δy_i) + bits_C(Δc_i). With error
-      feedback the compression's `num_clients` must be N.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `ScaffoldState`.
@@ -180,11 +160,11 @@ def scaffold(
   check_positive(eta_g, "eta_g")
   num_clients = check_num_clients(num_clients)
   check_choice(control_update, "control_update", CONTROL_UPDATES)
-  compression = compression_lib.check_compression(compression)
-  if compression is not None and compression.error_feedback and compression.num_clients != num_clients:
-    raise ValueError(f"scaffold: the compression's error-feedback table has num_clients={compression.num_clients} "
-                     f"rows but SCAFFOLD has num_clients={num_clients}: give the same N to both.")
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
+  stage = aggregator.client
+  if stage is not None and stage.num_clients not in (None, num_clients):
+    raise ValueError(f"scaffold: the client stage {stage.name} has a table of num_clients={stage.num_clients} "
+                     f"rows but SCAFFOLD has num_clients={num_clients}: give the same N to both.")
   mode = client_map_lib.resolve(client_map)
   client_optimizer = optax.sgd(eta_l)
   server_optimizer = optax.sgd(eta_g)
@@ -197,36 +177,31 @@ def scaffold(
       new_c_i = _option_i(loss_fn, x, data, mask)
     else:
       new_c_i = _option_ii(c_i, c, result.delta, result.num_steps, eta_l)
-    if compression is None:
-      return ClientOutput(result, rows=(new_c_i,))
-    # Δc_i, the message: the change of the stored c_i (rounded to the table's dtype as `per_client.scatter` does).
+    # Δc_i, the second message: the change of the stored c_i (rounded to the table's dtype as `per_client.scatter`
+    # does), so the sum of the messages is the change of the table.
     stored_c_i = new_c_i if storage_dtype is None else jax.tree.map(
         lambda n: n.astype(storage_dtype).astype(n.dtype), new_c_i)
-    return ClientOutput(result, rows=(new_c_i,), extras=jax.tree.map(jnp.subtract, stored_c_i, c_i))
+    return ClientOutput(result, rows=(new_c_i,), uploads=(jax.tree.map(jnp.subtract, stored_c_i, c_i),))
 
   def init(params: PyTree, key: jax.Array) -> ScaffoldState:
     return ScaffoldState(
-        **initial_fields(params, key, aggregator, ("control_variate_norm",)),
+        **initial_fields(params, key, aggregator, ("control_variate_norm",), messages=2),
         control_variate=jax.tree.map(jnp.zeros_like, params),
         client_control_variates=per_client.init(params, num_clients, storage_dtype=storage_dtype),
         server_opt_state=server_optimizer.init(params),
-        residuals=initial_residuals(params, compression),
-        control_residuals=initial_residuals(params, compression),
     )
 
   def step(state: ScaffoldState, batches: ClientBatches) -> ScaffoldState:
-    # Uncompressed, Δy_i and Δc_i are two full messages; compressed, Δy_i's bits come from the seam, Δc_i's below.
     key, out = aggregated_round(mode, client_update, (state.params, state.control_variate), state, batches,
-                                aggregator, tables=(state.client_control_variates,), compression=compression,
-                                uploads=2 if compression is None else 1)
+                                aggregator, tables=(state.client_control_variates,))
     params, server_opt_state = apply_server_update(
         server_optimizer, state.params, state.server_opt_state, out.agg.update, out.agg.accepted)
     stored, = out.stored
-    if compression is None:
-      control_change, control_residuals = stored.change, None
-    else:
-      control_change, control_residuals, control_bits = _send_control_deltas(compression, state, batches, out)
-      out = out._replace(bits_up=out.bits_up + control_bits)
+    sent, = out.uploads
+    counted = stored.written & client_is_finite(sent)
+    control_change = jax.tree.map(
+        lambda d: jnp.sum(jnp.where(counted.reshape((-1,) + (1,) * (d.ndim - 1)), d, jnp.zeros_like(d)), axis=0),
+        sent)
     control_variate = jax.tree.map(lambda cc, dc: cc + dc / num_clients, state.control_variate, control_change)
     return ScaffoldState(
         params=params,
@@ -237,39 +212,7 @@ def scaffold(
         round=state.round + 1,
         key=key,
         metrics={**out.metrics(), "control_variate_norm": global_norm(control_variate).astype(jnp.float32)},
-        residuals=None if out.residuals is None else out.residuals.table,
-        control_residuals=control_residuals,
     )
 
   return FederatedAlgorithm(init, step)
 
-
-def _send_control_deltas(compression: compression_lib.Compression, state: ScaffoldState, batches: ClientBatches,
-                         out: Round) -> tuple[PyTree, PyTree, jax.Array]:
-  """The compressed Δc_i messages of a round: `(Σ of those the server counts, new e^c table or None, bits [C])`.
-
-  Client i's key is fold_in(fold_in(k, CONTROL_STREAM), i), k the round's aggregator key. The server counts
-  the message of every client whose c_i was written (it took part, its Δy_i was aggregated, the round was
-  accepted, c_i⁺ is finite; the last copy of a duplicated id) and whose message is finite; the residual row of
-  exactly those clients is written.
-  """
-  stored, = out.stored
-  _, aggregator_key = jax.random.split(state.key)  # the key `aggregated_round` gave the round's aggregator
-  base = jax.random.fold_in(aggregator_key, CONTROL_STREAM)
-  keys = jax.vmap(lambda i: jax.random.fold_in(base, i))(batches.client_id)
-  old_rows = rows = None
-  if compression.error_feedback:
-    old_rows = per_client.gather(state.control_residuals, batches.client_id)
-    rows = jax.tree.map(lambda r, p: r.astype(jnp.result_type(p)), old_rows, state.params)
-  sent, new_rows, bits = jax.vmap(lambda k, u, e: compression_lib.send(compression, k, u, e))(keys, out.extras, rows)
-  counted = stored.written & client_is_finite(sent)
-
-  def total(s):
-    keep = counted.reshape((-1,) + (1,) * (s.ndim - 1))
-    return jnp.sum(jnp.where(keep, s, jnp.zeros_like(s)), axis=0)
-
-  table = None
-  if compression.error_feedback:
-    table = per_client.scatter(state.control_residuals, batches.client_id, new_rows,
-                               counted & client_is_finite(new_rows), old_rows=old_rows).table
-  return jax.tree.map(total, sent), table, bits.astype(jnp.float32)

@@ -17,14 +17,14 @@ __getattr__, __dir__, __all__ = _lazy.attach(
     __name__,
     submodules=("asynchrony", "client_map", "clusters", "per_client", "validation"),
     names={
-        ".types": ("Aggregator", "ClientBatches", "DeferredData", "FederatedAlgorithm", "LossFn", "PyTree",
-                   "ServerState", "materialize"),
+        ".types": ("Aggregator", "ClientBatches", "ClientStage", "DeferredData", "FederatedAlgorithm", "LossFn",
+                   "PyTree", "ServerState", "StagedState", "materialize"),
         ".client_map": ("map_clients",),
         ".local": ("LocalResult", "as_single_step", "local_train", "masked_mean_loss"),
         ".server": ("Aggregated", "aggregate_updates", "apply_server_update", "check_aggregator",
                     "initial_round_metrics", "round_metrics"),
         ".tree": ("global_norm", "select_tree"),
-        ".rounds": ("ClientOutput", "Round", "client_round"),
+        ".rounds": ("ClientOutput", "Round", "client_round", "init_aggregator_state"),
         ".averaging": ("AveragingState", "averaging_algorithm"),
     })
 
@@ -33,9 +33,9 @@ if TYPE_CHECKING:
   from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
   from fedjax_opt.core.client_map import map_clients
   from fedjax_opt.core.local import LocalResult, as_single_step, local_train, masked_mean_loss
-  from fedjax_opt.core.rounds import ClientOutput, Round, client_round
+  from fedjax_opt.core.rounds import ClientOutput, Round, client_round, init_aggregator_state
   from fedjax_opt.core.server import (Aggregated, aggregate_updates, apply_server_update, check_aggregator,
                                       initial_round_metrics, round_metrics)
   from fedjax_opt.core.tree import global_norm, select_tree
-  from fedjax_opt.core.types import (Aggregator, ClientBatches, DeferredData, FederatedAlgorithm, LossFn, PyTree,
-                                     ServerState, materialize)
+  from fedjax_opt.core.types import (Aggregator, ClientBatches, ClientStage, DeferredData, FederatedAlgorithm, LossFn,
+                                     PyTree, ServerState, StagedState, materialize)

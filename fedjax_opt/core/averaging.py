@@ -18,13 +18,11 @@ their clients the same way but keep more state (SCAFFOLD, FedDyn, Ditto)
 build their `init` and `step` from the same two pieces: `initial_fields` and
 `aggregated_round`.
 
-Compression (`compression=fo.compression.compressed(...)`): each client
-sends C(Δ_k) (or, with error feedback, C(Δ_k + e_k) and keeps
-e_k ← Δ_k + e_k − C(Δ_k + e_k)) in place of Δ_k, before the aggregator
-(`core.rounds.client_round`); the residual table e `[N, ...]` is
-`AveragingState.residuals` (None without error feedback). The bits each
-client sends and receives are in `state.metrics` (`bits_up`, `bits_down`)
-with or without compression.
+What the clients send passes the aggregator whole: a client stage chained
+before it (`fo.aggregators.chain(fo.compression.compress(...), ...)`) runs on
+each client inside `core.rounds.client_round`, with its per-client tables in
+`aggregator_state`. The bits each client sends and receives are in
+`state.metrics` (`bits_up`, `bits_down`).
 """
 
 from __future__ import annotations
@@ -37,14 +35,13 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt.core import client_map as client_map_lib
-from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult
-from fedjax_opt.core.rounds import ClientOutput, Round, client_round
+from fedjax_opt.core.rounds import ClientOutput, Round, client_round, init_aggregator_state
 from fedjax_opt.core.server import apply_server_update, check_aggregator, initial_round_metrics
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, PyTree
 from fedjax_opt.core.validation import check_client_batches, check_key, check_optimizer
 
-__all__ = ["AveragingState", "aggregated_round", "averaging_algorithm", "initial_fields", "initial_residuals"]
+__all__ = ["AveragingState", "aggregated_round", "averaging_algorithm", "initial_fields"]
 
 
 @flax.struct.dataclass
@@ -54,14 +51,12 @@ class AveragingState:
   Attributes:
     params: the global model x_t.
     server_opt_state: the server optimizer's state (momentum, v_t, ...).
-    aggregator_state: the aggregator's state (e.g. error-feedback residuals).
+    aggregator_state: the aggregator's state (`core.rounds.init_aggregator_state`: with a
+      client stage, its per-client tables too, e.g. error-feedback residuals).
     round: t, the number of rounds applied, int32.
     key: PRNG key, split once per round (aggregator randomness).
     metrics: diagnostics of the last round, `core.server.ROUND_METRICS` (plus
       `extra_metrics`, e.g. FedNova's `tau_eff`).
-    residuals: the error-feedback residuals e_i, a per-client table like the
-      model with leaves `[N, ...]` (`fedjax_opt.compression`); None unless the
-      algorithm compresses with error feedback.
   """
 
   params: PyTree
@@ -70,33 +65,33 @@ class AveragingState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
-  residuals: PyTree = None
 
 
 def initial_fields(params: PyTree, key: jax.Array, aggregator: Aggregator,
-                   extra_metrics: tuple[str, ...] = ()) -> dict[str, Any]:
+                   extra_metrics: tuple[str, ...] = (), messages: int = 1) -> dict[str, Any]:
   """The fields every aggregating algorithm's state starts with, for its `init`.
 
+  `messages` is the number of kinds of message each client sends (2 for SCAFFOLD's Δy_i and Δc_i), the
+  client stage's tables `core.rounds.init_aggregator_state` makes.
+
   Returns:
-    `params`, `aggregator_state` = `aggregator.init(params)`, `round` = 0,
+    `params`, `aggregator_state` = `init_aggregator_state(aggregator, params, messages)`, `round` = 0,
     `key` (checked), `metrics` = `core.server.ROUND_METRICS` zeros plus a
     float32 zero for each name in `extra_metrics`.
   """
   check_key(key)
-  return dict(params=params, aggregator_state=aggregator.init(params), round=jnp.zeros((), jnp.int32), key=key,
+  return dict(params=params, aggregator_state=init_aggregator_state(aggregator, params, messages), round=jnp.zeros((), jnp.int32), key=key,
               metrics={**initial_round_metrics(), **{name: jnp.zeros((), jnp.float32) for name in extra_metrics}})
 
 
 def aggregated_round(mode: client_map_lib.ClientMap | str | None, client_update: Callable[..., ClientOutput],
                      shared: PyTree, state: Any, batches: ClientBatches, aggregator: Aggregator, *,
-                     tables: tuple = (), rows_follow_round: bool = True, compression: Any = None,
-                     uploads: int = 1) -> tuple[jax.Array, Round]:
+                     tables: tuple = (), rows_follow_round: bool = True) -> tuple[jax.Array, Round]:
   """The start of every aggregating algorithm's `step`: check the batches, split the key, run the clients.
 
   Args:
-    mode, client_update, shared, tables, rows_follow_round, compression, uploads: as in
-      `core.rounds.client_round` (rows are read in the dtypes of `state.params`; the residual
-      table, with error feedback, is `state.residuals`).
+    mode, client_update, shared, tables, rows_follow_round: as in `core.rounds.client_round`
+      (rows are read in the dtypes of `state.params`).
     state: the algorithm's state (`params`, `aggregator_state`, `key`).
     batches: the round's `ClientBatches` (checked).
     aggregator: the aggregator of the clients' updates.
@@ -106,18 +101,9 @@ def aggregated_round(mode: client_map_lib.ClientMap | str | None, client_update:
   """
   check_client_batches(batches)
   key, agg_key = jax.random.split(state.key)
-  residuals = getattr(state, "residuals", None) if compression is not None else None
   return key, client_round(mode, client_update, shared, batches, tables=tables, like=state.params,
                            aggregator=aggregator, aggregator_state=state.aggregator_state, key=agg_key,
-                           rows_follow_round=rows_follow_round, compression=compression, residuals=residuals,
-                           uploads=uploads)
-
-
-def initial_residuals(params: PyTree, compression: Any) -> PyTree:
-  """The error-feedback residual table e = 0 `[N, ...]` for `init`; None without error feedback."""
-  if compression is None or not compression.error_feedback:
-    return None
-  return per_client.init(params, compression.num_clients, storage_dtype=compression.storage_dtype)
+                           rows_follow_round=rows_follow_round)
 
 
 def averaging_algorithm(
@@ -129,7 +115,6 @@ def averaging_algorithm(
     personalize: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None,
     server_delta: Callable[[Round], tuple[PyTree, dict[str, jax.Array]]] | None = None,
     extra_metrics: tuple[str, ...] = (),
-    compression: Any = None,
 ) -> FederatedAlgorithm:
   """Builds init/step of an algorithm that trains clients locally and averages their deltas.
 
@@ -147,16 +132,12 @@ def averaging_algorithm(
       `core.rounds.Round` (FedNova's τ_eff rescaling), and the metrics it adds.
     extra_metrics: the names of the metrics `server_delta` adds (float32 zeros
       in the initial state).
-    compression: None, or `fedjax_opt.compression.compressed(compressor, error_feedback=...,
-      num_clients=N)`: what each client sends in place of its update (module docstring).
 
   Returns:
     `FederatedAlgorithm(init, step, personalize)` with state `AveragingState`.
   """
   check_optimizer(server_optimizer, "server_optimizer")
   check_aggregator(aggregator)
-  from fedjax_opt.compression import check_compression  # pylint: disable=import-outside-toplevel
-  compression = check_compression(compression)
   mode = client_map_lib.resolve(client_map)
 
   def one_client(params, data, mask):
@@ -165,12 +146,10 @@ def averaging_algorithm(
 
   def init(params: PyTree, key: jax.Array) -> AveragingState:
     return AveragingState(**initial_fields(params, key, aggregator, extra_metrics),
-                          server_opt_state=server_optimizer.init(params),
-                          residuals=initial_residuals(params, compression))
+                          server_opt_state=server_optimizer.init(params))
 
   def step(state: AveragingState, batches: ClientBatches) -> AveragingState:
-    key, out = aggregated_round(mode, one_client, state.params, state, batches, aggregator,
-                                compression=compression)
+    key, out = aggregated_round(mode, one_client, state.params, state, batches, aggregator)
     delta, extra = (out.agg.update, {}) if server_delta is None else server_delta(out)
     params, server_opt_state = apply_server_update(
         server_optimizer, state.params, state.server_opt_state, delta, out.agg.accepted)
@@ -181,7 +160,6 @@ def averaging_algorithm(
         round=state.round + 1,
         key=key,
         metrics={**out.metrics(delta), **extra},
-        residuals=None if out.residuals is None else out.residuals.table,
     )
 
   return FederatedAlgorithm(init, step, personalize)

@@ -48,28 +48,35 @@ The rules, the same for every algorithm:
 * Without an aggregator (EASGD, FedU: the server does not average updates)
   a client is finite when its new rows are, and the round is accepted when
   at least one client wrote.
-* Compression (`compression=`, a `fedjax_opt.compression.Compression`): the
-  client-side stage of DESIGN.md's seam, before the aggregator (and so before
-  DP clipping and secure summation). Each client's update u_k (what the
-  aggregator would receive) is replaced inside the client map, so in the
-  stacked and the streamed path alike, by
+* The client stage (`Aggregator.client`, e.g. `fedjax_opt.compression.compress`
+  chained before the aggregator by `fedjax_opt.aggregators.chain`): the
+  first piece of the seam, before the aggregator (and so before DP clipping
+  and secure summation). Each message m_k a client sends — its update u_k
+  (what the aggregator receives), then its further uploads
+  (`ClientOutput.uploads`, SCAFFOLD's Δc_k) — is replaced inside the client
+  map, so in the stacked and the streamed path alike, by
 
-      sent_k = C(u_k + e_k),   e_k ← u_k + e_k − sent_k      (error feedback; e_k a row of `residuals`)
-      sent_k = C(u_k)                                         (without)
+      (sent_k, r_k', bits_k) = stage.apply(key_k, m_k, r_k)      (compression: sent_k = C(m_k + e_k), e_k' = m_k + e_k − sent_k)
 
-  with the key fold_in(fold_in(key, COMPRESSION_STREAM), client_id_k): the
-  aggregator's key is left as it is, so an uncompressed round draws exactly
-  what it drew before. The residual row follows the round: it is written
-  when the client took part, its update was aggregated, the round was
-  accepted and the new residual is finite (`Round.residuals`).
-* Bits. `Round.bits_up` `[C]` is what each client sent: the compressor's
-  count, or, uncompressed, every bit of its update (32 P for a float32 model
-  of P entries), times `uploads` for algorithms whose clients send more than
-  one update-sized message (SCAFFOLD's Δc_i; with compression the extra
-  messages are counted uncompressed). `Round.bits_down` is what each client
-  received: every bit of `shared` (the broadcast; SCAFFOLD's (x, c) is two
-  models), or, when nothing is shared (FedU), one row of the first table.
-  `Round.metrics` reports their means as `bits_up` / `bits_down`.
+  where r_k is client k's row of that message's table (`StagedState.rows`,
+  None for a stage that keeps none) and key_k = fold_in(fold_in(key,
+  MESSAGE_STREAMS[j]), client_id_k) for the j-th kind of message, `key` the
+  aggregator's key: the aggregator's key is left as it is, so a round without
+  a stage draws exactly what it drew before. The update's row is written when
+  the client took part, its update was aggregated, the round was accepted and
+  the new row is finite. A further upload is *received* (`Round.received`)
+  from a client that took part in an accepted round with its update
+  aggregated, its own rows finite and its own condition holding, when the
+  message is finite; its row is written when it was received and the new row
+  is finite. The stage's tables come back in `Round.agg.state`, a
+  `StagedState` (`init_aggregator_state` makes the first one).
+* Bits. `Round.bits_up` `[C]` is what each client sent, summed over its
+  messages: the stage's count, or, without a stage, every bit of the message
+  (32 P for a float32 model of P entries; SCAFFOLD's Δy_k and Δc_k are two).
+  `Round.bits_down` is what each client received: every bit of `shared` (the
+  broadcast; SCAFFOLD's (x, c) is two models), or, when nothing is shared
+  (FedU), one row of the first table. `Round.metrics` reports their means as
+  `bits_up` / `bits_down`.
 """
 
 from __future__ import annotations
@@ -85,12 +92,13 @@ from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.server import (Aggregated, aggregate_updates, client_is_finite, finish_aggregation, round_metrics,
                                     zero_nonfinite)
 from fedjax_opt.core.tree import tree_bits
-from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, PyTree
+from fedjax_opt.core.types import Aggregator, ClientBatches, ClientStage, DeferredData, PyTree, StagedState
 
-__all__ = ["ClientOutput", "Round", "client_round"]
+__all__ = ["ClientOutput", "Round", "client_round", "init_aggregator_state"]
 
-COMPRESSION_STREAM = 0x636F6D70
-"""Folded into the round's aggregator key to make the compression key (ASCII "comp"): a separate stream."""
+MESSAGE_STREAMS = (0x636F6D70, 0x6374726C)
+"""Folded into the round's aggregator key to make the client stage's keys, one per kind of message: the
+update's (ASCII "comp") and a second upload's (ASCII "ctrl", SCAFFOLD's Δc_i). Separate streams."""
 
 
 class ClientOutput(NamedTuple):
@@ -103,6 +111,9 @@ class ClientOutput(NamedTuple):
     rows: the client's new rows, one per table given to `client_round`, in order.
     extras: anything else the algorithm wants back, stacked `[C, ...]`.
     writes: optional scalar bool, the client's own condition for writing its rows.
+    uploads: further messages the client sends beside its update (SCAFFOLD's
+      Δc_i), each a pytree: they pass the aggregator's client stage as the
+      update does but not the aggregator, and come back in `Round.uploads`.
   """
 
   result: LocalResult
@@ -110,6 +121,7 @@ class ClientOutput(NamedTuple):
   rows: tuple = ()
   extras: Any = None
   writes: jax.Array | None = None
+  uploads: tuple = ()
 
 
 class Round(NamedTuple):
@@ -119,13 +131,17 @@ class Round(NamedTuple):
     results: the clients' `LocalResult`s.
     weights: `[C]` aggregation weights: `batches.weight`, 0 for clients that took no step.
     agg: the guarded aggregation (`core.server.Aggregated`); without an
-      aggregator its `update` and `state` are None.
+      aggregator its `update` and `state` are None. With a client stage its
+      `state` is the new `StagedState` (tables and server state).
     write: `[C]` bool, the clients allowed to write their rows.
     stored: one `per_client.Scattered` per table (new table, rows written, change of the row sum).
     extras: the clients' `ClientOutput.extras`.
     bits_up: `[C]` float32, the bits each client sent (module docstring).
     bits_down: scalar float32, the bits each client received.
-    residuals: with error-feedback compression, the `per_client.Scattered` of the residual table; else None.
+    uploads: the clients' `ClientOutput.uploads` as the server receives them
+      (after the client stage), each stacked `[C, ...]`.
+    received: one `[C]` bool per upload, the clients whose message the
+      server counts (module docstring).
   """
 
   results: LocalResult
@@ -136,13 +152,26 @@ class Round(NamedTuple):
   extras: Any
   bits_up: jax.Array
   bits_down: jax.Array
-  residuals: per_client.Scattered | None = None
+  uploads: tuple = ()
+  received: tuple = ()
 
   def metrics(self, update: PyTree = None) -> dict[str, jax.Array]:
     """`core.server.ROUND_METRICS` of the round; `update` replaces the aggregate in `update_norm`."""
     agg = self.agg if update is None else self.agg._replace(update=update)
     return round_metrics(self.results.loss, self.results.num_examples, self.weights, agg,
                          bits_up=self.bits_up, bits_down=self.bits_down)
+
+
+def init_aggregator_state(aggregator: Aggregator, params: PyTree, messages: int = 1) -> Any:
+  """The state an algorithm keeps for `aggregator`: `aggregator.init(params)`, or, with a client stage,
+  `StagedState(rows, server)` with one stage table per kind of message its clients send (`messages`: 1 for
+  the update alone, 2 for SCAFFOLD's Δy_i and Δc_i)."""
+  server = aggregator.init(params)
+  if aggregator.client is None:
+    return server
+  if not 1 <= messages <= len(MESSAGE_STREAMS):
+    raise ValueError(f"init_aggregator_state: messages must be in [1, {len(MESSAGE_STREAMS)}]; got {messages}.")
+  return StagedState(rows=tuple(aggregator.client.init(params) for _ in range(messages)), server=server)
 
 
 def client_round(
@@ -157,9 +186,6 @@ def client_round(
     aggregator_state: Any = None,
     key: jax.Array | None = None,
     rows_follow_round: bool = True,
-    compression: Any = None,
-    residuals: PyTree = None,
-    uploads: int = 1,
 ) -> Round:
   """Runs the round's clients with their per-client rows and aggregates what they send (module docstring).
 
@@ -172,33 +198,27 @@ def client_round(
     tables: per-client tables (leaves `[N, ...]`) to gather rows from and scatter new rows to.
     like: pytree whose leaf dtypes the gathered rows take (the model); None keeps the storage dtype.
     aggregator: the aggregator of `ClientOutput.update`; None: nothing is aggregated.
-    aggregator_state, key: the aggregator's state and key (with `aggregator`).
+    aggregator_state, key: the aggregator's state and key (with `aggregator`); with a
+      client stage the state is a `StagedState` (`init_aggregator_state`).
     rows_follow_round: False when the rows are the client's own and are written
       whether or not its update was aggregated (module docstring).
-    compression: None, or a `fedjax_opt.compression.Compression` applied to each
-      client's update before the aggregator (module docstring; needs `aggregator`).
-    residuals: the error-feedback residual table (leaves `[N, ...]`, like the
-      update) when `compression.error_feedback`; else None.
-    uploads: the update-sized messages each client sends (bits; module docstring).
 
   Returns:
     A `Round`.
   """
-  _check_compression_args(compression, residuals, aggregator, key)
+  stage = None if aggregator is None else aggregator.client
+  server_state = aggregator_state
+  if stage is not None:
+    _check_staged(aggregator_state, key)
+    server_state = aggregator_state.server
   bits_down = _bits_down(shared, tables)
   stored_rows = tuple(per_client.gather(table, batches.client_id) for table in tables)
   rows = stored_rows if like is None else tuple(
       jax.tree.map(lambda r, p: r.astype(jnp.result_type(p)), r, like) for r in stored_rows)
-  stored_residuals = None
-  if compression is not None:
-    if compression.error_feedback:
-      stored_residuals = per_client.gather(residuals, batches.client_id)
-      residual_rows = stored_residuals if like is None else jax.tree.map(
-          lambda r, p: r.astype(jnp.result_type(p)), stored_residuals, like)
-    else:
-      residual_rows = None
-    client_update = _compressing(client_update, compression, jax.random.fold_in(key, COMPRESSION_STREAM))
-    rows = rows + ((batches.client_id, residual_rows),)
+  if stage is not None:
+    stage_rows = tuple(None if t is None else per_client.gather(t, batches.client_id) for t in aggregator_state.rows)
+    client_update = _staged(client_update, stage, key, len(stage_rows))
+    rows = rows + ((batches.client_id, stage_rows),)
   fn = lambda s, client: client_update(s, *client)
   data = batches.data
   deferred = isinstance(data, DeferredData)
@@ -216,7 +236,7 @@ def client_round(
     inputs = (data.materialize(),) + inputs[1:]
   if streams:
     out, weights, agg, one_update = _streamed(loop, fn, shared, inputs, batches.weight, aggregator,
-                                              aggregator_state, key)
+                                              server_state, key)
     results = out.result
   else:
     if loop is not None and deferred:
@@ -225,8 +245,8 @@ def client_round(
       out = client_map_lib.map_clients(mode, fn, shared, inputs)
     results = out.result
     weights = jnp.where(results.num_steps > 0, batches.weight, jnp.zeros_like(batches.weight))
-  if compression is not None:
-    extras, new_residuals, compressed_bits = out.extras
+  if stage is not None:
+    extras, new_stage_rows, stage_bits = out.extras
     out = out._replace(extras=extras)
   rows_finite = client_is_finite(out.rows) if tables else jnp.ones(weights.shape, bool)
   if streams:
@@ -234,7 +254,7 @@ def client_round(
   elif aggregator is not None:
     update = results.delta if out.update is None else out.update
     one_update = jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape[1:], u.dtype), update)
-    agg = aggregate_updates(aggregator, update, weights, aggregator_state, key)
+    agg = aggregate_updates(aggregator, update, weights, server_state, key)
     round_ok = agg.finite & agg.accepted
   else:
     one_update = jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape[1:], u.dtype), results.delta)
@@ -245,39 +265,39 @@ def client_round(
                      accepted=jnp.any(taking_part & finite))
     round_ok = finite
   own = jnp.ones(weights.shape, bool) if out.writes is None else out.writes
+  aggregated = (weights > 0) & round_ok
   if rows_follow_round:
-    write = (weights > 0) & round_ok & rows_finite & own
+    write = aggregated & rows_finite & own
   else:
     write = (batches.weight > 0) & rows_finite & own
   stored = tuple(per_client.scatter(table, batches.client_id, new, write, old_rows=old)
                  for table, new, old in zip(tables, out.rows, stored_rows))
-  update_bits = float(tree_bits(one_update))
-  if compression is None:
-    bits_up = jnp.full(weights.shape, uploads * update_bits, jnp.float32)
+  uploads = tuple(out.uploads)
+  received = tuple(aggregated & rows_finite & own & client_is_finite(u) for u in uploads)
+  if stage is None:
+    messages = (one_update,) + tuple(jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape[1:], u.dtype), u)
+                                     for u in uploads)
+    bits_up = jnp.full(weights.shape, float(sum(tree_bits(m) for m in messages)), jnp.float32)
   else:
-    bits_up = compressed_bits.astype(jnp.float32) + jnp.float32((uploads - 1) * update_bits)
-  stored_residual = None
-  if stored_residuals is not None:
-    write_residual = (weights > 0) & round_ok & client_is_finite(new_residuals)
-    stored_residual = per_client.scatter(residuals, batches.client_id, new_residuals, write_residual,
-                                         old_rows=stored_residuals)
+    bits_up = stage_bits.astype(jnp.float32)
+    sends = (aggregated,) + received  # the clients whose message of each kind the server counts
+    new_tables = tuple(
+        table if table is None else per_client.scatter(
+            table, batches.client_id, new, counted & client_is_finite(new), old_rows=old).table
+        for table, new, old, counted in zip(aggregator_state.rows, new_stage_rows, stage_rows, sends))
+    agg = agg._replace(state=StagedState(rows=new_tables, server=agg.state))
   return Round(results=results, weights=weights, agg=agg, write=write, stored=stored, extras=out.extras,
-               bits_up=bits_up, bits_down=jnp.asarray(bits_down, jnp.float32), residuals=stored_residual)
+               bits_up=bits_up, bits_down=jnp.asarray(bits_down, jnp.float32), uploads=uploads,
+               received=received)
 
 
-def _check_compression_args(compression: Any, residuals: PyTree, aggregator: Aggregator | None,
-                            key: jax.Array | None) -> None:
-  if compression is None:
-    if residuals is not None:
-      raise ValueError("client_round: residuals were given without compression.")
-    return
-  from fedjax_opt.compression import check_compression  # pylint: disable=import-outside-toplevel
-  check_compression(compression)
-  if aggregator is None or key is None:
-    raise ValueError("client_round: compression needs an aggregator and the round's key (it compresses what the "
-                     "aggregator receives).")
-  if compression.error_feedback and residuals is None:
-    raise ValueError("client_round: compression with error feedback needs the residual table (residuals=).")
+def _check_staged(aggregator_state: Any, key: jax.Array | None) -> None:
+  if not isinstance(aggregator_state, StagedState):
+    raise TypeError(f"client_round: an aggregator with a client stage keeps a core.types.StagedState (make it with "
+                    f"core.rounds.init_aggregator_state); got {type(aggregator_state).__name__}.")
+  if key is None:
+    raise ValueError("client_round: an aggregator with a client stage needs the round's key (each client's stage "
+                     "key is drawn from it).")
 
 
 def _bits_down(shared: PyTree, tables: tuple) -> int:
@@ -287,23 +307,29 @@ def _bits_down(shared: PyTree, tables: tuple) -> int:
   return tree_bits(jax.tree.map(lambda t: jax.ShapeDtypeStruct(jnp.shape(t)[1:], jnp.result_type(t)), tables[0]))
 
 
-def _compressing(client_update: Callable[..., ClientOutput], compression: Any,
-                 key: jax.Array) -> Callable[..., ClientOutput]:
-  """`client_update` whose last argument is `(client_id, residual row or None)` and whose update is compressed.
+def _staged(client_update: Callable[..., ClientOutput], stage: ClientStage, key: jax.Array,
+            num_tables: int) -> Callable[..., ClientOutput]:
+  """`client_update` whose last argument is `(client_id, stage rows)` and whose messages pass `stage`.
 
-  The returned `ClientOutput` carries the message as `update` and
-  `(extras, new residual row, bits)` as `extras` (unpacked after the map).
+  The returned `ClientOutput` carries the sent update as `update`, the sent further messages as `uploads`,
+  and `(extras, new stage rows, bits summed over the messages)` as `extras` (unpacked after the map).
   """
-  from fedjax_opt.compression import send  # pylint: disable=import-outside-toplevel
+  streams = [jax.random.fold_in(key, stream) for stream in MESSAGE_STREAMS]
 
-  def compressing(shared, data, mask, *rest):
-    *rows, (client_id, residual) = rest
+  def staged(shared, data, mask, *rest):
+    *rows, (client_id, stage_rows) = rest
     out = client_update(shared, data, mask, *rows)
-    update = out.result.delta if out.update is None else out.update
-    sent, new_residual, bits = send(compression, jax.random.fold_in(key, client_id), update, residual)
-    return out._replace(update=sent, extras=(out.extras, new_residual, bits))
+    messages = (out.result.delta if out.update is None else out.update,) + tuple(out.uploads)
+    if len(messages) != num_tables:
+      raise ValueError(f"client_round: each client sends {len(messages)} kind(s) of message but the aggregator "
+                       f"state has {num_tables} table(s) for the client stage {stage.name}: make it with "
+                       f"core.rounds.init_aggregator_state(aggregator, params, messages={len(messages)}).")
+    sent, new_rows, bits = zip(*(stage.apply(jax.random.fold_in(stream, client_id), message, row)
+                                 for stream, message, row in zip(streams, messages, stage_rows)))
+    total_bits = sum(bits[1:], bits[0])
+    return out._replace(update=sent[0], uploads=tuple(sent[1:]), extras=(out.extras, tuple(new_rows), total_bits))
 
-  return compressing
+  return staged
 
 
 def _streamed(loop: tuple, fn: Callable[..., ClientOutput], shared: PyTree, inputs: tuple, weight: jax.Array,

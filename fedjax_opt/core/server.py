@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
-from fedjax_opt.core.types import Aggregator
+from fedjax_opt.core.types import Aggregator, ClientStage
 
 __all__ = ["Aggregated", "ROUND_METRICS", "aggregate_updates", "apply_server_update", "check_aggregator",
            "client_is_finite", "finish_aggregation", "initial_round_metrics", "round_metrics", "zero_nonfinite"]
@@ -54,10 +54,19 @@ def client_is_finite(updates: PyTree) -> jax.Array:
 
 def check_aggregator(aggregator: Any) -> Aggregator:
   """Raises TypeError unless `aggregator` is an `Aggregator` (`fedjax_opt.aggregators` builds them); returns it."""
+  if isinstance(aggregator, ClientStage):
+    raise TypeError(f"aggregator: {aggregator.name} is a client stage, not an aggregator: chain it before one, "
+                    f"fo.aggregators.chain({aggregator.name}, fo.aggregators.mean()).")
   if not isinstance(aggregator, Aggregator):
     raise TypeError(f"aggregator must be a fedjax_opt.aggregators.Aggregator (e.g. fo.aggregators.mean()); "
                     f"got {type(aggregator).__name__}.")
   return aggregator
+
+
+def refuse_client_stage(aggregator: Aggregator, who: str, why: str) -> None:
+  """Raises ValueError, naming `who` and the stage, when `aggregator` has a client stage that `who` cannot take."""
+  if aggregator.client is not None:
+    raise ValueError(f"{who} cannot compose with the aggregator's client stage {aggregator.client.name}: {why}")
 
 
 def zero_nonfinite(updates: PyTree, weights: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:

@@ -32,7 +32,10 @@ arguments) or `materialize(data)` gathers the full batch.
 
 `Aggregator(init, aggregate)` is the seam between stacked client updates and
 the server step (`fedjax_opt.aggregators` builds them); it is a contract of
-the core, so the core never imports the aggregators.
+the core, so the core never imports the aggregators. Its optional
+`ClientStage` is the part of the seam that runs on each client before the
+upload (compression with error feedback, `fedjax_opt.compression.compress`),
+with its per-client rows in the aggregator's state (`StagedState`).
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Protocol
 import flax.struct
 import jax
 
-__all__ = ["Aggregator", "ClientBatches", "DeferredData", "FederatedAlgorithm", "LossFn", "PyTree", "ServerState",
-           "StreamingSum", "materialize"]
+__all__ = ["Aggregator", "ClientBatches", "ClientStage", "DeferredData", "FederatedAlgorithm", "LossFn", "PyTree",
+           "ServerState", "StagedState", "StreamingSum", "materialize"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -188,6 +191,50 @@ class StreamingSum(NamedTuple):
   finalize: Callable[[PyTree, jax.Array, Any, jax.Array], tuple[PyTree, Any]]
 
 
+class ClientStage(NamedTuple):
+  """What each client does to a message before sending it (the client side of an aggregator).
+
+      (sent, new_row, bits) = apply(key, message, row)
+
+  The first stage of the round's seam (compression with error feedback,
+  `fedjax_opt.compression.compress`), run by `core.rounds.client_round`
+  inside the client map on every message a client sends, with the client's
+  own key and its own row of a per-client table.
+
+  Attributes:
+    init: `init(params) -> table`: the stage's rows for one kind of message, a
+      per-client table (leaves `[N, ...]`, e.g. error-feedback residuals, zeros),
+      or None when the stage keeps nothing per client.
+    apply: `apply(key, message, row) -> (sent, new_row, bits)` for one client:
+      `message` a pytree (the update), `row` its row of the table in the table's
+      dtype (None without a table); `sent` is what the server receives, shaped
+      like `message`; `new_row` like `row` (None without a table); `bits` a
+      float32 scalar, the bits sent.
+    num_clients: N, the rows of the table; None without one.
+    name: a short label for messages ("compress(top_k(0.1), error_feedback)").
+  """
+
+  init: Callable[[PyTree], PyTree]
+  apply: Callable[[jax.Array, PyTree, PyTree], tuple[PyTree, PyTree, jax.Array]]
+  num_clients: int | None = None
+  name: str = "client stage"
+
+
+class StagedState(NamedTuple):
+  """The state an algorithm keeps for an aggregator with a client stage (`core.rounds.init_aggregator_state`).
+
+  Attributes:
+    rows: one table of the client stage (`ClientStage.init(params)`) per kind of
+      message a client sends: the update's first, then its further uploads in
+      order (SCAFFOLD's Δc_i); None entries for a stage that keeps nothing.
+    server: the state of the server side, `Aggregator.init(params)`: what
+      `aggregate` and `streaming` receive and return.
+  """
+
+  rows: tuple
+  server: Any
+
+
 class Aggregator(NamedTuple):
   """`init(params) -> state`; `aggregate(updates [C, ...], weights [C], state, key) -> (update, state)`.
 
@@ -207,9 +254,18 @@ class Aggregator(NamedTuple):
   finite. A differentially private aggregator needs this: its noise must be
   released whether or not any client was sampled, or an empty round would
   tell who was absent (`fedjax_opt.privacy.dp_mean`).
+
+  `client` (optional) is a `ClientStage` that every message passes on its
+  client before it is sent (`fedjax_opt.aggregators.chain` attaches one):
+  `init`, `aggregate` and `streaming` are then the server side, unchanged,
+  and the state an algorithm keeps is a `StagedState` (the stage's tables
+  and the server side's state), made by `core.rounds.init_aggregator_state`
+  and updated by `core.rounds.client_round`. Without a client stage the
+  state is `init(params)` itself.
   """
 
   init: Callable[[PyTree], Any]
   aggregate: Callable[[PyTree, jax.Array, Any, jax.Array], tuple[PyTree, Any]]
   streaming: StreamingSum | None = None
   always_releases: bool = False
+  client: ClientStage | None = None

@@ -96,6 +96,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fedjax_opt.core.server import refuse_client_stage
 from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, PyTree
 from fedjax_opt.core.validation import is_concrete
@@ -467,6 +468,8 @@ def secure_aggregation(
 
   Raises:
     TypeError: `inner` is not an aggregator with a `StreamingSum`.
+    ValueError: `inner` has a client stage (chain the stage in front of the
+      secure aggregator instead).
     ValueError: an out-of-range argument; at trace time, a ring too small for
       C clients (see `bound`) or t > C.
   """
@@ -475,6 +478,8 @@ def secure_aggregation(
                     "StreamingSum: mean, weighted_mean, dp_mean); rules that need every update cannot be "
                     f"computed from a secure sum. Got {type(inner).__name__}"
                     f"{' without a streaming form' if isinstance(inner, Aggregator) else ''}.")
+  refuse_client_stage(inner, "secure_aggregation", "the stage runs on the clients, before the secure sum; chain "
+                      "it in front of the wrapper: fo.aggregators.chain(stage, fo.privacy.secure_aggregation(...)).")
   _check(frac_bits, bound, threshold, dropout)
   term, finalize = inner.streaming
 

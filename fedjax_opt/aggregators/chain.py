@@ -1,0 +1,99 @@
+"""`chain`: a client stage and an aggregator composed into one `Aggregator`, in the order of the seam.
+
+A round's client updates pass, in order: the client stage (compression with
+error feedback, on each client, with per-client state) → clipping and DP
+noise → secure summation → aggregation → server optimizer. The pieces after
+the client stage are aggregators that wrap one another
+(`fo.privacy.secure_aggregation(fo.privacy.dp_mean(...))`); the client
+stage runs elsewhere (inside the client map, on what each client sends), so
+it is attached to the aggregator rather than wrapped around it:
+
+    fo.aggregators.chain(fo.compression.compress(fo.compression.top_k(0.1), error_feedback=True, num_clients=N),
+                         fo.privacy.dp_mean(1.0, 1.1, expected_clients=m))
+
+is an `Aggregator` whose `client` is the compression stage and whose server
+side is `dp_mean`'s. Every factory that takes `aggregator=` takes it; the
+stage's tables (one per kind of message a client sends) live in the
+algorithm's `aggregator_state` (`core.types.StagedState`).
+
+A combination that cannot work is refused here, in one line naming both
+pieces: a client stage after an aggregator (compression after DP noise or a
+secure sum would change what was clipped, noised or masked), two client
+stages (a client sends one message per upload; compose the compressors into
+one), two aggregators side by side (only the last piece aggregates; wrap
+instead). Pieces that wrap an aggregator (`secure_aggregation`,
+`fo.attacks.corrupt`) refuse one that already has a client stage: chain the
+stage around the wrapper instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fedjax_opt.core.server import check_aggregator
+from fedjax_opt.core.types import Aggregator, ClientStage
+
+__all__ = ["chain"]
+
+
+def _name(piece: Any) -> str:
+  """A label for a piece in an error message: a stage's name, or the factory that built an aggregator."""
+  if isinstance(piece, ClientStage):
+    return piece.name
+  if isinstance(piece, Aggregator):
+    return getattr(piece.aggregate, "__qualname__", "aggregator").split(".")[0]
+  return getattr(piece, "name", type(piece).__name__)
+
+
+def _check_piece(piece: Any, position: int) -> None:
+  if isinstance(piece, (ClientStage, Aggregator)):
+    return
+  if callable(getattr(piece, "compress", None)) and hasattr(piece, "unbiased"):
+    raise TypeError(f"chain: piece {position} is a compressor; wrap the compressor, "
+                    f"fo.compression.compress({piece.name}, error_feedback=...).")
+  raise TypeError(f"chain: piece {position} must be a client stage (fo.compression.compress(...)) or, last, an "
+                  f"Aggregator (fo.aggregators.mean(), fo.privacy.dp_mean(...), ...); got {type(piece).__name__}.")
+
+
+def chain(*pieces: ClientStage | Aggregator) -> Aggregator:
+  """The client stage, then the aggregator: `chain(stage, aggregator)` (module docstring).
+
+  Args:
+    *pieces: in the order of the seam: at most one `ClientStage`
+      (`fo.compression.compress(...)`), then the `Aggregator` (a rule, `dp_mean`,
+      `secure_aggregation(...)`, ...). `chain(aggregator)` is `aggregator`.
+
+  Returns:
+    The aggregator with `client` set to the stage: its `init`, `aggregate`,
+    `streaming` and `always_releases` are the aggregator's own.
+
+  Raises:
+    TypeError: a piece that is neither a client stage nor an aggregator, or no aggregator.
+    ValueError: pieces that do not compose (module docstring), naming both.
+  """
+  if not pieces:
+    raise TypeError("chain: give a client stage and an aggregator, e.g. "
+                    "fo.aggregators.chain(fo.compression.compress(...), fo.aggregators.mean()).")
+  for position, piece in enumerate(pieces):
+    _check_piece(piece, position)
+  for before, after in zip(pieces, pieces[1:]):
+    if isinstance(before, Aggregator) and isinstance(after, ClientStage):
+      raise ValueError(f"chain: {_name(after)} comes after {_name(before)}: a client stage acts on what each client "
+                       f"sends, before clipping, noise and secure summation; put it first.")
+    if isinstance(before, Aggregator):
+      raise ValueError(f"chain: {_name(before)} and {_name(after)} are both aggregators: only the last piece "
+                       f"aggregates (secure summation wraps its rule: fo.privacy.secure_aggregation(inner, ...)).")
+    if isinstance(after, ClientStage):
+      raise ValueError(f"chain: {_name(before)} and {_name(after)} are both client stages: a client sends one "
+                       f"message per upload; compose them into one stage.")
+  *stages, last = pieces
+  if not isinstance(last, Aggregator):
+    raise TypeError(f"chain: the last piece must be the aggregator (e.g. fo.aggregators.mean()); got {_name(last)}.")
+  aggregator = check_aggregator(last)
+  if not stages:
+    return aggregator
+  stage, = stages
+  if aggregator.client is not None:
+    raise ValueError(f"chain: {_name(stage)} and {aggregator.client.name} are both client stages: a client sends "
+                     f"one message per upload; compose them into one stage.")
+  return aggregator._replace(client=stage)
