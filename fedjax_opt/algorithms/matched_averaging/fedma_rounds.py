@@ -23,13 +23,7 @@ recompiles. A fixed maximum width with a mask of active units would keep the
 shapes static, but the growth is decided by the Hungarian solutions of all the
 layers below, so the host would be needed anyway.
 
-    model, layers = fo.algorithms.fedma_model(fo.models.mlp_2nn())   # any widths; ("hidden_0", "hidden_1", "output")
-    fedma = fo.algorithms.fedma(model.loss_fn, layers=layers, client_optimizer=optax.sgd(0.05))
-    state = fedma.init(model.init(key), key)
-    state, history = fo.train(fedma, state, ds, rounds,
-                              fo.Sampling(clients_per_round=10, local_steps=20, batch_size=20),
-                              evaluation=fo.Evaluation(metric_fns={"accuracy": model.accuracy_fn}))
-                              # one FedMA round = N communications
+The package docstring (`fedjax_opt.algorithms.matched_averaging`) shows a run.
 """
 
 from __future__ import annotations
