@@ -47,6 +47,7 @@ are never attacked: they take no part, and a robust rule ignores them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -465,22 +466,33 @@ def label_flip(num_classes: int, *, field: str = "y") -> DataAttack:
   return DataAttack(apply)
 
 
+@dataclasses.dataclass(frozen=True)
+class _PoisonedTake:
+  """The `take` of poisoned deferred data: `take`'s rows, then `data_attack` on the attackers' rows.
+
+  Its refs are `(refs of take, attackers [C] bool)`. A value (equal when
+  `take` and `data_attack` are), so a jitted step compiles once, not once
+  per round.
+  """
+
+  take: Callable[[PyTree, PyTree], PyTree]
+  data_attack: DataAttack
+
+  def __call__(self, source: PyTree, refs: tuple[PyTree, jax.Array]) -> PyTree:
+    inner, rows = refs
+    clean = self.take(source, inner)
+    if rows.ndim == 0:  # one client
+      one = self.data_attack.apply(jax.tree.map(lambda a: a[None], clean), rows[None])
+      return jax.tree.map(lambda a: a[0], one)
+    return self.data_attack.apply(clean, rows)
+
+
 def _poisoned(data_attack: DataAttack, data: Any, attackers: jax.Array) -> Any:
   """`data_attack.apply(data, attackers)`; deferred data stays deferred (each chunk of clients is poisoned as it
   is gathered), and `apply` always receives a leading clients axis."""
   if not isinstance(data, DeferredData):
     return data_attack.apply(data, attackers)
-  take = data.take
-
-  def poisoned_take(source, refs):
-    inner, rows = refs
-    clean = take(source, inner)
-    if rows.ndim == 0:  # one client
-      one = data_attack.apply(jax.tree.map(lambda a: a[None], clean), rows[None])
-      return jax.tree.map(lambda a: a[0], one)
-    return data_attack.apply(clean, rows)
-
-  return DeferredData(data.source, (data.refs, attackers), poisoned_take)
+  return DeferredData(data.source, (data.refs, attackers), _PoisonedTake(data.take, data_attack))
 
 
 def poison(algorithm: FederatedAlgorithm, data_attack: DataAttack, *, attackers: float | Sequence[int],

@@ -42,7 +42,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_opt.core import client_map as client_map_lib
-from fedjax_opt.core.types import ClientBatches
+from fedjax_opt.core.types import ClientBatches, materialize
 
 __all__ = ["CLIENTS_AXIS", "client_mesh", "global_batches", "initialize", "pad_batches", "replicate",
            "shard_per_client_state", "shutdown", "to_host"]
@@ -122,7 +122,7 @@ def pad_batches(batches: ClientBatches, multiple: int) -> ClientBatches:
   if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
     raise ValueError(f"multiple must be a positive int; got {multiple!r}.")
   padded, _ = client_map_lib.pad_clients(
-      (batches.data, batches.mask, batches.weight, batches.client_id), multiple)
+      (materialize(batches.data), batches.mask, batches.weight, batches.client_id), multiple)
   data, mask, weight, client_id = padded
   return ClientBatches(data=data, mask=mask, weight=weight, client_id=client_id)
 

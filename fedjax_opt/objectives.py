@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import as_single_step, masked_mean_loss
-from fedjax_opt.core.types import ClientBatches, LossFn, PyTree
+from fedjax_opt.core.types import ClientBatches, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (
   check_client_batches,
   check_loss_fn,
@@ -84,7 +84,7 @@ def mixture(loss_fn: LossFn, lam: Any, *,
     if batches.num_clients != n:
       raise ValueError(f"batches must hold every client's data: C = num_clients = {n}; got C = {batches.num_clients}.")
     x = per_client.gather(local_params, batches.client_id)
-    losses = client_map_lib.map_clients(mode, client_loss, None, (x, batches.data, batches.mask))
+    losses = client_map_lib.map_clients(mode, client_loss, None, (x, materialize(batches.data), batches.mask))
     return jnp.mean(losses) + lam * consensus_penalty(local_params)
 
   return objective
@@ -102,7 +102,7 @@ def pooled(loss_fn: LossFn) -> Callable[[PyTree, ClientBatches], jax.Array]:
 
   def objective(params: PyTree, batches: ClientBatches) -> jax.Array:
     check_client_batches(batches)
-    data = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[3:]), batches.data)  # [C·S·B, ...]
+    data = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[3:]), materialize(batches.data))  # [C·S·B, ...]
     mask = batches.mask.reshape(-1)
     losses = loss_fn(params, data)
     return jnp.sum(jnp.where(mask, losses, 0)) / jnp.maximum(jnp.sum(mask), 1)

@@ -3,12 +3,21 @@
 `sample_round(..., deferred=True)` (what `fo.train` draws) hands the step a
 `DeferredData` instead of the `[C, S, B, ...]` arrays. The checks:
 
-* it is the same data: its keys, its pytree leaves and `materialize` equal
-  the eager gather of the same round, for plain examples and token windows;
+* it is the same data: `materialize` equals the eager gather of the same
+  round, for plain examples and token windows, and one client's refs give
+  that client's rows;
+* it is a pytree of its own: its leaves are the store and the refs, and
+  through `jax.jit`, `vmap` and `jax.tree.map` it comes out as a
+  `DeferredData` with the same `take`; the take of every round is equal, so
+  a jitted step compiles once; it is no dict (reading a key, iterating or
+  `len` is a TypeError: code calls `materialize`);
 * every algorithm in `fo.algorithms` reaches the same state from deferred
   data as from the arrays, under `vmap`, `sequential` and `chunked:3`, with
-  a NaN client and a client without data (the stacked eager round is the
-  reference; it is checked against NumPy in the algorithms' own tests);
+  a NaN client and a client without data: one jitted program runs the eager
+  and the deferred step, the `DeferredData` (the sampler's own `take` over a
+  store in another client and slot order) an argument of it (the stacked
+  eager round is the reference; it is checked against NumPy in the
+  algorithms' own tests);
 * a loop round really gathers inside the loop: its compiled memory does not
   grow with C, while the same round on eager data grows by the
   `[C, S, B, D]` batch;
@@ -26,7 +35,7 @@ from algorithm_examples import EXAMPLES, N, example_inputs, loss_fn
 
 import fedjax_opt as fo
 from fedjax_opt.core import DeferredData, materialize
-from fedjax_opt.data.sampling import sample_round
+from fedjax_opt.data.sampling import deferred_gather, sample_round
 
 
 def _dataset(num_clients=12, dim=5, seed=0):
@@ -51,14 +60,46 @@ def test_deferred_data_is_the_gathered_data():
   lazy = sample_round(key, dataset, 6, 4, 5, deferred=True)
   assert isinstance(lazy.data, DeferredData) and isinstance(eager.data, dict)
   _assert_trees_equal(materialize(lazy.data), eager.data)
-  _assert_trees_equal(jax.tree.map(lambda a: a, lazy), eager)  # flattening gathers
-  assert sorted(lazy.data) == ["x", "y"] and "x" in lazy.data and len(lazy.data) == 2
-  np.testing.assert_array_equal(lazy.data["x"], eager.data["x"])
+  assert materialize(eager.data) is eager.data
   # Masked slots read zeros, as in the eager gather.
-  assert not np.any(np.asarray(lazy.data["x"])[~np.asarray(lazy.mask)])
+  assert not np.any(np.asarray(materialize(lazy.data)["x"])[~np.asarray(lazy.mask)])
   # One client's refs give that client's data (what a loop gathers).
   one = lazy.data.take(lazy.data.source, jax.tree.map(lambda r: r[2], lazy.data.refs))
   _assert_trees_equal(one, jax.tree.map(lambda a: a[2], eager.data))
+
+
+def test_deferred_data_crosses_jit_and_vmap_as_itself():
+  dataset = _dataset()
+  lazy = sample_round(jax.random.key(3), dataset, 6, 4, 5, deferred=True).data
+  want = materialize(lazy)
+  # Its leaves are the store and the refs, not the gathered batch.
+  _assert_trees_equal(jax.tree.leaves(lazy), jax.tree.leaves((dataset.examples, lazy.refs)))
+  through = jax.jit(lambda d: d)(lazy)
+  assert isinstance(through, DeferredData) and through.take == lazy.take
+  _assert_trees_equal(materialize(through), want)
+  mapped = jax.tree.map(lambda a: a, lazy)
+  assert isinstance(mapped, DeferredData) and mapped.take == lazy.take
+  # vmap over the clients' refs, the store shared: each client gathers its own rows.
+  per_client = jax.vmap(materialize, in_axes=(DeferredData(None, 0, lazy.take),))(lazy)
+  _assert_trees_equal(per_client, want)
+  # Another round's take is equal, so a jitted step compiles once for every round.
+  other = sample_round(jax.random.key(4), dataset, 6, 4, 5, deferred=True).data
+  assert other.take == lazy.take and hash(other.take) == hash(lazy.take)
+  total = jax.jit(lambda d: jnp.sum(materialize(d)["x"]))
+  total(lazy), total(other)
+  assert total._cache_size() == 1
+
+
+def test_deferred_data_is_no_dict():
+  lazy = sample_round(jax.random.key(3), _dataset(), 6, 4, 5, deferred=True).data
+  for read in (lambda d: d["x"], len, iter, lambda d: "x" in d):
+    with pytest.raises(TypeError):
+      read(lazy)
+  assert not hasattr(lazy, "keys")
+  with pytest.raises(TypeError, match="take must be hashable"):
+    DeferredData(lazy.source, lazy.refs, type("Unhashable", (), {"__call__": lambda *a: a, "__hash__": None})())
+  with pytest.raises(TypeError, match="take must be callable"):
+    DeferredData(lazy.source, lazy.refs, 3)
 
 
 def test_deferred_token_windows_are_the_gathered_windows():
@@ -76,10 +117,34 @@ def test_sample_round_checks_deferred():
     sample_round(jax.random.key(0), _dataset(), 2, 1, 2, deferred="yes")
 
 
-def _deferred(batches):
-  """The same batches with data deferred: the eager arrays as the store, the client ids as the refs."""
-  take = lambda source, ids: jax.tree.map(lambda a: a[ids], source)
-  return batches.replace(data=DeferredData(batches.data, batches.client_id, take))
+def _stored(batches):
+  """The batches' data as a packed store of one more client, in another order, and a `DeferredData` reading it.
+
+  Client c's examples sit in store row `rows[c]` (row 0 is a client of
+  constant junk no one reads), its S·B examples in shuffled slots, so a
+  gather that reads the wrong row or slot, or a map that runs over the store
+  as if it were per-client data, gives other numbers or fails. The `take` is
+  the sampler's own (`deferred_gather`), every slot read as stored (the mask
+  is the batches' business).
+  """
+  c, s, b = batches.mask.shape
+  rng = np.random.default_rng(7)
+  rows = 1 + rng.permutation(c)
+  slots = np.stack([rng.permutation(s * b) for _ in range(c)]).reshape(c, s, b)
+
+  def store(leaf):
+    leaf = np.asarray(leaf)
+    out = np.full((c + 1, s * b + 1) + leaf.shape[3:], 100.0, leaf.dtype)
+    out[:, -1] = 0  # the zero slot
+    for k in range(c):
+      out[rows[k], slots[k].reshape(-1)] = leaf[k].reshape((s * b,) + leaf.shape[3:])
+    return jnp.asarray(out)
+
+  zeros = jnp.zeros(c + 1, jnp.int32)
+  dataset = fo.data.FederatedDataset(examples=jax.tree.map(store, batches.data), train_count=zeros, test_start=zeros,
+                                     test_count=zeros, max_train=s * b, zero_index=s * b)
+  return deferred_gather(dataset, jnp.asarray(rows, jnp.int32), jnp.asarray(slots, jnp.int32),
+                         jnp.ones((c, s, b), bool))
 
 
 def _batches(name):
@@ -88,17 +153,33 @@ def _batches(name):
   return params, batches.replace(mask=batches.mask.at[2].set(False))
 
 
+def _eager_and_deferred_rounds(name, mode):
+  """Two rounds of `name` under client map `mode`, from the arrays and from deferred data: (eager, deferred) states.
+
+  One jitted program runs both steps, and the `DeferredData` crosses its
+  boundary as an argument, so the deferred path is what runs inside.
+  """
+  algo = EXAMPLES[name](client_map=mode)
+  params, batches = _batches(name)
+  lazy = _stored(batches)
+  state = algo.init(params, jax.random.key(0))
+
+  @jax.jit
+  def both(want, got, batches, lazy):
+    assert isinstance(lazy, DeferredData)
+    return algo.step(want, batches), algo.step(got, batches.replace(data=lazy))
+
+  want, got = state, state
+  for _ in range(2):
+    want, got = both(want, got, batches, lazy)
+  assert both._cache_size() == 1  # the second round reuses the program
+  return want, got
+
+
 @pytest.mark.parametrize("mode", ["vmap", "sequential", "chunked:3"])
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_every_algorithm_steps_the_same_on_deferred_data(name, mode):
-  algo = EXAMPLES[name](client_map=mode)
-  params, batches = _batches(name)
-  state = algo.init(params, jax.random.key(0))
-  step = jax.jit(algo.step)
-  want, got = state, state
-  for _ in range(2):
-    want = step(want, batches)
-    got = step(got, _deferred(batches))
+  want, got = _eager_and_deferred_rounds(name, mode)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
     if jnp.issubdtype(jnp.asarray(a).dtype, jax.dtypes.prng_key):
       continue

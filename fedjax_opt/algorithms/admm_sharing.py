@@ -98,7 +98,7 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.server import client_is_finite
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, materialize
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_int, check_key, check_positive,
                                         is_concrete)
 
@@ -294,13 +294,14 @@ def admm_sharing(
   def step(state: ADMMSharingState, batches: ClientBatches) -> ADMMSharingState:
     check_client_batches(batches)
     n, d = state.params.shape
-    if batches.data[features].shape != (n, 1, m_max, d):
+    data = materialize(batches.data)
+    if data[features].shape != (n, 1, m_max, d):
       raise ValueError(f"batches.data[{features!r}] must be [N, 1, m, d_max] = ({n}, 1, {m_max}, {d}) (one local "
-                       f"step: the whole sample axis); got {tuple(batches.data[features].shape)}.")
-    a = batches.data[features][:, 0].astype(state.params.dtype)  # the model's dtype, as the labels b below
+                       f"step: the whole sample axis); got {tuple(data[features].shape)}.")
+    a = data[features][:, 0].astype(state.params.dtype)  # the model's dtype, as the labels b below
     row_mask = batches.mask[:, 0]
     real = row_mask[0]
-    labels = batches.data[targets][0, 0]
+    labels = data[targets][0, 0]
     if loss == "logistic":
       _check_binary_labels(labels, real, f"batches.data[{targets!r}][0, 0]")
     b = jnp.where(real, labels, 0).astype(state.params.dtype)

@@ -102,7 +102,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.local import cycle_steps, local_train, masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import select_rows
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_full_participation, check_key, check_loss_fn, check_optional_int,
                                         check_positive, check_scalar)
 
@@ -216,7 +216,7 @@ def _local_sgd(name: str, loss_fn: LossFn, eta: Any, mixing: Any, local_steps: i
     _check_step(name, batches, n)
     x = state.local_params
     dtype = jnp.result_type(*jax.tree.leaves(x))
-    delta, loss, count = client_map_lib.map_clients(mode, node_update, None, (batches.data, batches.mask, x))
+    delta, loss, count = client_map_lib.map_clients(mode, node_update, None, (materialize(batches.data), batches.mask, x))
     ok = client_is_finite(delta) & jnp.isfinite(loss)
     delta = select_rows(ok, delta, jax.tree.map(jnp.zeros_like, delta))  # a NaN times a zero weight is still NaN
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
@@ -364,7 +364,7 @@ def gradient_tracking(
     _check_step("gradient_tracking", batches, n)
     x, y, g_old = state.local_params, state.tracker, state.gradients
     dtype = jnp.result_type(*jax.tree.leaves(x))
-    g, loss, count = client_map_lib.map_clients(mode, node_gradient, None, (batches.data, batches.mask, x))
+    g, loss, count = client_map_lib.map_clients(mode, node_gradient, None, (materialize(batches.data), batches.mask, x))
     ok = client_is_finite(g) & jnp.isfinite(loss)
     g = select_rows(ok & (count > 0), g, g_old)  # no data, or not finite: the last gradient (no change to y)
     w_x = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)

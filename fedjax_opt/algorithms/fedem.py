@@ -73,7 +73,7 @@ from fedjax_opt.core.local import LocalResult, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
 from fedjax_opt.core.server import apply_server_update, client_is_finite
 from fedjax_opt.core.tree import select_rows
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_client_batches, check_full_participation, check_int, check_key,
                                         check_loss_fn, check_num_clients, check_optimizer, check_positive)
 
@@ -386,7 +386,7 @@ def d_fedem(
     check_full_participation(batches, n, ordered=True)
     comps, weights = state.local_params["components"], state.local_params["weights"]
     delta, new_pi, loss, count = client_map_lib.map_clients(
-        mode, node_update, None, (batches.data, batches.mask, comps, weights))
+        mode, node_update, None, (materialize(batches.data), batches.mask, comps, weights))
     ok = client_is_finite(delta) & client_is_finite(new_pi) & jnp.isfinite(loss)
     rows = lambda new, old: select_rows(ok, new, old)  # noqa: E731
     delta = rows(delta, jax.tree.map(jnp.zeros_like, delta))

@@ -65,7 +65,7 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.local import cycle_steps, local_train
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import select_rows
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, PyTree
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, PyTree, materialize
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key,
                                         check_optimizer, check_positive)
 
@@ -268,7 +268,7 @@ def fedmd(
     new_tables, loss_sum, digest_sum, ok_count, bad = [], 0.0, 0.0, 0, 0
     for a, g in enumerate(groups):
       rows = jnp.asarray(g)
-      data = jax.tree.map(lambda d, rows=rows: jnp.take(d, rows, axis=0), batches.data)
+      data = jax.tree.map(lambda d, rows=rows: jnp.take(d, rows, axis=0), materialize(batches.data))
       mask = jnp.take(batches.mask, rows, axis=0)
       new, loss, _, digest_value = client_map_lib.map_clients(
           mode, client_step(a), (x_pub, consensus), (data, mask, tables[a]))

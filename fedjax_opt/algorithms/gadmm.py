@@ -149,7 +149,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.local import masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import global_norm
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_full_participation, check_in_range, check_int, check_key, check_loss_fn,
                                         check_positive, check_probability)
 
@@ -343,7 +343,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
     v = jax.tree.map(lambda s, b: (s - b / rho_k) / d.reshape((-1,) + (1,) * (s.ndim - 1)),
                      neighbours, _rows(dual_term, group))
     ids = jnp.asarray(group, jnp.int32)
-    data, mask = _rows(batches.data, group), jnp.take(batches.mask, group, axis=0)
+    data, mask = _rows(materialize(batches.data), group), jnp.take(batches.mask, group, axis=0)
     theta_old = per_client.gather(theta, ids)
     new, objective = client_map_lib.map_clients(mode, worker_update, rho_k,
                                                 (data, mask, theta_old, v, d, jnp.take(scale, group)))

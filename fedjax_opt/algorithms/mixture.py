@@ -103,7 +103,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import tree_bits
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key, check_loss_fn,
                                         check_num_clients, check_positive, check_probability, is_concrete)
 from fedjax_opt.objectives import average, consensus_penalty
@@ -394,10 +394,10 @@ def _loopless_local(loss_fn, lam, alpha, p, num_clients, stochastic, smoothness,
     if stochastic:
       keys = jax.random.split(sample_key, n)
       grads = client_map_lib.map_clients(mode, _sampled_gradient(loss_fn), None,
-                                         (x, batches.data, batches.mask, keys))
+                                         (x, materialize(batches.data), batches.mask, keys))
     else:
       grads, losses = client_map_lib.map_clients(mode, _full_gradient(loss_fn), None,
-                                                 (x, batches.data, batches.mask))
+                                                 (x, materialize(batches.data), batches.mask))
     x_bar = average(state.local_params)
     local = _move(x, grads, alpha / (n * (1.0 - p)))
     toward = _move(x, jax.tree.map(jnp.subtract, x, x_bar), alpha * lam / (n * p))
@@ -636,7 +636,7 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
     table = per_client.gather(state.gradient_table, ids)
     keys = jax.random.split(sample_key, n)
     j, grad, old, mean = client_map_lib.map_clients(
-        mode, _sampled_with_table(loss_fn), None, (x, batches.data, batches.mask, keys, table))
+        mode, _sampled_with_table(loss_fn), None, (x, materialize(batches.data), batches.mask, keys, table))
     x_bar = average(state.local_params)
     metrics = _communication_metrics(state, coin)
     if efficient:

@@ -152,7 +152,7 @@ from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import global_norm, tree_bits
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_key, check_loss_fn,
                                         check_num_clients, check_positive, is_concrete)
 from fedjax_opt.objectives import average, consensus_penalty
@@ -293,7 +293,7 @@ def mixture_admm(
     broadcast = jax.tree.map(lambda zz, xb, yy: rho * kappa * (zz - xb) - yy, z, x_bar, y)
     v = jax.tree.map(lambda xi, b: (rho * xi + b) / penalty, x, broadcast)
     new_x, losses, grads = client_map_lib.map_clients(mode, client_update, penalty,
-                                                      (batches.data, batches.mask, x, v))
+                                                      (materialize(batches.data), batches.mask, x, v))
     finite = client_is_finite((new_x, losses, grads))  # a non-finite client keeps its x_i (module docstring)
     local_params = per_client.scatter(state.local_params, ids, new_x, finite).table
     new_x_bar = average(local_params)

@@ -70,7 +70,7 @@ import numpy as np
 
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import mixing as mixing_lib
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_full_participation, check_key, check_loss_fn, check_per_example_loss,
                                         is_concrete)
 
@@ -235,7 +235,7 @@ def p2p_bayes(
                        f"C = N = {n} (row i = node i); got C = {batches.num_clients}.")
     check_full_participation(batches, n, ordered=True)
     old = state.log_beliefs
-    log_lik = client_map_lib.map_clients(mode, node_log_likelihood, hypotheses, (batches.data, batches.mask))
+    log_lik = client_map_lib.map_clients(mode, node_log_likelihood, hypotheses, (materialize(batches.data), batches.mask))
     log_lik = log_lik.astype(old.dtype)
     ok = jnp.all(jnp.isfinite(log_lik), axis=1)
     local = old + jnp.where(ok[:, None], log_lik, jnp.zeros_like(log_lik))

@@ -26,9 +26,10 @@ arrays described by where they live (per-client slot indices into a shared
 example store) instead of as arrays. `fedjax_opt.train` samples rounds this
 way, so that a round whose clients run in a loop gathers each chunk's
 examples inside the loop (`core.rounds.client_round`) and never holds the
-whole `[C, S, B, ...]` batch. Everything else sees ordinary arrays: reading
-its keys, flattening it as a pytree (`jax.tree.map`, `vmap`, `jit`
-arguments) or `materialize(data)` gathers the full batch.
+whole `[C, S, B, ...]` batch. It is a pytree of its own (store and slot
+indices as leaves, the gather as static data), so it crosses `jax.jit`,
+`vmap` and `lax.scan` unchanged; code that wants the arrays calls
+`materialize(data)`, which gathers the full batch.
 
 `Aggregator(init, aggregate)` is the seam between stacked client updates and
 the server step (`fedjax_opt.aggregators` builds them); it is a contract of
@@ -40,7 +41,7 @@ with its per-client rows in the aggregator's state (`StagedState`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import flax.struct
 import jax
@@ -53,58 +54,59 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 """Per-example loss: `loss_fn(params, batch) -> [B]`. The library masks and averages."""
 
 
+@flax.struct.dataclass
 class DeferredData:
-  """A round's client data, `[C, S, B, ...]`, gathered where it is used.
+  """A round's client data, `[C, S, B, ...]`, described by where it lives; `materialize` gathers it.
 
-  `take(source, refs)` makes the data: `source` is shared by every client
-  (the packed dataset's example arrays), `refs` has a leading `[C]` axis
-  (each client's id and slot indices). `take` must work for refs with any
+      materialize(DeferredData(source, refs, take)) = take(source, refs)
+
+  `source` is shared by every client (the packed dataset's example arrays),
+  `refs` has a leading `[C]` axis (each client's id and slot indices), and
+  `take(source, refs)` makes the data. `take` must work for refs with any
   leading axes (all C clients, a chunk of k, one client), so that
   `take(source, refs)[c] == take(source, refs[c])`.
 
-  It behaves as the data it stands for, so code that does not know about it
-  stays correct: reading a key (`data["x"]`), iterating, or flattening it as
-  a pytree (which every `jax.tree.map`, `vmap` and `jit` argument does)
-  gathers the whole batch and sees a plain pytree of arrays. Only
-  `core.rounds.client_round` looks inside, to gather per client in a loop.
+  A pytree whose leaves are `source` and `refs` and whose `take` is static:
+  it passes through `jax.jit`, `vmap`, `lax.scan` and `jax.tree.map` as a
+  `DeferredData`, and nothing is gathered until someone calls `materialize`.
+  A jitted function is compiled once per `take` value, so `take` must be
+  hashable and equal from one round to the next: a module-level function or
+  a frozen dataclass (`fedjax_opt.data.sampling` and `fedjax_opt.attacks`
+  use one), not a lambda or `functools.partial` made anew each round.
+
+  It is not a dict: code that reads the data calls `materialize(data)`.
+  Three places look inside instead, to gather less than the whole batch:
+  `core.rounds.client_round` (each chunk of a client loop gathers its own
+  clients), `core.asynchrony` (an event gathers only the clients that
+  arrive) and `fedjax_opt.attacks.poison` (poisoning is folded into `take`,
+  so the data stays deferred).
+
+  Attributes:
+    source: pytree shared by every client.
+    refs: pytree of arrays with a leading `[C]` axis.
+    take: `take(source, refs) -> data [..., S, B, ...]`, static.
   """
 
-  def __init__(self, source: PyTree, refs: PyTree, take: Callable[[PyTree, PyTree], PyTree]):
-    self.source = source
-    self.refs = refs
-    self.take = take
+  source: PyTree
+  refs: PyTree
+  take: Callable[[PyTree, PyTree], PyTree] = flax.struct.field(pytree_node=False)
+
+  def __post_init__(self):
+    if not callable(self.take):
+      raise TypeError(f"DeferredData: take must be callable; got {type(self.take).__name__}.")
+    try:
+      hash(self.take)
+    except TypeError as e:
+      raise TypeError(f"DeferredData: take must be hashable (it is static under jax.jit); got "
+                      f"{type(self.take).__name__}.") from e
 
   def materialize(self) -> PyTree:
-    """The data as arrays `[C, S, B, ...]`."""
+    """The data as arrays `[C, S, B, ...]`: `take(source, refs)`."""
     return self.take(self.source, self.refs)
 
-  def __getitem__(self, key: Any) -> Any:
-    return self.materialize()[key]
-
-  def __iter__(self) -> Iterator[Any]:
-    return iter(self.materialize())
-
-  def __len__(self) -> int:
-    return len(self.materialize())
-
-  def __contains__(self, key: Any) -> bool:
-    return key in self.materialize()
-
-  def keys(self):
-    return self.materialize().keys()
-
-  def items(self):
-    return self.materialize().items()
-
-  def values(self):
-    return self.materialize().values()
-
   def __repr__(self) -> str:
-    return f"DeferredData(refs={jax.tree.map(lambda a: getattr(a, 'shape', a), self.refs)})"
-
-
-# Flattening gathers: every pytree consumer sees the arrays, and rebuilding gives them back as a plain pytree.
-jax.tree_util.register_pytree_node(DeferredData, lambda d: ((d.materialize(),), None), lambda _, children: children[0])
+    shapes = jax.tree.map(lambda a: getattr(a, "shape", a), self.refs)
+    return f"DeferredData(refs={shapes}, take={self.take!r})"
 
 
 def materialize(data: PyTree) -> PyTree:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_opt.core.types import ClientBatches
+from fedjax_opt.core.types import ClientBatches, materialize
 
 __all__ = ["check_choice", "check_client_batches", "check_full_participation", "check_in_range", "check_int",
            "check_key", "check_loss_fn", "check_num_clients", "check_optimizer", "check_optional_int",
@@ -49,7 +49,7 @@ def check_client_batches(batches: Any, name: str = "batches") -> None:
   if jnp.result_type(mask) != jnp.bool_:
     raise TypeError(f"{name}.mask must be bool (True on real examples); got dtype {jnp.result_type(mask)}.")
   c, s, b = jnp.shape(mask)
-  leaves = _leaf_paths(batches.data)
+  leaves = _leaf_paths(jax.eval_shape(materialize, batches.data))  # shapes only: deferred data is not gathered
   if not leaves:
     raise ValueError(f"{name}.data holds no arrays.")
   for path, leaf in leaves:

@@ -68,6 +68,7 @@ All randomness of a round comes from one `jax.random.bits` call on `key`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -281,6 +282,20 @@ def _take(examples: dict, refs: tuple[jax.Array, jax.Array], sequence_length: in
   return {k: take(v) for k, v in examples.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Take:
+  """The `take` of a deferred round: `_take(examples, refs, sequence_length)`.
+
+  A value (equal for equal `sequence_length`), so a jitted step that receives
+  the `DeferredData` compiles once, not once per round.
+  """
+
+  sequence_length: int
+
+  def __call__(self, examples: dict, refs: tuple[jax.Array, jax.Array]) -> dict:
+    return _take(examples, refs, self.sequence_length)
+
+
 def _refs(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array,
           mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """`(client_ids, index)` with masked slots reading the dataset's all-zero slot (`zero_index`)."""
@@ -302,8 +317,7 @@ def gather(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array, m
 def deferred_gather(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array,
                     mask: jax.Array) -> DeferredData:
   """`gather(dataset, client_ids, index, mask)` as a `DeferredData`: nothing is gathered until the data is used."""
-  return DeferredData(dataset.examples, _refs(dataset, client_ids, index, mask),
-                      functools.partial(_take, sequence_length=dataset.sequence_length))
+  return DeferredData(dataset.examples, _refs(dataset, client_ids, index, mask), _Take(dataset.sequence_length))
 
 
 def sample_round(

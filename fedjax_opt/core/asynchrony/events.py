@@ -126,9 +126,9 @@ class Event(NamedTuple):
 
 
 def _take_rows(data: PyTree, rows: jax.Array) -> PyTree:
-  """The batches' data at `rows` (`[A, S, B, ...]`), a `DeferredData` kept deferred."""
+  """The batches' data at `rows` as arrays `[A, S, B, ...]`; a `DeferredData` gathers only those rows."""
   if isinstance(data, DeferredData):
-    return DeferredData(data.source, jax.tree.map(lambda r: r[rows], data.refs), data.take)
+    return DeferredData(data.source, jax.tree.map(lambda r: r[rows], data.refs), data.take).materialize()
   return jax.tree.map(lambda d: d[rows], data)
 
 
