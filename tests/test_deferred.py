@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from algorithm_examples import EXAMPLES, N, example_inputs, loss_fn
+from algorithm_examples import EXAMPLES, example_inputs, loss_fn
 
 import fedjax_opt as fo
 from fedjax_opt.core import DeferredData, materialize
