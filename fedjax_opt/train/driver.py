@@ -63,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt.core import per_client
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, materialize
 from fedjax_opt.core.validation import check_int
 from fedjax_opt.data.dataset import FederatedDataset
 from fedjax_opt.data.sampling import sample_round
@@ -109,7 +109,12 @@ def _draw(state: PyTree, dataset: FederatedDataset, sampling: Sampling, seed: Se
   """The batches of round `state.round`, drawn with `fold_in(key(seed), round)`."""
   if isinstance(seed, tuple):  # a sweep with one data stream per member
     keys = jnp.stack([jax.random.key(k) for k in seed])
-    return jax.vmap(lambda k, r: _sample(jax.random.fold_in(k, r), dataset, sampling))(keys, state.round)
+    # Each member's data gathered inside the vmap: a deferred member would carry the whole store along the new axis.
+    def member(k, r):
+      batches = _sample(jax.random.fold_in(k, r), dataset, sampling)
+      return batches.replace(data=materialize(batches.data))
+
+    return jax.vmap(member)(keys, state.round)
   r = state.round[0] if swept else state.round
   return _sample(jax.random.fold_in(jax.random.key(seed), r), dataset, sampling)
 
