@@ -11,8 +11,8 @@ around the global model w* = argmin (1/N) Σ_i f_i. One round t (Algorithm 1):
     server:    w_{t+1} = w_t + ServerOpt(−Aggregate(Δ_i))              (FedAvg by default)
 
 The global part is FedAvg exactly (`core.local.local_train` with the client
-optimizer, `core.rounds.client_round`'s no-step rule and non-finite guard,
-the aggregator seam, the server optimizer). The personal part is
+optimizer, `core.rounds.client_round` and its rules (docs/architecture.md,
+"The round"), the aggregator seam, the server optimizer). The personal part is
 `local_train` with `optax.sgd(η)` and the proximal gradient λ(v − w_t) as
 its `gradient_correction`, started from the client's stored v_i. Its
 P = `personal_steps` steps cycle through the round's S batches (step s uses

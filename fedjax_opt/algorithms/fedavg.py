@@ -20,9 +20,9 @@ With `server_optimizer=optax.sgd(1.0)` this is FedAvg; with the optimizers of
 FedSGD is the case of one full-batch gradient per client: Δ_k = −∇f_k(x_t),
 so the server step is SGD (or any optax rule) on the weighted mean gradient.
 
-The round is `core.rounds.client_round` (through `core.averaging`): a client
-that took no local step takes no part (weight 0), clients whose update is
-non-finite are dropped and counted; `state.metrics` holds
+The round is `core.rounds.client_round` (through `core.averaging`), with the
+library's rules for clients that take no step or send a non-finite update
+(docs/architecture.md, "The round"); `state.metrics` holds
 `core.server.ROUND_METRICS`.
 """
 

@@ -37,9 +37,9 @@ mask)` computes π for a client from its data by EM with the components
 fixed (the paper's treatment of clients unseen at training), and
 `client_params(state, t)` returns the stored π_t with the components.
 
-Non-finite clients (our rule, as everywhere in the library): a client whose
-updates or responsibilities hold a NaN/Inf is dropped from the average,
-counted in `num_nonfinite`, and its π_t row keeps its last finite value.
+Non-finite clients follow the library's rule (docs/architecture.md, "The
+round"); here a client's responsibilities count as part of its update, and
+its π_t row keeps its last finite value.
 
 Metrics: `core.server.ROUND_METRICS` plus `component_share` `[M]`, the mean
 of the round's aggregated clients' new π_t (how the round's data splits

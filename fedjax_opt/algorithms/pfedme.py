@@ -17,8 +17,8 @@ The inner solve is `core.local.local_train` with `optax.sgd(ν)` on K copies
 of D_r and the proximal gradient λ(θ − w_{i,r}) as its `gradient_correction`.
 θ starts at w_t each round and is warm-started across the R local steps (as
 in the authors' code). A local step whose batch is empty is skipped. The
-round is `core.rounds.client_round` (the no-step rule, the non-finite guard,
-the aggregator seam, default `aggregators.mean()`, the paper's uniform mean),
+round is `core.rounds.client_round` (its rules: docs/architecture.md, "The
+round"; the aggregator seam, default `aggregators.mean()`, the paper's uniform mean),
 then `optax.sgd(β)` on the pseudo-gradient:
 w_t + β Δ̄ = (1 − β) w_t + β mean w_{i,R}.
 
