@@ -44,7 +44,7 @@ Adaptive Clipping" (NeurIPS 2021, arXiv:1905.03871).
 The state (`DPMeanState`) exposes the clip norm used in the last round and the
 noisy fraction b̄ (NaN without adaptive clipping) for metrics.
 
-Composition along DESIGN.md's seam (compression → clipping and DP noise →
+Composition along the seam (docs/architecture.md: compression → clipping and DP noise →
 secure summation → aggregation → server optimizer): `dp_mean` is a sum of
 per-client terms plus one noise draw (`streaming`: `StreamingSum.term`
 clips and counts one client, `finalize` adds the noise and divides). A
