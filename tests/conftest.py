@@ -179,6 +179,19 @@ def mixture_objective(a, b, x, lam):
   return np.mean(losses) + lam / (2 * len(x)) * np.sum((x - x.mean(0))**2)
 
 
+def diagonal(rows, columns):
+  """`(row, column)` parameters for a test that crosses every row with every column (algorithms × client maps).
+
+  The default tier runs the diagonal: row i with column i mod len(columns), so every row and every column is
+  tested at least once; the other cells are marked `slow` and run in the second tier (`.ci/run` runs both).
+  Each cell compiles its own programs, so the whole product would cost the default tier len(columns) times
+  as much for the same code paths.
+  """
+  rows, columns = list(rows), list(columns)
+  return [pytest.param(r, c, marks=() if j == i % len(columns) else pytest.mark.slow)
+          for i, r in enumerate(rows) for j, c in enumerate(columns)]
+
+
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)

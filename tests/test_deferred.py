@@ -32,6 +32,7 @@ import numpy as np
 import optax
 import pytest
 from algorithm_examples import EXAMPLES, example_inputs, loss_fn
+from conftest import diagonal
 
 import fedjax_opt as fo
 from fedjax_opt.core import DeferredData, materialize
@@ -176,8 +177,7 @@ def _eager_and_deferred_rounds(name, mode):
   return want, got
 
 
-@pytest.mark.parametrize("mode", ["vmap", "sequential", "chunked:3"])
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
+@pytest.mark.parametrize("name,mode", diagonal(sorted(EXAMPLES), ["vmap", "sequential", "chunked:3"]))
 def test_every_algorithm_steps_the_same_on_deferred_data(name, mode):
   want, got = _eager_and_deferred_rounds(name, mode)
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
