@@ -62,14 +62,13 @@ Varying penalty by residual balancing (§3.4.1): ρ ← τρ when ‖r‖ > μ�
 ρ ← ρ/τ when ‖s‖ > μ‖r‖. The duals are stored unscaled, so the scaled dual
 u = λ/ρ is rescaled (u ← u ρ_old/ρ_new) by construction.
 
-Partial participation (`core.rounds.client_round`'s rules): clients not in
-the round, with weight 0, with no real example this round, or with a
-non-finite x_i keep x_i, λ_i and w_i; z averages the stored x_i + λ_i/ρ of
+Partial participation follows the library's rules (docs/architecture.md,
+"The round"; the round is `core.rounds.client_round`): a client that takes
+no part (not in the round, weight 0, no real example this round, or a
+non-finite update) keeps x_i, λ_i and w_i at their last values, and its x̂_i
+enters neither z nor its λ_i update; z averages the stored x_i + λ_i/ρ of
 every client with the fresh x̂_i + λ_i/ρ of the round's clients. With full
-participation this is exactly the iteration above. A client whose update is
-not finite is such a client: its non-finite x̂_i never enters z, nor its λ_i
-update, its x_i, λ_i and w_i stay at their last finite values, and it is
-counted in `metrics["num_nonfinite"]`.
+participation this is exactly the iteration above.
 
 Communication (`metrics["bits_up"]`, `metrics["bits_down"]`, float32, per
 client). A client taking part receives z^k and sends one model-sized vector,

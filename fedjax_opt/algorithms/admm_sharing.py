@@ -56,13 +56,13 @@ ridge / elastic-net (or ℓ1/ℓ2-regularised logistic regression) solution.
 Residuals (§3.3): ‖r‖ = √N ‖h̄ − \\bar{z}‖ (h̄ = \\bar{Ax} when α = 1) and
 ‖s‖ = ρ √N ‖\\bar{z}^{k+1} − \\bar{z}^k‖.
 
-A client whose update is not finite (NaN/Inf in its feature block, say: its
-x_i, A_i x_i or h_i holds a NaN or Inf) is frozen for the iteration: its x_i,
+Non-finite clients (the library's rule, docs/architecture.md "The round", in
+sharing-ADMM terms). A client whose x_i, A_i x_i or h_i holds a NaN or Inf
+(NaN/Inf in its feature block, say) is frozen for the iteration: its x_i,
 its offset d_i and its stored share p_i = A_i x_i (`predictions`, its last
-finite value; 0 until its first finite iteration) stay, it is counted in
-`metrics["num_nonfinite"]`, and the iteration is the exact sharing ADMM of
-the other clients F (N_F = |F|) with the frozen shares as a constant
-c = Σ_{j∉F} p_j inside the loss, ℓ(Σ_{i∈F} z_i + c):
+finite value; 0 until its first finite iteration) stay, and the iteration is
+the exact sharing ADMM of the other clients F (N_F = |F|) with the frozen
+shares as a constant c = Σ_{j∉F} p_j inside the loss, ℓ(Σ_{i∈F} z_i + c):
 
     h̄ = (1/N_F) Σ_{i∈F} h_i,   t = argmin_t ℓ(N_F t + c) + (N_F ρ/2)‖t − u − h̄‖²
     (squared: t = (b − c + mρ(u + h̄))/(N_F + mρ); logistic: the scalar equations

@@ -29,8 +29,8 @@ first. In short:
   (τ = p) and the moment the server uses its update (t = the version then);
 * an update whose x_p has left the ring buffer (staler than H − 1 when its
   event starts) is discarded and counted (`num_too_stale`);
-* a non-finite update is dropped and counted (`num_nonfinite`); a client that
-  took no local step sends nothing.
+* clients that take no step or send a non-finite update follow the
+  library's rules (docs/architecture.md, "The round"), applied per arrival.
 
 State: `AsyncState` (one dataclass for the four; the fields an algorithm does
 not use are None). Metrics: `core.asynchrony.event_metric_names()`

@@ -58,11 +58,10 @@ its index), and may only leave it at a later split. Use full participation
 (C = N, every client once) for the paper's algorithm; with sampling, a split
 is only as good as the sample of that round.
 
-Non-finite rule. A client whose update is non-finite is dropped from every
-average, from the split decision and from the bipartition (it stays in its
-cluster) and counted in `metrics["num_nonfinite"]`; a cluster average that
-is not finite or has no client is not applied, so no cluster model ever
-becomes non-finite (`fedjax_opt.core.clusters`).
+Non-finite clients follow the library's rule (docs/architecture.md, "The
+round"), applied per cluster by `fedjax_opt.core.clusters`; here such a
+client is also left out of the split decision and the bipartition (it stays
+in its cluster).
 """
 
 from __future__ import annotations

@@ -60,17 +60,19 @@ elastic step contracts every difference x_i − x̃ orthogonal to their sum by
 the C client slots of the round (checked when `step` is traced; C bounds the
 number of clients actually taking part).
 
-Partial participation: clients with weight 0 (and clients whose new x_i is not
-finite) neither move nor pull the center; the sum runs over the clients that
-took part, unweighted as in the paper (`batches.weight` only marks who takes
-part). A client drawn twice in a round counts once (`core.per_client.scatter`).
+Partial participation: a client that takes no part (below) neither moves nor
+pulls the center; the sum runs over the clients that took part, unweighted as
+in the paper (`batches.weight` only marks who takes part). A client drawn
+twice in a round counts once (`core.per_client.scatter`).
 
 State: `state.params` is the center x̃ (what a global evaluation sees);
 `state.local_params` is the table of the x_i (leaves `[N, ...]`), read with
 `fo.personalized_params(state, client_id)`. Every x_i starts at the initial
 model. The round is `core.rounds.client_round` without an aggregator (the
-server does not average updates: the center moves by the elastic pull):
-a client that took no local step takes no part.
+server does not average updates: the center moves by the elastic pull), with
+the library's rules (docs/architecture.md, "The round") in the form
+`core/rounds.py` states for a round without an aggregator: a client is
+finite when its new x_i is.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ proposes three consecutive stages:
 Design. `fedavg_finetune(...)` returns `FederatedAlgorithm(init, step, personalize)`:
 
 * `init` / `step`: stages 1 and 2. Both stages are FedAvg's round
-  (`core.averaging.averaging_algorithm`: the aggregator seam and the
-  non-finite guard, unchanged) with their own optimizers; `step` picks the
+  (`core.averaging.averaging_algorithm`: the aggregator seam and the round's
+  rules, docs/architecture.md "The round", unchanged) with their own optimizers; `step` picks the
   stage with `lax.cond(state.round < switch_round, ...)`, so a whole run is
   one `lax.scan` and `fedjax_opt.train.train` drives it like any algorithm.
   Each stage keeps its own server optimizer state (the FedAvgM trace,

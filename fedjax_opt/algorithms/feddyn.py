@@ -23,11 +23,10 @@ The g_k live in a per-client table (`fedjax_opt.core.per_client`;
 num_clients × model size entries, `storage_dtype` to store them in
 bfloat16); h is updated by the change actually stored, keeping
 h = (1/m) Σ_k g_k for the stored values. The round is
-`core.rounds.client_round` with the g_k table: a client takes part when its
-weight is > 0, it made at least one local step, and its update is finite; it
-writes its g_k when, in addition, the new g_k is finite and the round is
-accepted. The average of the θ_k − θ^{t−1} goes through the aggregator seam
-(default: the paper's uniform mean, with the non-finite guard).
+`core.rounds.client_round` with the g_k table, under the library's rules for
+taking part and writing rows (docs/architecture.md, "The round"). The average
+of the θ_k − θ^{t−1} goes through the aggregator seam (default: the paper's
+uniform mean).
 """
 
 from __future__ import annotations

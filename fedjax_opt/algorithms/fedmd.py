@@ -37,9 +37,9 @@ With `digest_steps=0` no public data is used and each client trains alone:
 FedMD is then independent local training (to float rounding: the clients
 are mapped together).
 
-A client whose scores or new model are not finite is left out of the
-consensus, keeps its model, and is counted in `num_nonfinite`; a NaN never
-reaches another client.
+Non-finite clients follow the library's rule (docs/architecture.md, "The
+round"): here a client whose scores or new model are not finite is left out
+of the consensus and keeps its model, so a NaN never reaches another client.
 
 Metrics: `client_loss` (the private revisit loss over finite clients),
 `digest_loss` (mean d before each digest step, over finite clients),

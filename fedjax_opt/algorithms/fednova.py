@@ -24,7 +24,7 @@ with p_i = n_i / Σ_{j∈S} n_j over the clients that take part. Local solvers:
 steps, a straggler's cut steps or a small client's missing steps do not
 count), so stragglers (`fedjax_opt.data.stragglers`) are normalized by the
 work they did. With equal τ_i, τ_eff = τ and FedNova is FedAvg. A client with
-τ_i = 0 takes no part.
+τ_i = 0 took no step (docs/architecture.md, "The round").
 
 The round is FedAvg's (`core.averaging` on `core.rounds.client_round`): the
 clients send d_i (and ‖a_i‖₁ beside it), the aggregate is rescaled by τ_eff

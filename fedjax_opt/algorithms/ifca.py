@@ -45,11 +45,10 @@ cluster of `cluster_of` (ties: the lowest index; cluster 0 before any
 choice), the one model a driver that evaluates `state.params` sees; a
 client's own model is its cluster's, `fo.core.clusters.client_models(state, i)`.
 
-Non-finite rule. A client whose update (or every loss) is non-finite is
-dropped from every average and counted in `metrics["num_nonfinite"]`; a
-cluster average that is not finite, or has no client, is not applied, so no
-cluster model ever becomes non-finite (`fedjax_opt.core.clusters`). The
-averages are taken over the stacked `[C, ...]` updates (no streaming form).
+Non-finite clients follow the library's rule (docs/architecture.md, "The
+round"), applied per cluster by `fedjax_opt.core.clusters`; here a client
+whose every loss is non-finite counts as non-finite too. The averages are
+taken over the stacked `[C, ...]` updates (no streaming form).
 """
 
 from __future__ import annotations

@@ -69,14 +69,13 @@ uniformly. `state.params` is the average model x̄ (what a global evaluation
 sees); the personalized models are `state.local_params` (leaves `[n, ...]`),
 read with `fo.personalized_params(state, client_id)`.
 
-Non-finite clients (all three; the rule of `core.rounds`, in these
-algorithms' terms). Every iteration each client computes its gradient
+Non-finite clients (all three; the library's rule, docs/architecture.md
+"The round", in these algorithms' terms). Every iteration each client computes its gradient
 (∇f_i(x_i), or ∇f_ij(x_i)) and its candidate new x_i (L2SGD+: also its new
 Ψ_i = λ(x_i − x̄), and its new J_ij is the gradient). A client for which any of
 these holds a NaN or Inf (`core.server.client_is_finite`) sits the iteration
 out, whatever the coin: it keeps its last finite x_i and its J_i and Ψ_i rows
-(`per_client.scatter` with a write mask), and is counted in
-`metrics["num_nonfinite"]`. Its stored x_i, finite, still counts in
+(`per_client.scatter` with a write mask). Its stored x_i, finite, still counts in
 x̄ = (1/n) Σ_i x_i: it is the client's last finite model. So the tables, x̄ and
 `state.params` never hold a non-finite value and no other client's model is
 touched. With every client finite, the iterates are unchanged bit for bit.

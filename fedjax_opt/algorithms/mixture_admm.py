@@ -118,13 +118,14 @@ max_i ‖x_i − x̄ + (1/λ)∇f_i(x_i)‖ at x^{k+1} (+inf when λ = 0) and
 defined at λ = 0), `bits_up` and `bits_down` (32 P each, float32; above).
 The residuals cost one extra gradient per client per round.
 
-A client whose update is not finite (a NaN in its data, say: its x_i^{k+1} or
-its gradient holds a NaN or Inf) makes no step: its x_i stays at its last
-finite value (in the table, and so in x̄ = (1/n) Σ_i x_i, where the block of a
+Non-finite clients (the library's rule, docs/architecture.md "The round", in
+ADMM terms). A client whose x_i^{k+1} or gradient holds a NaN or Inf (a NaN
+in its data, say) makes no step: its x_i stays at its last finite value (in
+the table, and so in x̄ = (1/n) Σ_i x_i, where the block of a
 client that did not move belongs: x_i is a variable of Φ whichever value it
 holds, and ADMM with one block's update replaced by "keep x_i" is still the
 exact ADMM of Φ restricted to x_i fixed), its non-finite x_i^{k+1} enters no
-average, z and y stay finite, and it is counted in `metrics["num_nonfinite"]`.
+average, and z and y stay finite.
 The metrics are then taken over the clients whose update was finite
 (`objective` uses the mean loss over them, `stationarity` and
 `gradient_residual` the max over them).

@@ -34,15 +34,15 @@ batches hold the clients that compute (all N for the paper's form, each
 client once) and `batches.weight` marks the sampled ones — weight > 0:
 sampled, aggregated and its θ_i written; weight 0 with data: not sampled, its
 θ_i still written (its w_{i,R} is discarded). A row writes its θ_i when it
-took at least one local step and its w_{i,R} and θ_i are finite (the
-non-finite rule), independently of whether the round was accepted; a padding row must therefore carry an empty mask
-(zero weight alone does not make it padding). With `fo.train` use
+took at least one local step and its w_{i,R} and θ_i are finite,
+independently of whether the round was accepted (a departure from the
+library's rule, docs/architecture.md "The round"); a padding row must
+therefore carry an empty mask (zero weight alone does not make it padding). With `fo.train` use
 `fo.Sampling(client_sampling="all", ...)` and zero the weights of the rows outside S_t, e.g.
 `batches.replace(weight=jnp.where(sampled, batches.weight, 0))`.
 `personalize_all=False` (the default, the behaviour kept from earlier
 versions) lets only the sampled clients compute: weight-0 rows do nothing,
-and θ_i is written for clients that took part with a finite update in an
-accepted round.
+and θ_i is written as any per-client row under the library's rules.
 
 Fixed point: with exact inner solves θ_i(w) = (A_i + λI)⁻¹(b_i + λw) on
 quadratics f_i(θ) = ½θᵀA_iθ − b_iᵀθ, one local step and full participation,

@@ -20,14 +20,12 @@ per-client table (`fedjax_opt.core.per_client`): num_clients × model size
 entries, optionally stored in bfloat16 (`storage_dtype`); c is updated by the
 change actually stored, so c = (1/N) Σ_i c_i holds for the stored values.
 
-The round is `core.rounds.client_round` with the c_i table: a client takes
-part only if its weight is > 0, it made at least one local step and its Δy_i
-is finite (a non-finite one is dropped and counted by the guard); its c_i is
-written only if, in addition, c_i⁺ is finite and the round is accepted.
-Otherwise c_i is left as it was (zero-weight padding clients never write).
-The average of Δy_i goes through the aggregator seam (default: the uniform
-mean of the paper; the non-finite guard of `core.server.aggregate_updates`
-around it), and the server step is `apply_server_update` with `optax.sgd(η_g)`.
+The round is `core.rounds.client_round` with the c_i table, under the
+library's rules for taking part and writing rows (docs/architecture.md, "The
+round"): Δy_i is the update and c_i⁺ the row, so a client that does not write
+keeps its c_i. The average of Δy_i goes through the aggregator seam (default:
+the uniform mean of the paper), and the server step is `apply_server_update`
+with `optax.sgd(η_g)`.
 
 Both uploads are messages and both pass the aggregator's client stage
 (`core.rounds.client_round`): Δy_i as the update, Δc_i as a second upload
