@@ -71,9 +71,9 @@ aggregator is the aggregator seam's business, whatever the stage. The round
 and draws client i's key for its j-th kind of message as
 fold_in(fold_in(round key, stream_j), i), so a run is reproducible from its
 seed and the server can regenerate rand-k's indices; the residual row is
-written only for a client that took part and was aggregated in an accepted
-round (a NaN client's row is left as it was), like every other per-client
-row. `residuals(state.aggregator_state)` reads the table.
+written under the round's rules for per-client rows (docs/architecture.md,
+"The round"), like every other. `residuals(state.aggregator_state)` reads
+the table.
 """
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ transformation:
 * `aggregate(updates, weights, state, key) -> (update, state)`, where every
   leaf of `updates` is stacked `[C, ...]` and `weights` is `[C]`.
 
-A weight of 0 marks a client that takes no part: padding clients, and clients
-whose update was non-finite (see `fedjax_opt.core.server.aggregate_updates`,
-which every averaging algorithm calls and which zeroes those before the
-aggregator sees them). Robust rules and differential-privacy noise are further
+A weight of 0 marks a client that takes no part: padding clients, and the
+clients the round's rules exclude (docs/architecture.md, "The round");
+`fedjax_opt.core.server.aggregate_updates` zeroes non-finite clients before
+the aggregator sees them. Robust rules and differential-privacy noise are further
 aggregators behind the same seam; compression with error feedback is its
 client stage, put in front of any of them with `fedjax_opt.aggregators.chain`.
 """

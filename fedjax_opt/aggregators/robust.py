@@ -26,11 +26,10 @@ coordinate. Coordinate-wise rules (MarMed, MeaMed, trimmed mean) survive the
 generalized model; vector rules (GeoMed, Krum) do not, since every client
 can be corrupted somewhere.
 
-Clients that take no part never count as votes. A weight of 0 marks a
-padding client, a client whose update was not finite (dropped by
-`core.server.aggregate_updates`) and one that was not sampled or took no
-local step; their rows may hold anything (huge values, NaN) without
-changing the result. Shapes stay static: rows are sorted with +inf in the
+Clients that take no part (weight 0: padding, not sampled, or excluded by
+the round's rules, docs/architecture.md "The round") never count as votes;
+their rows may hold anything (huge values, NaN) without changing the
+result. Shapes stay static: rows are sorted with +inf in the
 absent rows' places and indexed with the number n of clients taking part,
 a traced count, so the same compiled round serves any n. Every rule
 returns zeros when no client takes part (the guard then rejects the

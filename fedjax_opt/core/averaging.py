@@ -11,8 +11,8 @@ FedNova sends a normalized direction instead of Δ_k and rescales the
 aggregate before the server step (`server_delta`).
 
 `averaging_algorithm(client_update, ...)` builds that round once, on
-`core.rounds.client_round` (so the no-step and non-finite rules are those of
-every other algorithm). Its state, `AveragingState`, is what FedAvg calls
+`core.rounds.client_round` (so the round's rules, docs/architecture.md "The
+round", are those of every other algorithm). Its state, `AveragingState`, is what FedAvg calls
 `FedAvgState` (`fedjax_opt.algorithms.fedavg`). Algorithms that aggregate
 their clients the same way but keep more state (SCAFFOLD, FedDyn, Ditto)
 build their `init` and `step` from the same two pieces: `initial_fields` and

@@ -11,10 +11,11 @@ their cluster's model (`core.rounds.client_round`) and then averages per cluster
 
 The per-cluster average is the library's guarded aggregation
 (`core.server.aggregate_updates`) vmapped over the K clusters, each with the
-weights of its own clients (w_k 1[c(k) = j]): a non-finite client is dropped
-from every average and counted once in `num_nonfinite`; a cluster that no
-finite client chose is "rejected" and keeps its model; no cluster model ever
-takes a non-finite value. The aggregator and server-optimizer states are
+weights of its own clients (w_k 1[c(k) = j]): the library's non-finite rule
+(docs/architecture.md, "The round") per cluster, a non-finite client counted
+once in `num_nonfinite`, and a cluster that no finite client chose
+"rejected", keeping its model; no cluster model ever takes a non-finite
+value. The aggregator and server-optimizer states are
 stacked `[K, ...]` too. The average is taken over the stacked `[C, ...]`
 updates (CFL needs them all for its similarity matrix), so these rounds do
 not stream.

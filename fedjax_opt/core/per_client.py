@@ -12,8 +12,8 @@ touches only its participating clients:
 
 `write` `[C]` says which clients may write back: the algorithm passes
 `weight > 0` (zero-weight padding clients never write) together with whatever
-else disqualifies a client (a non-finite update, a rejected round, no local
-step). The gather and scatter act on the stacked `[C]` axis outside the
+else disqualifies a client (for `core.rounds.client_round`, the round's rules:
+docs/architecture.md, "The round"). The gather and scatter act on the stacked `[C]` axis outside the
 client map, so the result is the same under every `client_map` mode.
 
 Duplicates: a client drawn twice in one round (sampling with replacement)

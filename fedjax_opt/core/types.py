@@ -240,8 +240,8 @@ class StagedState(NamedTuple):
 class Aggregator(NamedTuple):
   """`init(params) -> state`; `aggregate(updates [C, ...], weights [C], state, key) -> (update, state)`.
 
-  A weight of 0 marks a client that takes no part (padding clients, clients
-  that took no step, clients whose update was not finite).
+  A weight of 0 marks a client that takes no part (padding clients, and those
+  the round's rules exclude: docs/architecture.md, "The round").
 
   `streaming` (optional) is the same rule as a `StreamingSum`: when given,
   a round whose clients run in a loop (`client_map` sequential or chunked)

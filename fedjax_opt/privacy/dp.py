@@ -15,9 +15,8 @@ Adaptive Clipping" (NeurIPS 2021, arXiv:1905.03871).
 * Uniform weights. Every participating client counts once, whatever its
   number of examples, as in DP-FedAvg's "flat" estimator: with n_k weights a
   client's influence on the sum would be n_k C, unbounded by C. Zero-weight
-  clients (padding, clients that took no step, clients whose update was not
-  finite and was dropped by the guard of `core.server.aggregate_updates`)
-  contribute nothing and are not counted.
+  clients (padding, and those the round's rules exclude: docs/architecture.md,
+  "The round") contribute nothing and are not counted.
 * Fixed denominator. m is the *expected* number of clients, public and the
   same in every round: C for fixed-size sampling, qN for Poisson sampling
   with probability q (McMahan et al.'s fixed-denominator estimator). Dividing

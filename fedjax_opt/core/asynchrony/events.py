@@ -14,12 +14,11 @@ One `step` is one server event (`run_event`):
        which pull the model at the end of the event) and the clock advances
        to the event's time.
 
-Rules, as in `core.rounds.client_round`: a client that took no local step (no
-real example in its rows, or weight 0) sends nothing and is not counted; a
-client whose update (or resulting model) is not finite is dropped and counted
-in `num_nonfinite`, and the model never becomes non-finite. An update whose
-pulled model has left the ring buffer (`history.py`) is discarded and counted
-in `num_too_stale`.
+The library's rules for clients that take no step or send a non-finite
+update (docs/architecture.md, "The round") apply to each arrival; here an
+update whose resulting model is not finite counts as non-finite too, so the
+model never becomes non-finite. An update whose pulled model has left the
+ring buffer (`history.py`) is discarded and counted in `num_too_stale`.
 """
 
 from __future__ import annotations
