@@ -209,10 +209,10 @@ def _as_sequences(specs: list[GraphSpec]) -> jax.Array:
 
 
 METHODS = {
-    "gossip + local steps": lambda loss_fn, eta, w: gossip(loss_fn, eta, mixing=w, local_steps=LOCAL_STEPS,
+    "gossip + local steps": lambda loss_fn, eta, w: gossip(loss_fn, eta, graph=w, local_steps=LOCAL_STEPS,
                                                            client_map="vmap"),
-    "D-PSGD": lambda loss_fn, eta, w: dpsgd(loss_fn, eta, mixing=w, client_map="vmap"),
-    "gradient tracking": lambda loss_fn, eta, w: gradient_tracking(loss_fn, eta, mixing=w, client_map="vmap"),
+    "D-PSGD": lambda loss_fn, eta, w: dpsgd(loss_fn, eta, graph=w, client_map="vmap"),
+    "gradient tracking": lambda loss_fn, eta, w: gradient_tracking(loss_fn, eta, graph=w, client_map="vmap"),
 }
 
 
@@ -271,7 +271,7 @@ def pure_gossip(task: Task, mixings: jax.Array, rounds: int, seed: int = 0) -> n
   start = {"w": x0[:, :-1], "b": x0[:, -1]}
 
   def one_graph(w):
-    algo = gossip(task.loss_fn, 0.0, mixing=w, client_map="vmap")
+    algo = gossip(task.loss_fn, 0.0, graph=w, client_map="vmap")
     state = algo.init(_zeros(), jax.random.key(0)).replace(local_params=start)
 
     def round_(s, _):

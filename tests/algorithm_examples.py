@@ -53,7 +53,7 @@ EXAMPLES = {
                                                             num_clients=N, client_optimizer=_sgd(), **kw),
     "fedem": lambda **kw: fo.algorithms.fedem(loss_fn, num_components=2, num_clients=N, client_optimizer=_sgd(), **kw),
     "d_fedem": lambda **kw: fo.algorithms.d_fedem(loss_fn, num_components=2,
-                                                  mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
+                                                  graph=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
                                                   client_optimizer=_sgd(), **kw),
     "fedmd": lambda **kw: fo.algorithms.fedmd(
         loss_fn, apply_fn=lambda p, x: (x @ p["w"] + p["b"])[:, None], num_clients=N,
@@ -72,16 +72,16 @@ EXAMPLES = {
                                                       client_optimizer=_sgd(), **kw),
     "mixture_admm": lambda **kw: fo.algorithms.mixture_admm(loss_fn, 0.1, 1.0, num_clients=N,
                                                        client_optimizer=_sgd(), **kw),
-    "gossip": lambda **kw: fo.algorithms.gossip(loss_fn, 0.01, mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
+    "gossip": lambda **kw: fo.algorithms.gossip(loss_fn, 0.01, graph=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
                                                 **kw),
-    "dpsgd": lambda **kw: fo.algorithms.dpsgd(loss_fn, 0.01, mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
+    "dpsgd": lambda **kw: fo.algorithms.dpsgd(loss_fn, 0.01, graph=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
                                               **kw),
     "gradient_tracking": lambda **kw: fo.algorithms.gradient_tracking(
-        loss_fn, 0.01, mixing=fo.graphs.random_matchings(fo.graphs.complete(N), 6, seed=0), **kw),
+        loss_fn, 0.01, graph=fo.graphs.random_matchings(fo.graphs.complete(N), 6, seed=0), **kw),
     "p2p_bayes": lambda **kw: fo.algorithms.p2p_bayes(
         loss_fn, hypotheses={"w": jnp.asarray(np.arange(3 * D).reshape(3, D) / 10.0, jnp.float32),
                              "b": jnp.zeros(3, jnp.float32)},
-        mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(N)), **kw),
+        graph=fo.graphs.metropolis_hastings(fo.graphs.ring(N)), **kw),
     # asynchronous: every event handles all N in-flight clients (each arrives once), so every client computes
     "fedbuff": lambda **kw: fo.algorithms.fedbuff(loss_fn, buffer_size=2, num_clients=N, client_optimizer=_sgd(),
                                                   schedule=_every_client_arrives(), **kw),

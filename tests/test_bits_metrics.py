@@ -45,7 +45,7 @@ READ = ("bits_up", "bits_down", "bytes_sent", "bits", "transmissions", "communic
 
 
 def _gossip_on_a_chain():
-  return fo.algorithms.gossip(loss_fn, 0.01, mixing=fo.graphs.metropolis_hastings(fo.graphs.chain(N)))
+  return fo.algorithms.gossip(loss_fn, 0.01, graph=fo.graphs.metropolis_hastings(fo.graphs.chain(N)))
 
 
 def _cq_ggadmm_uncensored():

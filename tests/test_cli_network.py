@@ -139,7 +139,7 @@ def test_the_toml_key_async_is_read(tmp_path):
 @pytest.mark.parametrize("topology,n,weight", [("ring", 12, 1 / 3), ("torus", 16, 1 / 5), ("complete", 7, 1 / 7)])
 def test_topologies_are_metropolis_hastings_matrices_of_their_graph(topology, n, weight):
   """Regular graphs of degree d: W_ij = 1/(d + 1) on edges and the diagonal, 0 elsewhere."""
-  w = np.asarray(network.mixing(topology, n, seed=0))
+  w = fo.graphs.mixing_matrix(network.graph(topology, n, seed=0))
   expected = np.zeros((n, n))
   for i in range(n):
     if topology == "ring":
@@ -155,16 +155,16 @@ def test_topologies_are_metropolis_hastings_matrices_of_their_graph(topology, n,
 
 
 def test_time_varying_and_random_topologies_are_valid_mixing_matrices():
-  seq = np.asarray(network.mixing("matchings", 10, seed=0))
+  seq = np.asarray(network.graph("matchings", 10, seed=0))
   assert seq.shape == (network.MATCHING_PERIOD, 10, 10)
   np.testing.assert_allclose(seq.sum(1), 1.0)
   np.testing.assert_allclose(seq.sum(2), 1.0)
   assert fo.graphs.spectral_gap(seq) > 0
-  er = np.asarray(network.mixing("erdos_renyi", 30, seed=0))
+  er = fo.graphs.mixing_matrix(network.graph("erdos_renyi", 30, seed=0))
   assert fo.graphs.spectral_gap(er) > 0
   np.testing.assert_allclose(er, er.T)
   with pytest.raises(network.NetworkError, match="torus needs --num-clients = rows × cols with both >= 3"):
-    network.mixing("torus", 13, seed=0)
+    network.graph("torus", 13, seed=0)
 
 
 # ---- runs ------------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ SYNONYMS = {
     "client_lr": "the paper's symbol (eta, eta_l ...)", "server_lr": "the paper's symbol (eta_g ...)",
     "lr": "the paper's symbol (eta ...)", "step_size": "the paper's symbol (alpha, eta ...)",
     "learning_rate": "the paper's symbol (eta ...)",
+    "mixing": "graph", "edge_weights": "graph", "mixing_matrix": "graph", "topology": "graph",
 }
 """Names that must not appear: the concept already has a name."""
 
@@ -95,11 +96,18 @@ def test_signature_follows_the_convention(name):
   assert set(positional) <= PAPER_SYMBOLS, (
       f"{name}: positional parameters must be the paper's symbols {sorted(PAPER_SYMBOLS)}; "
       f"make {sorted(set(positional) - PAPER_SYMBOLS)} keyword-only")
-  for kw in keyword_only:
-    assert kw not in SYNONYMS, f"{name}: keyword {kw!r} is spelled {SYNONYMS[kw]!r} in this library"
+  for kw in params:
+    assert kw not in SYNONYMS, f"{name}: parameter {kw!r} is spelled {SYNONYMS[kw]!r} in this library"
   assert not set(positional) & SHARED_KEYWORDS
   if "num_clients" in params:
     assert params["num_clients"].kind == inspect.Parameter.KEYWORD_ONLY
+
+
+def test_the_communication_graph_is_named_graph_everywhere():
+  """Factories and helpers alike: the graph (with its mixing rule and edge weights) is one `graph=` argument."""
+  for name, fn in _public_functions().items():
+    old = {p for p, v in SYNONYMS.items() if v == "graph"} & set(inspect.signature(fn).parameters)
+    assert not old, f"{name}: {sorted(old)} is spelled 'graph' in this library (fo.graphs.Graph or a mixing matrix)"
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))

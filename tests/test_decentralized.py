@@ -82,7 +82,7 @@ def test_pure_gossip_is_the_matrix_power_and_contracts_by_the_spectral_gap(probl
   (1 − gap)² or more per round, with the gap of `graphs.spectral_gap` (for one W)."""
   _, batches = problem
   mixing = fo.graphs.random_matchings(fo.graphs.ring(N), 4, seed=1) if time_varying else _ring_w()
-  algo = gossip(lsq_loss, mixing=mixing)
+  algo = gossip(lsq_loss, graph=mixing)
   x0 = rng.normal(size=(N, D + 1))
   state = _start(algo, x0)
   step = jax.jit(algo.step)
@@ -117,7 +117,7 @@ def test_dpsgd_and_gossip_match_numpy_transcriptions(problem, rng, local_steps):
   w = fo.graphs.metropolis_hastings(fo.graphs.erdos_renyi(N, 0.5, seed=0))
   x0 = rng.normal(size=(N, D + 1))
   for factory, adapt_first in ((dpsgd, False), (gossip, True)):
-    algo = factory(lsq_loss, eta, mixing=w, local_steps=local_steps)
+    algo = factory(lsq_loss, eta, graph=w, local_steps=local_steps)
     state = _start(algo, x0)
     want = x0
     for _ in range(3):
@@ -134,7 +134,7 @@ def test_gradient_tracking_matches_the_diging_iteration_in_numpy(problem, rng):
   x, y, mask = _arrays(batches)
   eta = 0.05
   seq = np.stack([fo.graphs.metropolis_hastings(fo.graphs.erdos_renyi(N, 0.4, seed=s), lazy=True) for s in range(3)])
-  algo = gradient_tracking(lsq_loss, eta, mixing=seq)
+  algo = gradient_tracking(lsq_loss, eta, graph=seq)
   x0 = rng.normal(size=(N, D + 1))
   state = _start(algo, x0)
   xs, ys, g_old = x0, np.zeros_like(x0), np.zeros_like(x0)
@@ -176,8 +176,8 @@ def test_gradient_tracking_reaches_the_minimiser_where_dpsgd_keeps_a_bias(proble
     star = _minimiser(clients)
     eta = 0.03  # the nodes' smoothness constants are 2 … 8.6; DIGing diverges at 0.05 on this ring
     w = _ring_w()
-    tracked = _run(gradient_tracking(lsq_loss, eta, mixing=w), batches, 2000, jnp.float64)
-    plain = _run(dpsgd(lsq_loss, eta, mixing=w), batches, 2000, jnp.float64)
+    tracked = _run(gradient_tracking(lsq_loss, eta, graph=w), batches, 2000, jnp.float64)
+    plain = _run(dpsgd(lsq_loss, eta, graph=w), batches, 2000, jnp.float64)
     np.testing.assert_allclose(_rows(tracked.local_params), np.tile(star, (N, 1)), atol=1e-8)
     assert float(tracked.metrics["consensus_distance"]) < 1e-16
     bias = np.linalg.norm(np.append(plain.params["w"], plain.params["b"]) - star)
@@ -204,8 +204,8 @@ def test_a_node_with_nan_data_is_cut_out_of_the_graph(problem, rng, name):
   cut[bad, :], cut[:, bad] = 0.0, 0.0
   cut[np.diag_indices(N)] += 1.0 - cut.sum(1)
   eta = 0.05
-  algo = {"gossip": gossip(lsq_loss, 0.0, mixing=w), "dpsgd": dpsgd(lsq_loss, eta, mixing=w, local_steps=1),
-          "gradient_tracking": gradient_tracking(lsq_loss, eta, mixing=w)}[name]
+  algo = {"gossip": gossip(lsq_loss, 0.0, graph=w), "dpsgd": dpsgd(lsq_loss, eta, graph=w, local_steps=1),
+          "gradient_tracking": gradient_tracking(lsq_loss, eta, graph=w)}[name]
   x0 = rng.normal(size=(N, D + 1))
   state = _start(algo, x0)
   xs, ys, g_old = x0.copy(), np.zeros_like(x0), np.zeros_like(x0)
@@ -237,7 +237,7 @@ def test_client_map_modes_agree_and_a_vmap_over_eta_is_separate_runs(problem):
   w = _ring_w()
   runs = {}
   for mode in ("vmap", "sequential", "chunked:4"):
-    algo = gradient_tracking(lsq_loss, 0.05, mixing=w, client_map=mode)
+    algo = gradient_tracking(lsq_loss, 0.05, graph=w, client_map=mode)
     state = algo.init(_zeros(), jax.random.key(0))
     for _ in range(3):
       state = jax.jit(algo.step)(state, batches)
@@ -246,7 +246,7 @@ def test_client_map_modes_agree_and_a_vmap_over_eta_is_separate_runs(problem):
   np.testing.assert_allclose(runs["chunked:4"], runs["vmap"], atol=1e-6)
 
   def final(eta):
-    algo = dpsgd(lsq_loss, eta, mixing=w)
+    algo = dpsgd(lsq_loss, eta, graph=w)
     state = algo.init(_zeros(), jax.random.key(0))
     for _ in range(3):
       state = algo.step(state, batches)
@@ -260,13 +260,13 @@ def test_client_map_modes_agree_and_a_vmap_over_eta_is_separate_runs(problem):
 
 def test_state_reads_like_every_algorithm_with_per_client_models(problem):
   _, batches = problem
-  algo = dpsgd(lsq_loss, 0.05, mixing=fo.graphs.ring(N))  # a Graph: its Metropolis–Hastings weights
+  algo = dpsgd(lsq_loss, 0.05, graph=fo.graphs.ring(N))  # a Graph: its Metropolis–Hastings weights
   state = jax.jit(algo.step)(algo.init(_zeros(), jax.random.key(0)), batches)
   np.testing.assert_allclose(np.append(state.params["w"], state.params["b"]), _rows(state.local_params).mean(0),
                              atol=1e-7)
   one = fo.personalized_params(state, 3)
   np.testing.assert_array_equal(one["w"], state.local_params["w"][3])
-  reference = dpsgd(lsq_loss, 0.05, mixing=_ring_w())
+  reference = dpsgd(lsq_loss, 0.05, graph=_ring_w())
   again = jax.jit(reference.step)(reference.init(_zeros(), jax.random.key(0)), batches)
   np.testing.assert_array_equal(_rows(again.local_params), _rows(state.local_params))
   assert float(state.metrics["client_loss"]) > 0
@@ -276,25 +276,25 @@ def test_bad_arguments(problem):
   _, batches = problem
   w = _ring_w()
   with pytest.raises(ValueError, match="symmetric"):
-    dpsgd(lsq_loss, 0.1, mixing=np.array([[0.5, 0.5, 0], [0.3, 0.4, 0.3], [0.2, 0.1, 0.7]]))
+    dpsgd(lsq_loss, 0.1, graph=np.array([[0.5, 0.5, 0], [0.3, 0.4, 0.3], [0.2, 0.1, 0.7]]))
   with pytest.raises(ValueError, match="disconnected"):
-    gradient_tracking(lsq_loss, 0.1, mixing=np.eye(N))
-  with pytest.raises(TypeError, match="mixing must be given"):
-    gossip(lsq_loss, mixing=None)
+    gradient_tracking(lsq_loss, 0.1, graph=np.eye(N))
+  with pytest.raises(TypeError, match="graph must be given"):
+    gossip(lsq_loss, graph=None)
   with pytest.raises(ValueError, match="eta"):
-    dpsgd(lsq_loss, 0.0, mixing=w)
+    dpsgd(lsq_loss, 0.0, graph=w)
   with pytest.raises(ValueError, match="eta"):
-    gossip(lsq_loss, -0.1, mixing=w)
+    gossip(lsq_loss, -0.1, graph=w)
   with pytest.raises(ValueError, match="eta"):
-    gradient_tracking(lsq_loss, -1.0, mixing=w)
+    gradient_tracking(lsq_loss, -1.0, graph=w)
   with pytest.raises(ValueError, match="local_steps"):
-    dpsgd(lsq_loss, 0.1, mixing=w, local_steps=0)
+    dpsgd(lsq_loss, 0.1, graph=w, local_steps=0)
   with pytest.raises(TypeError, match="loss_fn"):
-    dpsgd(None, 0.1, mixing=w)
-  algo = dpsgd(lsq_loss, 0.1, mixing=fo.graphs.metropolis_hastings(fo.graphs.ring(5)))
+    dpsgd(None, 0.1, graph=w)
+  algo = dpsgd(lsq_loss, 0.1, graph=fo.graphs.metropolis_hastings(fo.graphs.ring(5)))
   with pytest.raises(ValueError, match="N = 5 nodes.*got C = 6"):
     algo.step(algo.init(_zeros(), jax.random.key(0)), batches)
-  algo = gradient_tracking(lsq_loss, 0.1, mixing=w)
+  algo = gradient_tracking(lsq_loss, 0.1, graph=w)
   with pytest.raises(ValueError, match="arange"):
     algo.step(algo.init(_zeros(), jax.random.key(0)), batches.replace(client_id=batches.client_id[::-1]))
 
@@ -312,7 +312,7 @@ def test_gradient_tracking_on_the_complete_graph_is_stable_only_for_eta_h_below_
   np.testing.assert_allclose(w, np.full((N, N), 1.0 / N), atol=1e-15)
   with jax.enable_x64(True):
     batches = pack(clients, 1, 10, dtype=np.float64)
-    stable = _run(gradient_tracking(lsq_loss, 0.45 / h, mixing=w), batches, 2000, jnp.float64)
-    unstable = _run(gradient_tracking(lsq_loss, 0.55 / h, mixing=w), batches, 400, jnp.float64)
+    stable = _run(gradient_tracking(lsq_loss, 0.45 / h, graph=w), batches, 2000, jnp.float64)
+    unstable = _run(gradient_tracking(lsq_loss, 0.55 / h, graph=w), batches, 400, jnp.float64)
   np.testing.assert_allclose(_rows(stable.local_params), np.tile(_minimiser(clients), (N, 1)), atol=1e-8)
   assert float(unstable.metrics["consensus_distance"]) > 1e6

@@ -247,7 +247,7 @@ def test_d_fedem_round_on_a_ring_is_the_numpy_transcription():
   node_comps = [[{k: v + 0.1 * rng.normal(size=v.shape) for k, v in c.items()} for c in comps] for _ in range(n)]
   pis = rng.dirichlet(np.ones(m), size=n)
   w = fo.graphs.metropolis_hastings(fo.graphs.ring(n))
-  algo = fo.algorithms.d_fedem(ce_loss, num_components=m, mixing=w, client_optimizer=optax.sgd(eta))
+  algo = fo.algorithms.d_fedem(ce_loss, num_components=m, graph=w, client_optimizer=optax.sgd(eta))
   state = algo.init({"components": _stack(comps), "weights": jnp.full((m,), 0.5)}, jax.random.key(0))
   table = {"components": {k: jnp.asarray(np.stack([[c[k] for c in node] for node in node_comps]), jnp.float32)
                           for k in ("w", "b")}, "weights": jnp.asarray(pis, jnp.float32)}
@@ -276,7 +276,7 @@ def test_d_fedem_on_the_complete_uniform_graph_is_fedem():
   start = {"components": _stack(comps), "weights": jnp.full((2,), 0.5)}
   batches = _node_batches(x, y)
   central = fo.algorithms.fedem(ce_loss, num_components=2, num_clients=4, client_optimizer=optax.sgd(0.2))
-  decentral = fo.algorithms.d_fedem(ce_loss, num_components=2, mixing=np.full((4, 4), 0.25),
+  decentral = fo.algorithms.d_fedem(ce_loss, num_components=2, graph=np.full((4, 4), 0.25),
                                     client_optimizer=optax.sgd(0.2))
   a, b = central.init(start, jax.random.key(0)), decentral.init(start, jax.random.key(0))
   for _ in range(3):
@@ -292,7 +292,7 @@ def test_d_fedem_cuts_a_non_finite_node_out_and_keeps_its_rows():
   rng = np.random.default_rng(7)
   comps, x, y, _ = _random_problem(rng, 2, 4, 2, 3)
   x[2, 1, 0, 1] = np.inf
-  algo = fo.algorithms.d_fedem(ce_loss, num_components=2, mixing=fo.graphs.ring(4), client_optimizer=optax.sgd(0.1))
+  algo = fo.algorithms.d_fedem(ce_loss, num_components=2, graph=fo.graphs.ring(4), client_optimizer=optax.sgd(0.1))
   state = algo.init({"components": _stack(comps), "weights": jnp.full((2,), 0.5)}, jax.random.key(0))
   new = jax.jit(algo.step)(state, _node_batches(x, y))
   assert int(new.metrics["num_nonfinite"]) == 1
@@ -306,7 +306,7 @@ def test_d_fedem_recovers_a_planted_mixture_on_a_ring():
   planted, (x, y), _, _ = _planted_mixture(0)
   n, s = len(planted), 5
   batches = _node_batches(x.reshape(n, s, -1, D), y.reshape(n, s, -1))
-  algo = fo.algorithms.d_fedem(ce_loss, num_components=2, mixing=fo.graphs.ring(n), client_optimizer=optax.sgd(0.5))
+  algo = fo.algorithms.d_fedem(ce_loss, num_components=2, graph=fo.graphs.ring(n), client_optimizer=optax.sgd(0.5))
   state = algo.init({"w": jnp.zeros((D, K)), "b": jnp.zeros(K)}, jax.random.key(0))
   state = jax.jit(lambda st: jax.lax.scan(lambda z, _: (algo.step(z, batches), None), st, None, length=150)[0])(state)
   learned = np.asarray(state.local_params["weights"])[:, 0]

@@ -56,7 +56,7 @@ def test_rounds_match_numpy_with_weighted_edges_and_partial_participation(rng, a
   weights = rng.uniform(0.5, 2.0, size=graph.num_edges)
   lap = _weighted_laplacian(graph, weights)
   with jax.enable_x64(True):
-    algo = fedu(quad_loss, lam, lr, graph=graph, num_clients=n, local_steps=steps, edge_weights=weights,
+    algo = fedu(quad_loss, lam, lr, graph=graphs.with_weights(graph, weights), num_clients=n, local_steps=steps,
                 regularizer_at=at, client_map=client_map)
     table = rng.normal(size=(n, D))
     state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(local_params=jnp.asarray(table))
@@ -75,7 +75,7 @@ def test_rounds_match_numpy_with_weighted_edges_and_partial_participation(rng, a
     np.testing.assert_allclose(np.asarray(fo.personalized_params(state, 5)), table[5], rtol=1e-12)
     penalty = 0.5 * lam * sum(w * np.sum((table[i] - table[j])**2) for (i, j), w in zip(graph.edges, weights))
     np.testing.assert_allclose(float(state.metrics["laplacian_penalty"]), penalty, rtol=1e-6)
-    np.testing.assert_allclose(float(laplacian_penalty(state.local_params, graph, lam, weights)), penalty,
+    np.testing.assert_allclose(float(laplacian_penalty(state.local_params, graphs.with_weights(graph, weights), lam)), penalty,
                                rtol=1e-12)
 
 
@@ -130,8 +130,8 @@ def test_fixed_point_on_quadratics(rng, at):
     shrink = np.eye(n_clients * D) - lr * lam * big_l
     expected = np.linalg.solve(shrink @ big_a + lam * big_l, shrink @ rhs)
   with jax.enable_x64(True):
-    algo = fedu(quad_loss, lam, lr, graph=graph, num_clients=n_clients, local_steps=1,
-                edge_weights=jnp.asarray(weights), regularizer_at=at)
+    algo = fedu(quad_loss, lam, lr, graph=graphs.with_weights(graph, jnp.asarray(weights)), num_clients=n_clients,
+                local_steps=1, regularizer_at=at)
     x = np.asarray(_run(algo, batches, 4000).local_params).reshape(-1)
   np.testing.assert_allclose(x, expected, rtol=1e-9, atol=1e-10)
   stationarity = big_a @ x - rhs + lam * big_l @ x  # ∇f_i(x_i) + λ Σ_j a_ij (x_i − x_j), stacked
@@ -196,10 +196,12 @@ def test_bad_arguments(rng):
     fedu(quad_loss, 1.0, 0.0, num_clients=5, **kw)
   with pytest.raises(ValueError, match="local_steps"):
     fedu(quad_loss, 1.0, 0.1, graph=graph, num_clients=5, local_steps=0)
-  with pytest.raises(ValueError, match="edge_weights"):
-    fedu(quad_loss, 1.0, 0.1, num_clients=5, edge_weights=np.ones(4), **kw)
-  with pytest.raises(ValueError, match="edge_weights"):
-    fedu(quad_loss, 1.0, 0.1, num_clients=5, edge_weights=-np.ones(5), **kw)
+  with pytest.raises(ValueError, match="weights"):
+    graphs.with_weights(graph, np.ones(4))
+  with pytest.raises(ValueError, match="weights"):
+    graphs.with_weights(graph, -np.ones(5))
+  with pytest.raises(ValueError, match="graph.weights"):  # a Graph built directly is checked by the factory
+    fedu(quad_loss, 1.0, 0.1, graph=graph._replace(weights=-np.ones(5)), num_clients=5, local_steps=1)
   with pytest.raises(ValueError, match="regularizer_at"):
     fedu(quad_loss, 1.0, 0.1, num_clients=5, regularizer_at="middle", **kw)
   with pytest.raises(TypeError, match="graph"):
@@ -244,12 +246,12 @@ def test_the_step_bound_uses_the_edge_weights_and_the_bound_itself_is_allowed():
   graph = graphs.chain(3)
   weights = np.array([1.0, 3.0])
   top = np.linalg.eigvalsh(_weighted_laplacian(graph, weights))[-1]
-  assert laplacian_step_bound(graph, weights) == pytest.approx(2 / top, rel=1e-14)
+  assert laplacian_step_bound(graphs.with_weights(graph, weights)) == pytest.approx(2 / top, rel=1e-14)
   assert top == pytest.approx(4 + np.sqrt(7), rel=1e-14)
   assert laplacian_step_bound(graph) == pytest.approx(2 / 3, rel=1e-14)  # unweighted chain of 3: λ_max = 3
   # 2/3 > ηλR = 0.5 > 2/(4 + √7) ≈ 0.30: only the weighted bound is exceeded.
   with pytest.warns(UserWarning, match="exceeds"):
-    fedu(quad_loss, 5.0, 0.1, graph=graph, num_clients=3, local_steps=1, edge_weights=weights)
+    fedu(quad_loss, 5.0, 0.1, graph=graphs.with_weights(graph, weights), num_clients=3, local_steps=1)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     fedu(quad_loss, 5.0, 0.1, graph=graph, num_clients=3, local_steps=1)
@@ -272,8 +274,8 @@ def test_a_zero_edge_weight_is_the_graph_without_that_edge(rng):
   batches, _, _ = _problem(rng, n)
   table = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
   states = []
-  for graph, w in ((ring, weights), (cut, None)):
-    algo = fedu(quad_loss, 0.7, 0.1, graph=graph, num_clients=n, local_steps=1, edge_weights=w)
+  for graph in (graphs.with_weights(ring, weights), cut):
+    algo = fedu(quad_loss, 0.7, 0.1, graph=graph, num_clients=n, local_steps=1)
     state = algo.init(jnp.zeros(D), jax.random.key(0)).replace(local_params=table)
     states.append(algo.step(state, batches))
   np.testing.assert_allclose(np.asarray(states[0].local_params), np.asarray(states[1].local_params), rtol=1e-6)

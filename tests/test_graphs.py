@@ -87,11 +87,12 @@ def test_invalid_graphs_raise_clear_errors():
 
 
 def test_weighted_laplacian_matches_scipy():
-  """graphs.laplacian(graph, weights) equals scipy.sparse.csgraph.laplacian of the weighted adjacency."""
+  """graphs.laplacian of a weighted graph (with_weights) equals scipy.sparse.csgraph.laplacian of its adjacency."""
   graph = graphs.random_bipartite(4, 5, 0.6, seed=3)
   weights = np.random.default_rng(0).uniform(0.1, 2.0, graph.num_edges)
   edges = np.asarray(graph.edges)
   adjacency = scipy.sparse.coo_matrix((weights, (edges[:, 0], edges[:, 1])), shape=(9, 9))
   expected = scipy.sparse.csgraph.laplacian((adjacency + adjacency.T).toarray())
-  np.testing.assert_allclose(graphs.laplacian(graph, weights), expected, atol=1e-12)
-  np.testing.assert_allclose(graphs.laplacian(graph, np.ones(graph.num_edges)), graphs.laplacian(graph), atol=0)
+  np.testing.assert_allclose(graphs.laplacian(graphs.with_weights(graph, weights)), expected, atol=1e-12)
+  np.testing.assert_allclose(graphs.laplacian(graphs.with_weights(graph, np.ones(graph.num_edges))),
+                             graphs.laplacian(graph), atol=0)

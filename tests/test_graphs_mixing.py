@@ -37,6 +37,33 @@ def test_uniform_degree_weights_by_hand():
   assert graphs.spectral_gap(graphs.uniform_degree(graphs.complete(5))) == pytest.approx(1.0)
 
 
+def test_a_graph_carries_its_mixing_rule_and_its_edge_weights():
+  """`mixing_matrix` applies the graph's rule (Metropolis–Hastings by default, the by-hand matrices above); the
+  rules ignore edge weights, which only the Laplacian reads; an explicit matrix passes through."""
+  g = _star_plus_edge()
+  assert g.mixing_rule == "metropolis_hastings" and g.weights is None
+  np.testing.assert_array_equal(graphs.mixing_matrix(g), graphs.metropolis_hastings(g))
+  for rule, want in (("uniform_degree", graphs.uniform_degree(g)),
+                     ("lazy_metropolis_hastings", graphs.metropolis_hastings(g, lazy=True)),
+                     ("lazy_uniform_degree", graphs.uniform_degree(g, lazy=True))):
+    np.testing.assert_array_equal(graphs.mixing_matrix(graphs.with_mixing_rule(g, rule)), want)
+  weighted = graphs.with_weights(graphs.with_mixing_rule(g, "uniform_degree"), [1.0, 2.0, 3.0, 4.0])
+  np.testing.assert_array_equal(graphs.mixing_matrix(weighted), graphs.uniform_degree(g))
+  assert graphs.laplacian(weighted)[2, 3] == -4.0
+  w = graphs.random_matchings(g, 3)
+  np.testing.assert_array_equal(graphs.mixing_matrix(w), w)
+  with pytest.raises(ValueError, match="mixing_rule must be one of"):
+    graphs.with_mixing_rule(g, "max_degree")
+  with pytest.raises(ValueError, match="mixing_rule must be one of"):
+    graphs.mixing_matrix(g._replace(mixing_rule="max_degree"))
+  with pytest.raises(ValueError, match=r"weights must have shape \[E\] = \(4,\)"):
+    graphs.with_weights(g, [1.0, 2.0])
+  with pytest.raises(ValueError, match="finite and >= 0"):
+    graphs.with_weights(g, [1.0, np.nan, 1.0, 1.0])
+  with pytest.raises(TypeError, match="Graph"):
+    graphs.with_mixing_rule(np.eye(4), "uniform_degree")
+
+
 @pytest.mark.parametrize("n", [5, 6, 9])
 def test_spectral_gap_of_a_ring_matches_its_closed_form(n):
   """Metropolis on a ring is I/3 + A/3, eigenvalues 1/3 + (2/3) cos(2πk/n); the gap also agrees with eigvalsh."""

@@ -54,7 +54,7 @@ def _run(algo, batches):
 
 def test_every_node_learns_the_truth_that_no_node_can_identify_alone(rng):
   batches = _rounds(rng, 60, 2)
-  state, _ = _run(p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=_ring()), batches)
+  state, _ = _run(p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=_ring()), batches)
   beliefs = np.exp(np.asarray(state.log_beliefs, np.float64))
   assert np.all(beliefs[:, TRUE] > 0.99), beliefs
   np.testing.assert_array_equal(state.params["w"], GRID[TRUE])
@@ -75,7 +75,7 @@ def test_wrong_beliefs_decay_at_the_network_average_kl_rate_in_closed_form():
   b, rounds = 3, 80
   batches = _rounds(np.random.default_rng(0), rounds, b, noise=0.0)
   w = _ring()
-  _, history = _run(p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=w), batches)
+  _, history = _run(p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w), batches)
   history = np.asarray(history, np.float64)
   kl = 0.5 * (GRID[:, COORD].T - GRID[TRUE][COORD][:, None])**2  # [N, K]: KL(N(w*_c, 1) ‖ N(w_c, 1))
   lam = -b * kl
@@ -98,7 +98,7 @@ def test_with_noise_the_network_average_is_exact_bookkeeping_and_every_node_deca
   """r̄^k = Σ_s λ̄^s from the data (exact); (1/k) r_i^k → −(B/N) Σ_j KL_j for every node (statistically, 10 %)."""
   b, rounds = 5, 300
   batches = _rounds(rng, rounds, b)
-  _, history = _run(p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=_ring()), batches)
+  _, history = _run(p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=_ring()), batches)
   history = np.asarray(history, np.float64)
   ratio = _log_lik(batches) - _log_lik(batches)[..., TRUE:TRUE + 1]  # λ_j^s(θ)
   for k in (9, 99, rounds - 1):
@@ -119,7 +119,7 @@ def test_rounds_match_a_numpy_transcription_with_a_log_likelihood_indexed_by_hyp
   loss = lambda theta, batch: -log_table[theta, batch["s"]]
   prior = rng.dirichlet(np.ones(k), size=n)
   seq = np.stack([fo.graphs.metropolis_hastings(fo.graphs.erdos_renyi(n, 0.5, seed=s), lazy=True) for s in range(2)])
-  algo = p2p_bayes(loss, hypotheses=jnp.arange(k), mixing=seq, prior=prior)
+  algo = p2p_bayes(loss, hypotheses=jnp.arange(k), graph=seq, prior=prior)
   state = algo.init(jnp.zeros((), jnp.int32), jax.random.key(0))
   want = np.log(prior)
   for r in range(3):
@@ -149,7 +149,7 @@ def test_a_node_with_nan_data_keeps_its_belief_and_is_cut_out(rng):
   cut = w.copy()
   cut[bad, :], cut[:, bad] = 0.0, 0.0
   cut[np.diag_indices(N)] += 1.0 - cut.sum(1)
-  algo = p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=w)
+  algo = p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w)
   state = algo.init({"w": jnp.zeros(2), "b": jnp.zeros(())}, jax.random.key(0))
   ll = np.nan_to_num(_log_lik(batches))
   want = np.full((N, 4), -np.log(4))
@@ -167,16 +167,16 @@ def test_a_node_with_nan_data_keeps_its_belief_and_is_cut_out(rng):
 def test_bad_arguments():
   w = _ring()
   with pytest.raises(ValueError, match="leading"):
-    p2p_bayes(lsq_loss, hypotheses={"w": jnp.zeros((4, 2)), "b": jnp.zeros(3)}, mixing=w)
+    p2p_bayes(lsq_loss, hypotheses={"w": jnp.zeros((4, 2)), "b": jnp.zeros(3)}, graph=w)
   with pytest.raises(ValueError, match="prior must be finite and > 0"):
-    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=w, prior=np.array([0.5, 0.5, 0.0, 0.0]))
+    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w, prior=np.array([0.5, 0.5, 0.0, 0.0]))
   with pytest.raises(ValueError, match="prior must sum to 1"):
-    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=w, prior=np.full(4, 0.3))
+    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w, prior=np.full(4, 0.3))
   with pytest.raises(ValueError, match="prior must have shape"):
-    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=w, prior=np.full(3, 1 / 3))
+    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w, prior=np.full(3, 1 / 3))
   with pytest.raises(ValueError, match="doubly stochastic"):
-    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=0.5 * w)
-  algo = p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, mixing=w)
+    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=0.5 * w)
+  algo = p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w)
   with pytest.raises(TypeError, match="shaped like one hypothesis"):
     algo.init({"w": jnp.zeros(3), "b": jnp.zeros(())}, jax.random.key(0))
   state = algo.init({"w": jnp.zeros(2), "b": jnp.zeros(())}, jax.random.key(0))

@@ -98,15 +98,15 @@ def _worker() -> dict:
   hypotheses = {"w": jnp.asarray(rng.normal(size=(6, D)), jnp.float32), "b": jnp.asarray(rng.normal(size=6),
                                                                                         jnp.float32)}
   factories = {
-      "gossip": lambda m: fo.algorithms.gossip(lsq_loss, 0.05, mixing=exponential, local_steps=3, client_map=m),
-      "dpsgd": lambda m: fo.algorithms.dpsgd(lsq_loss, 0.05, mixing=ring, client_map=m),
-      "dpsgd_time_varying": lambda m: fo.algorithms.dpsgd(lsq_loss, 0.05, mixing=matchings, local_steps=1,
+      "gossip": lambda m: fo.algorithms.gossip(lsq_loss, 0.05, graph=exponential, local_steps=3, client_map=m),
+      "dpsgd": lambda m: fo.algorithms.dpsgd(lsq_loss, 0.05, graph=ring, client_map=m),
+      "dpsgd_time_varying": lambda m: fo.algorithms.dpsgd(lsq_loss, 0.05, graph=matchings, local_steps=1,
                                                           client_map=m),
-      "gradient_tracking": lambda m: fo.algorithms.gradient_tracking(lsq_loss, 0.02, mixing=exponential,
+      "gradient_tracking": lambda m: fo.algorithms.gradient_tracking(lsq_loss, 0.02, graph=exponential,
                                                                      client_map=m),
-      "gradient_tracking_nan_node": lambda m: fo.algorithms.gradient_tracking(lsq_loss, 0.02, mixing=ring,
+      "gradient_tracking_nan_node": lambda m: fo.algorithms.gradient_tracking(lsq_loss, 0.02, graph=ring,
                                                                               client_map=m),
-      "p2p_bayes": lambda m: fo.algorithms.p2p_bayes(lsq_loss, hypotheses=hypotheses, mixing=ring, client_map=m),
+      "p2p_bayes": lambda m: fo.algorithms.p2p_bayes(lsq_loss, hypotheses=hypotheses, graph=ring, client_map=m),
   }
 
   def floats(state) -> list[np.ndarray]:

@@ -16,10 +16,9 @@ Problem. N nodes, node i holding f_i (the mean loss over its real examples of
 the round), sit on a connected graph and cooperate to minimise
 (1/N) Σ_i f_i(x) without a server: node i keeps its own model x_i and talks
 only to its neighbours, through a mixing matrix W `[N, N]` (symmetric,
-nonnegative, doubly stochastic, W_ij > 0 only on edges and the diagonal;
-`fedjax_opt.graphs.metropolis_hastings`, `uniform_degree`), or a time-varying
-sequence `[T, N, N]` used as W^(k) = W[k mod T] in round k
-(`fedjax_opt.graphs.random_matchings`). Nodes are the client axis: `step`
+nonnegative, doubly stochastic, W_ij > 0 only on edges and the diagonal), or
+a time-varying sequence `[T, N, N]` used as W^(k) = W[k mod T] in round k.
+The factories take it as `graph=` (see `gossip`). Nodes are the client axis: `step`
 takes every node's data (C = N, `client_id = arange(N)`), computes the local
 work of all nodes through `core.client_map` (so it shards over devices like
 every other algorithm), and gossips with one matmul over the node axis
@@ -54,18 +53,15 @@ every other algorithm), and gossips with one matmul over the node axis
   minimiser of Σ_i f_i, also under heterogeneous data. A node with no real
   example in a round keeps its previous gradient (no new information).
 
-A non-finite node (our rule; the papers do not treat it). A node whose local
-work of the round is not finite (Δ_i or ∇f_i(x_i^k) or its loss holds a NaN or
-Inf) keeps its stored rows (x_i, and y_i and its last gradient for gradient
-tracking) bit for bit, and is cut out of the graph for the round
-(`core.mixing.exclude`): its edges are removed and their weight moves onto
-the diagonal of its neighbours' rows, W̃_ii = W_ii + Σ_{j failed} W_ij. W̃ is
+A node whose local work is not finite (Δ_i, ∇f_i(x_i^k) or its loss) follows
+the library's rule (docs/architecture.md, "The round"): it keeps its rows
+(x_i, and y_i and its last gradient for gradient tracking). Our form of it
+for a graph (the papers do not treat it): the node is cut out of the graph
+for the round (`core.mixing.exclude`), its edges' weight moved onto the
+diagonal of its neighbours' rows, W̃_ii = W_ii + Σ_{j failed} W_ij. W̃ is
 still symmetric and doubly stochastic, so the finite nodes average among
 themselves and nothing of the failed node spreads; for gradient tracking the
-invariant Σ_i y_i = Σ_i ∇f_i(x_i) still holds (the failed node's y_i and
-gradient both stay). It is counted in `metrics["num_nonfinite"]`. A node that
-fails every round is a node removed from the graph: the others solve the
-problem without it (if they stay connected).
+invariant Σ_i y_i = Σ_i ∇f_i(x_i) still holds.
 
 State (`DecentralizedState`): `params` = x̄ = (1/N) Σ_i x_i (what `fo.train`
 and evaluation read), `local_params` = the x_i (`[N, ...]`,
@@ -190,14 +186,14 @@ def _check_step(name: str, batches: ClientBatches, n: int) -> None:
   check_full_participation(batches, n, ordered=True)
 
 
-def _local_sgd(name: str, loss_fn: LossFn, eta: Any, mixing: Any, local_steps: int | None, client_map: Any,
+def _local_sgd(name: str, loss_fn: LossFn, eta: Any, graph: Any, local_steps: int | None, client_map: Any,
                adapt_then_combine: bool, allow_zero_eta: bool) -> FederatedAlgorithm:
   """`gossip` (adapt, then combine) and `dpsgd` (combine and adapt from x^k)."""
   check_loss_fn(loss_fn)
   check_scalar(eta, "eta (η, the local step size)")
   check_positive(eta, "eta (η, the local step size)", allow_zero=allow_zero_eta)
   local_steps = check_optional_int(local_steps, "local_steps")
-  mix = mixing_lib.prepare(mixing)
+  mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
   mode = client_map_lib.resolve(client_map)
   optimizer = optax.sgd(eta)
@@ -237,7 +233,7 @@ def gossip(
     loss_fn: LossFn,
     eta: Any = 0.0,
     *,
-    mixing: Any,
+    graph: Any,
     local_steps: int | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
@@ -253,10 +249,13 @@ def gossip(
     loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
     eta: η ≥ 0, the local SGD step size (may be traced). A bare step size,
       not an optimizer, as in `dpsgd`.
-    mixing: W `[N, N]` (symmetric, nonnegative, doubly stochastic, spectral
-      gap > 0), a time-varying sequence `[T, N, N]` (W[k mod T] in round k),
-      or a `fedjax_opt.graphs.Graph` (its Metropolis–Hastings weights). Node
-      i is row i of the batches.
+    graph: the communication graph, node i = row i of the batches: a
+      `fedjax_opt.graphs.Graph`, mixed by its `mixing_rule` (default
+      Metropolis–Hastings; `fedjax_opt.graphs.mixing_matrix`), or, for
+      research use, an explicit mixing matrix W `[N, N]` (symmetric,
+      nonnegative, doubly stochastic, spectral gap > 0) or a time-varying
+      sequence `[T, N, N]` (W[k mod T] in round k; e.g.
+      `fedjax_opt.graphs.random_matchings`).
     local_steps: R, local SGD steps per round (a Python int), step r on the
       round's batch r mod S. None: R = S, one step per batch.
     client_map: how the nodes' local work is mapped (`fedjax_opt.core.client_map`).
@@ -266,12 +265,12 @@ def gossip(
     `step(state, batches)` takes every node's data, C = N, client_id = arange(N).
 
   Raises:
-    TypeError: `mixing` missing or not a matrix / Graph; `local_steps` not a Python int.
-    ValueError: η < 0; `mixing` not square, negative, asymmetric, not doubly
+    TypeError: `graph` missing or not a Graph / matrix; `local_steps` not a Python int.
+    ValueError: η < 0; the mixing matrix not square, negative, asymmetric, not doubly
       stochastic or with spectral gap 0 (`fedjax_opt.graphs.check_mixing_matrix`);
       (at `step`) C != N or client_id != arange(N).
   """
-  return _local_sgd("gossip", loss_fn, eta, mixing, local_steps, client_map, adapt_then_combine=True,
+  return _local_sgd("gossip", loss_fn, eta, graph, local_steps, client_map, adapt_then_combine=True,
                     allow_zero_eta=True)
 
 
@@ -279,7 +278,7 @@ def dpsgd(
     loss_fn: LossFn,
     eta: Any,
     *,
-    mixing: Any,
+    graph: Any,
     local_steps: int | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
@@ -294,7 +293,7 @@ def dpsgd(
   Args:
     loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
     eta: η > 0, the SGD step size (may be traced). A bare step size, as in the paper.
-    mixing: W `[N, N]`, a sequence `[T, N, N]`, or a `Graph`, as in `gossip`.
+    graph: a `Graph` or a mixing matrix / sequence, as in `gossip`.
     local_steps: R (a Python int), step r on the round's batch r mod S. None:
       R = S, one step per batch (S = 1: the paper's one stochastic gradient per round).
     client_map: how the nodes' local work is mapped (`fedjax_opt.core.client_map`).
@@ -305,7 +304,7 @@ def dpsgd(
   Raises:
     TypeError, ValueError: as `gossip`, and η <= 0.
   """
-  return _local_sgd("dpsgd", loss_fn, eta, mixing, local_steps, client_map, adapt_then_combine=False,
+  return _local_sgd("dpsgd", loss_fn, eta, graph, local_steps, client_map, adapt_then_combine=False,
                     allow_zero_eta=False)
 
 
@@ -313,7 +312,7 @@ def gradient_tracking(
     loss_fn: LossFn,
     eta: Any,
     *,
-    mixing: Any,
+    graph: Any,
     client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Gradient tracking, DIGing (Nedić, Olshevsky & Shi, SIAM J. Optim. 2017): exact with a constant step.
@@ -334,7 +333,7 @@ def gradient_tracking(
       W = 11ᵀ/N the nodes' disagreement along a curvature h of the f_i
       follows λ² + ηhλ − ηh = 0, stable only for ηh < 1/2; sparse graphs
       need a smaller step still (benchmarks/decentralized.py).
-    mixing: W `[N, N]`, a sequence `[T, N, N]`, or a `Graph`, as in `gossip`.
+    graph: a `Graph` or a mixing matrix / sequence, as in `gossip`.
     client_map: how the nodes' gradients are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
@@ -346,7 +345,7 @@ def gradient_tracking(
   check_loss_fn(loss_fn)
   check_scalar(eta, "eta (η, the step size)")
   check_positive(eta, "eta (η, the step size)")
-  mix = mixing_lib.prepare(mixing)
+  mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
   mode = client_map_lib.resolve(client_map)
   grad_fn = jax.value_and_grad(masked_mean_loss, argnums=1, has_aux=True)

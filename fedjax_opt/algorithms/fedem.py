@@ -47,7 +47,7 @@ between the components).
 
 D-FedEM (`d_fedem`), the paper's fully decentralized variant: no server,
 every node keeps its own components and averages them with its neighbours
-through a mixing matrix after its local EM step (see `d_fedem`). Its metrics
+through the graph's mixing matrix after its local EM step (see `d_fedem`). Its metrics
 (`DFedEMState`) count what a node sends as in `gossip`, its M components per
 message: `bytes_sent` = (1/N) Σ_j #{i ≠ j : W̃_ij ≠ 0} × 4 M P (P the
 parameters of one component, float32), `bits_up` = 8 × `bytes_sent`, and
@@ -319,7 +319,7 @@ def d_fedem(
     loss_fn: LossFn,
     *,
     num_components: int,
-    mixing: Any,
+    graph: Any,
     client_optimizer: optax.GradientTransformation,
     init_noise: Any = 1.0,
     client_map: client_map_lib.ClientMap | str | None = None,
@@ -332,16 +332,16 @@ def d_fedem(
                         training of each θ_tm from Θ_t)
       Θ_t             ← Σ_s W^(k)_ts (Θ_s + Δ_s)            (adapt, then combine: `gossip` for components)
 
-  with W a mixing matrix over the N nodes (symmetric, doubly stochastic: `fedjax_opt.graphs`), or a
-  sequence `[T, N, N]`, or a `Graph`; π_t never leaves node t. With W = 11ᵀ/N every node holds the same
-  components after each round and the round is FedEM's with uniform weights (equal n_t: FedEM's own).
-  A node whose step is not finite keeps Θ_t and π_t and is cut out of the graph for the round
-  (`core.mixing.exclude`, as in `gossip`), counted in `num_nonfinite`.
+  with W^(k) the mixing matrix of `graph` over the N nodes; π_t never leaves node t. With W = 11ᵀ/N every
+  node holds the same components after each round and the round is FedEM's with uniform weights (equal n_t:
+  FedEM's own). A node whose step is not finite follows the library's rule (docs/architecture.md, "The
+  round"), keeping Θ_t and π_t, and is cut out of the graph for the round as in `gossip`.
 
   Args:
     loss_fn: per-example loss −log p_θ(y | x) of one component.
     num_components: M ≥ 1.
-    mixing: W `[N, N]`, a sequence `[T, N, N]`, or a `fedjax_opt.graphs.Graph` (Metropolis–Hastings).
+    graph: a `fedjax_opt.graphs.Graph` (mixed by its `mixing_rule`, default Metropolis–Hastings) or a mixing
+      matrix `[N, N]` / sequence `[T, N, N]`, as in `gossip`.
     client_optimizer: every component's local solver (S masked steps).
     init_noise: as in `fedem` (every node starts from the same M components).
     client_map: how the nodes' steps are mapped (`fedjax_opt.core.client_map`).
@@ -354,7 +354,7 @@ def d_fedem(
   m = check_int(num_components, "num_components", 1)
   check_optimizer(client_optimizer, "client_optimizer")
   check_positive(init_noise, "init_noise", allow_zero=True)
-  mix = mixing_lib.prepare(mixing)
+  mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
   mode = client_map_lib.resolve(client_map)
 

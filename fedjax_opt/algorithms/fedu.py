@@ -6,7 +6,8 @@ journal version: "A New Look and Convergence Rate of Federated Multi-Task
 Learning with Laplacian Regularization", IEEE TNNLS.
 
 Client i keeps its own model x_i; neighbouring clients on a graph with edge
-weights a_ij ≥ 0 are pulled together:
+weights a_ij ≥ 0 (the graph's `weights`, `fedjax_opt.graphs.with_weights`;
+default 1) are pulled together:
 
     min_{x_1 … x_N}  F(x) = Σ_i f_i(x_i) + (λ/2) Σ_{(i,j)∈E} a_ij ‖x_i − x_j‖²,
 
@@ -48,8 +49,9 @@ read with `fo.personalized_params(state, client_id)`); `state.params` is their
 uniform average (1/N) Σ_i x_i, for a global evaluation. The local steps are
 `core.rounds.client_round` without an aggregator (the server does not
 average updates), on the model-dtype view of the table so that the Laplacian
-sees unrounded rows: clients with weight 0, no local step or a non-finite y_i
-are not updated and do not enter the Laplacian with a new model. `metrics`
+sees unrounded rows: a client that takes no part under the library's rules
+(docs/architecture.md, "The round") is not updated and does not enter the
+Laplacian with a new model. `metrics`
 holds `core.server.ROUND_METRICS` (update_norm: the change of the average
 model) and `laplacian_penalty`, (λ/2) Σ_E a_ij ‖x_i − x_j‖² after the round.
 """
@@ -100,27 +102,35 @@ class FedUState:
   metrics: dict[str, jax.Array]
 
 
-def _edge_weights(graph: graphs_lib.Graph, edge_weights: Any) -> jax.Array:
-  """a_ij `[E]` in the order of `graph.edges` (ones by default), checked when concrete."""
-  if edge_weights is None:
+def _check_graph(graph: Any) -> graphs_lib.Graph:
+  if not isinstance(graph, graphs_lib.Graph):
+    raise TypeError(f"graph must be a fedjax_opt.graphs.Graph (e.g. graphs.ring(n)); got {type(graph).__name__}.")
+  return graph
+
+
+def _edge_weights(graph: graphs_lib.Graph) -> jax.Array:
+  """a_ij `[E]`: `graph.weights` in the order of `graph.edges` (ones when None), checked when concrete."""
+  weights = _check_graph(graph).weights
+  if weights is None:
     return jnp.ones((graph.num_edges,))
-  if tuple(jnp.shape(edge_weights)) != (graph.num_edges,):
-    raise ValueError(f"edge_weights must have shape [E] = ({graph.num_edges},), one weight per row of graph.edges; "
-                     f"got shape {tuple(jnp.shape(edge_weights))}.")
-  if is_concrete(edge_weights):
-    w = np.asarray(edge_weights)
+  if tuple(jnp.shape(weights)) != (graph.num_edges,):
+    raise ValueError(f"graph.weights must have shape [E] = ({graph.num_edges},), one weight per row of "
+                     f"graph.edges; got shape {tuple(jnp.shape(weights))}.")
+  if is_concrete(weights):
+    w = np.asarray(weights)
     if not np.all(np.isfinite(w)) or np.any(w < 0):
-      raise ValueError(f"edge_weights must be finite and >= 0; got {w}.")
-  return jnp.asarray(edge_weights)
+      raise ValueError(f"graph.weights must be finite and >= 0; got {w}.")
+  return jnp.asarray(weights)
 
 
-def laplacian_step_bound(graph: graphs_lib.Graph, edge_weights: Any = None) -> float:
-  """2 / λ_max(L) for the weighted Laplacian L of `graph`: the Laplacian step ηλR must stay below it.
+def laplacian_step_bound(graph: graphs_lib.Graph) -> float:
+  """2 / λ_max(L) for the Laplacian L of `graph` (weighted by `graph.weights`): the step ηλR must stay below it.
 
   The Laplacian step x ← x − ηλR (L ⊗ I) x alone is stable (non-expansive on
   the disagreement between clients) iff ηλR·λ_max(L) ≤ 2.
   """
-  lap = graphs_lib.laplacian(graph, edge_weights)
+  _edge_weights(graph)  # the shape and values, checked
+  lap = graphs_lib.laplacian(graph)
   top = float(np.max(np.linalg.eigvalsh(lap), initial=0.0))  # 0 for a graph without edges (or nodes)
   return float("inf") if top <= 0 else 2.0 / top
 
@@ -138,9 +148,9 @@ def _laplacian_times(table: PyTree, edges: np.ndarray, weights: jax.Array) -> Py
   return jax.tree.map(leaf, table)
 
 
-def laplacian_penalty(table: PyTree, graph: graphs_lib.Graph, lam: Any, edge_weights: Any = None) -> jax.Array:
-  """(λ/2) Σ_{(i,j)∈E} a_ij ‖x_i − x_j‖² for a table with leaves `[N, ...]` (a scalar)."""
-  weights = _edge_weights(graph, edge_weights)
+def laplacian_penalty(table: PyTree, graph: graphs_lib.Graph, lam: Any) -> jax.Array:
+  """(λ/2) Σ_{(i,j)∈E} a_ij ‖x_i − x_j‖² for a table with leaves `[N, ...]` (a scalar), a_ij = `graph.weights`."""
+  weights = _edge_weights(graph)
   head, tail = jnp.asarray(graph.edges[:, 0]), jnp.asarray(graph.edges[:, 1])
   squares = [jnp.sum(jnp.square(z[head] - z[tail]).reshape(graph.num_edges, -1), axis=1)
              for z in jax.tree.leaves(table)]
@@ -155,7 +165,6 @@ def fedu(
     graph: graphs_lib.Graph,
     num_clients: int,
     local_steps: int,
-    edge_weights: Any = None,
     regularizer_at: str = "local",
     client_map: client_map_lib.ClientMap | str | None = None,
     storage_dtype: Any = None,
@@ -168,11 +177,12 @@ def fedu(
     eta: η > 0, the local SGD step size (may be traced). A bare step size,
       not an optimizer: the paper's local steps are plain SGD and the same η
       scales the server's Laplacian step ηλR (L ⊗ I) z.
-    graph: `fedjax_opt.graphs.Graph` on the N clients (node i = client id i).
+    graph: `fedjax_opt.graphs.Graph` on the N clients (node i = client id i);
+      its `weights` are the a_ij ≥ 0, one per row of `graph.edges`
+      (`fedjax_opt.graphs.with_weights`; may be traced), None: every a_ij = 1.
+      Its `mixing_rule` is not used.
     num_clients: N, rows of the x_i table; must equal `graph.num_nodes`.
     local_steps: R ≥ 1 (Python int); `batches` must have S = R local steps.
-    edge_weights: a_ij ≥ 0 `[E]`, one per row of `graph.edges` (default 1);
-      may be traced.
     regularizer_at: "local" (the paper: the Laplacian at the models after the
       local steps) or "start" (at the round's starting models; see the module
       docstring).
@@ -185,21 +195,20 @@ def fedu(
   check_loss_fn(loss_fn)
   check_positive(lam, "lam", allow_zero=True)
   check_positive(eta, "eta")
-  if not isinstance(graph, graphs_lib.Graph):
-    raise TypeError(f"graph must be a fedjax_opt.graphs.Graph (e.g. graphs.ring(n)); got {type(graph).__name__}.")
+  _check_graph(graph)
   num_clients = check_num_clients(num_clients)
   if graph.num_nodes != num_clients:
     raise ValueError(f"graph must have one node per client: graph.num_nodes = {graph.num_nodes} but "
                      f"num_clients = {num_clients}.")
   local_steps = check_int(local_steps, "local_steps")
   check_choice(regularizer_at, "regularizer_at", REGULARIZER_POINTS)
-  weights = _edge_weights(graph, edge_weights)
+  weights = _edge_weights(graph)
   edges = np.asarray(graph.edges)
   mode = client_map_lib.resolve(client_map)
   client_optimizer = optax.sgd(eta)
   laplacian_lr = eta * lam * local_steps
-  if all(is_concrete(v) for v in (eta, lam)) and (edge_weights is None or is_concrete(edge_weights)):
-    bound = laplacian_step_bound(graph, edge_weights)
+  if all(is_concrete(v) for v in (eta, lam)) and (graph.weights is None or is_concrete(graph.weights)):
+    bound = laplacian_step_bound(graph)
     if float(laplacian_lr) > bound:
       warnings.warn(f"fedu: the Laplacian step eta·lam·local_steps = {float(laplacian_lr):.4g} exceeds "
                     f"2/λ_max(L) = {bound:.4g} for this graph; the regularization step diverges. Lower "
@@ -236,7 +245,7 @@ def fedu(
     table = jax.tree.map(lambda t, v: v.astype(t.dtype), state.local_params, new)
     params = jax.tree.map(lambda p, m: m.astype(jnp.result_type(p)), state.params, average(as_model(table)))
     change = jax.tree.map(jnp.subtract, params, state.params)
-    penalty = laplacian_penalty(as_model(table), graph, lam, weights)
+    penalty = laplacian_penalty(as_model(table), graph, lam)
     metrics = {**out.metrics(update=change), "laplacian_penalty": penalty.astype(jnp.float32)}
     return state.replace(params=params, local_params=table, round=state.round + 1, metrics=metrics)
 

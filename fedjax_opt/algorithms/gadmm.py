@@ -115,9 +115,10 @@ State. The per-worker models θ_n (and θ̂_n) are `[N, ...]` tables
 (`core.per_client`), the duals an `[E, ...]` table; `state.params` is the
 workers' average (1/N) Σ_n θ_n, for evaluation only.
 
-A worker whose update is not finite (a NaN in its data, say) is counted in
-`metrics["num_nonfinite"]` and changes nothing: it keeps θ_n, transmits
-nothing (θ̂_n stays), and the duals λ_e of its edges stay as they are. Its
+A worker whose update is not finite (a NaN in its data, say) follows the
+library's rule (docs/architecture.md, "The round") and changes nothing: it
+keeps θ_n, transmits nothing (θ̂_n stays), and the duals λ_e of its edges
+stay as they are. Its
 neighbours have nothing newer than its last finite transmitted model —
 θ_n itself for `gadmm`, θ̂_n for `cq_ggadmm`, exactly what they hold when it
 is censored — and use it in their v_m (the other group, later in the same
@@ -467,7 +468,7 @@ def gadmm(
     graph: G, the workers' communication graph, connected and bipartite
       (`fedjax_opt.graphs.chain(N)` for the paper's GADMM; any other
       connected bipartite graph gives generalized GADMM). Node n is row n
-      of the batches.
+      of the batches; the graph's `weights` and `mixing_rule` are not used.
     prox: exact update `prox(v, rho, data, mask) = argmin_x f_n(x) + (ρ/2)‖x − v‖²`
       (`fo.algorithms.prox_least_squares`, `prox_quadratic`), called with ρ d_n.
       None: inexact update by `client_optimizer`.

@@ -6,9 +6,9 @@ learning are those of Lalitha, Javidi, Sarwate, "Social Learning and
 Distributed Hypothesis Testing", IEEE Trans. Inf. Theory 64(9), 2018
 (arXiv:1410.4307), on which the P2P paper builds.
 
-Problem. N nodes on a connected graph with a mixing matrix W
-(`fedjax_opt.graphs`; symmetric, nonnegative, doubly stochastic, spectral
-gap > 0; or a time-varying sequence `[T, N, N]`, W[k mod T] in round k) and a
+Problem. N nodes on a connected graph with a mixing matrix W (the factory's
+`graph=`: symmetric, nonnegative, doubly stochastic, spectral gap > 0; or a
+time-varying sequence `[T, N, N]`, W[k mod T] in round k) and a
 finite set of K hypotheses θ_1 … θ_K (candidate models, a stacked pytree
 `[K, ...]`). Node i observes examples z ~ f_i(· | θ*) of an unknown true θ*,
 and each node keeps a belief b_i `[K]` over the hypotheses (as
@@ -39,13 +39,12 @@ doubly stochastic W is uniform; Lalitha et al. 2018, Theorem 1, with
 v_j = 1/N): the belief on every wrong hypothesis decays exponentially, at
 the network-average KL rate, at every node.
 
-A non-finite node (our rule; the paper does not treat it): a node whose
-log-likelihoods of the round are not all finite keeps its belief and is cut
-out of the graph for the round (`core.mixing.exclude`): its edges' weights
-move onto its neighbours' diagonals, so nothing of it spreads; it is counted
-in `metrics["num_nonfinite"]`. A likelihood of exactly 0 (log = −∞) counts
-as non-finite: give `loss_fn` a finite ceiling if a hypothesis can rule an
-example out.
+A node whose log-likelihoods of the round are not all finite follows the
+library's rule (docs/architecture.md, "The round"): it keeps its belief, and
+(our form for a graph; the paper does not treat it) is cut out of the graph
+for the round as in `gossip` (`core.mixing.exclude`), so nothing of it
+spreads. A likelihood of exactly 0 (log = −∞) counts as non-finite: give
+`loss_fn` a finite ceiling if a hypothesis can rule an example out.
 
 State (`P2PBayesState`): `log_beliefs` `[N, K]` (normalized log b_i),
 `local_params` each node's most probable hypothesis (`[N, ...]`,
@@ -148,7 +147,7 @@ def p2p_bayes(
     loss_fn: LossFn,
     *,
     hypotheses: PyTree,
-    mixing: Any,
+    graph: Any,
     prior: Any = None,
     client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
@@ -166,9 +165,10 @@ def p2p_bayes(
     hypotheses: the K candidate models θ_1 … θ_K, a pytree whose leaves have a
       leading `[K]` axis (stacked models, or `jnp.arange(K)` for a
       log-likelihood indexed by hypothesis).
-    mixing: W `[N, N]`, a sequence `[T, N, N]` (W[k mod T] in round k), or a
-      `fedjax_opt.graphs.Graph` (Metropolis–Hastings weights); checked by
-      `fedjax_opt.graphs.check_mixing_matrix`. Node i is row i of the batches.
+    graph: a `fedjax_opt.graphs.Graph` (mixed by its `mixing_rule`, default
+      Metropolis–Hastings) or a mixing matrix W `[N, N]` / sequence
+      `[T, N, N]` (W[k mod T] in round k), as in `gossip`. Node i is row i
+      of the batches.
     prior: b_i^0, probabilities `[K]` (every node) or `[N, K]`, > 0 and summing
       to 1; None: uniform.
     client_map: how the nodes' likelihoods are mapped (`fedjax_opt.core.client_map`).
@@ -181,14 +181,14 @@ def p2p_bayes(
     client_id = arange(N); all S·B real examples of a node enter its update.
 
   Raises:
-    TypeError: `mixing` missing or not a matrix / Graph; `loss_fn` not callable;
+    TypeError: `graph` missing or not a Graph / matrix; `loss_fn` not callable;
       (at `init`) params not shaped like one hypothesis.
     ValueError: hypotheses without a common leading axis; a bad prior; a bad
       mixing matrix; (at `step`) C != N or client_id != arange(N).
   """
   check_loss_fn(loss_fn)
   k = _num_hypotheses(hypotheses)
-  mix = mixing_lib.prepare(mixing)
+  mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
   log_prior = _log_prior(prior, n, k)
   mode = client_map_lib.resolve(client_map)

@@ -6,7 +6,16 @@ tracing. `Graph` holds an undirected simple graph on nodes 0 … n−1:
 
 * `edges` `[E, 2]` int64, each undirected edge once as (i, j) with i < j,
   sorted lexicographically;
-* `adjacency` `[n, n]` bool, symmetric, False on the diagonal.
+* `adjacency` `[n, n]` bool, symmetric, False on the diagonal;
+* `weights` `[E]` (optional), a_ij ≥ 0 for each row of `edges` (FedU's
+  Laplacian penalty, `laplacian`); None: every edge weighs 1. Set it with
+  `with_weights(graph, weights)`;
+* `mixing_rule`, how the gossip algorithms turn the graph into a mixing
+  matrix (`mixing_matrix`): one of `MIXING_RULES`, default
+  "metropolis_hastings". Set it with `with_mixing_rule(graph, rule)`.
+
+A graph is what every graph-based factory of `fedjax_opt.algorithms` takes
+as `graph=`.
 
 Builders: `chain(n)` (0 − 1 − … − n−1, the GADMM topology), `ring(n)`,
 `complete(n)`, `torus(rows, cols)` (the 2-D grid with wrap-around),
@@ -32,6 +41,9 @@ speed of consensus: ‖W x − x̄1‖ ≤ (1 − gap) ‖x − x̄1‖, and the
 graph is disconnected (λ₂ = 1) or W is periodic (λ_n = −1, e.g. a bipartite
 graph with a zero diagonal).
 
+* `mixing_matrix(graph)`: W by the graph's `mixing_rule` (what the gossip
+  algorithms use; an explicit W or sequence may be passed as `graph=` instead,
+  and `mixing_matrix` returns it as it is);
 * `metropolis_hastings(graph)`: W_ij = 1 / (1 + max(d_i, d_j)) on every edge,
   W_ii = 1 − Σ_{j≠i} W_ij (needs only the two degrees of an edge: local);
 * `uniform_degree(graph)`: W = I − L / (d_max + 1), every edge weighs 1 / (d_max + 1);
@@ -58,8 +70,12 @@ __all__ = [
     "Graph", "chain", "ring", "complete", "torus", "exponential", "erdos_renyi", "random_bipartite", "from_edges",
     "from_adjacency", "degrees", "laplacian", "connected_components", "is_connected", "check_connected",
     "two_coloring", "is_bipartite", "metropolis_hastings", "uniform_degree", "random_matchings", "spectral_gap",
-    "check_mixing_matrix",
+    "check_mixing_matrix", "MIXING_RULES", "mixing_matrix", "with_mixing_rule", "with_weights",
 ]
+
+MIXING_RULES = ("metropolis_hastings", "uniform_degree", "lazy_metropolis_hastings", "lazy_uniform_degree")
+"""The names of `Graph.mixing_rule`: `metropolis_hastings(graph)`, `uniform_degree(graph)`, and their `lazy=True`
+forms (I + W) / 2."""
 
 
 class Graph(NamedTuple):
@@ -68,10 +84,16 @@ class Graph(NamedTuple):
   Attributes:
     num_nodes: n.
     edges: `[E, 2]` int64, each edge once as (i, j) with i < j, sorted.
+    weights: `[E]` a_ij ≥ 0, one per row of `edges` (FedU, `laplacian`), or None: every edge weighs 1.
+      Set by `with_weights`, which checks it.
+    mixing_rule: the rule `mixing_matrix` applies (the gossip algorithms), one of `MIXING_RULES`; default
+      "metropolis_hastings". Set by `with_mixing_rule`.
   """
 
   num_nodes: int
   edges: np.ndarray
+  weights: Any = None
+  mixing_rule: str = "metropolis_hastings"
 
   @property
   def num_edges(self) -> int:
@@ -270,12 +292,38 @@ def degrees(graph: Graph) -> np.ndarray:
   return np.bincount(graph.edges.reshape(-1), minlength=graph.num_nodes).astype(np.int64)
 
 
-def laplacian(graph: Graph, weights: Any = None) -> np.ndarray:
+def with_weights(graph: Graph, weights: Any) -> Graph:
+  """`graph` with per-edge weights a_ij `[E]`, one per row of `graph.edges` (None: every edge weighs 1 again).
+
+  The weights are kept as given (a JAX array, even a traced one, stays one);
+  their shape is always checked, their values when they are concrete.
+
+  Raises:
+    TypeError: `graph` is not a `Graph`.
+    ValueError: the shape is not `[E]`, or a concrete weight is negative or not finite.
+  """
+  graph = _check_graph(graph)
+  if weights is None:
+    return graph._replace(weights=None)
+  if tuple(np.shape(weights)) != (graph.num_edges,):
+    raise ValueError(f"weights must have shape [E] = ({graph.num_edges},), one weight per row of graph.edges; "
+                     f"got shape {tuple(np.shape(weights))}.")
+  try:
+    w = np.asarray(weights)
+  except Exception:  # pylint: disable=broad-except  (a traced array: checked by shape only)
+    w = None
+  if w is not None and (not np.issubdtype(w.dtype, np.number) or not np.all(np.isfinite(w)) or np.any(w < 0)):
+    raise ValueError(f"weights must be finite and >= 0; got {w}.")
+  return graph._replace(weights=weights)
+
+
+def laplacian(graph: Graph) -> np.ndarray:
   """`[n, n]` float64 graph Laplacian L = D − A (symmetric, PSD, L·1 = 0).
 
-  `weights` `[E]` (in the order of `graph.edges`) gives the weighted
-  Laplacian, L_ij = −a_ij and L_ii = Σ_j a_ij; None: every edge weighs 1.
+  With `graph.weights` a_ij (`with_weights`) it is the weighted Laplacian,
+  L_ij = −a_ij and L_ii = Σ_j a_ij; without, every edge weighs 1.
   """
+  weights = graph.weights
   if weights is None:
     return np.diag(degrees(graph).astype(np.float64)) - graph.adjacency.astype(np.float64)
   edges = np.asarray(graph.edges).reshape(-1, 2)
@@ -374,6 +422,38 @@ def _check_graph(graph: Any) -> Graph:
   return graph
 
 
+def with_mixing_rule(graph: Graph, rule: str) -> Graph:
+  """`graph` mixed by `rule` (one of `MIXING_RULES`) when a gossip algorithm is given it as `graph=`.
+
+  Raises:
+    TypeError: `graph` is not a `Graph`.
+    ValueError: `rule` is not one of `MIXING_RULES`.
+  """
+  graph = _check_graph(graph)
+  if rule not in MIXING_RULES:
+    raise ValueError(f"mixing_rule must be one of {', '.join(MIXING_RULES)}; got {rule!r}.")
+  return graph._replace(mixing_rule=rule)
+
+
+def mixing_matrix(graph: Graph | Any) -> np.ndarray:
+  """The mixing matrix W `[n, n]` float64 of `graph` by its `mixing_rule` (default Metropolis–Hastings).
+
+  Anything a gossip algorithm takes as `graph=` works: an explicit matrix `[n, n]` or sequence `[T, n, n]` is
+  returned as float64, unchecked (`check_mixing_matrix` checks it).
+
+  Raises:
+    ValueError: `graph.mixing_rule` is not one of `MIXING_RULES`.
+  """
+  if not isinstance(graph, Graph):
+    return np.asarray(graph, np.float64)
+  rule = graph.mixing_rule
+  if rule not in MIXING_RULES:
+    raise ValueError(f"mixing_rule must be one of {', '.join(MIXING_RULES)}; got {rule!r}.")
+  lazy = rule.startswith("lazy_")
+  build = metropolis_hastings if rule.removeprefix("lazy_") == "metropolis_hastings" else uniform_degree
+  return build(graph, lazy=lazy)
+
+
 def metropolis_hastings(graph: Graph, lazy: bool = False) -> np.ndarray:
   """Metropolis–Hastings weights `[n, n]` float64: W_ij = 1/(1 + max(d_i, d_j)) on edges, W_ii = 1 − Σ_{j≠i} W_ij.
 
@@ -404,7 +484,7 @@ def uniform_degree(graph: Graph, lazy: bool = False) -> np.ndarray:
   """
   graph = _check_graph(graph)
   d_max = int(degrees(graph).max()) if graph.num_nodes else 0
-  return _lazy(np.eye(graph.num_nodes) - laplacian(graph) / (d_max + 1.0), lazy)
+  return _lazy(np.eye(graph.num_nodes) - laplacian(graph._replace(weights=None)) / (d_max + 1.0), lazy)
 
 
 def random_matchings(graph_or_n: Graph | int, num_rounds: int, seed: int | np.random.Generator = 0) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 Decentralized algorithms keep one row per node in a per-node table (leaves
 `[N, ...]`, the client axis) and replace the server by a mixing matrix W
-`[N, N]` (`fedjax_opt.graphs`: symmetric, nonnegative, doubly stochastic):
+`[N, N]` (`fedjax_opt.graphs`: symmetric, nonnegative, doubly stochastic;
+a factory's `graph=` is a `Graph`, mixed by its `mixing_rule`, or W itself):
 one gossip round is the matmul x ← W x over the node axis. A time-varying
 sequence `[T, N, N]` is indexed by the round, W^(t) = W[t mod T] (a period of
 T rounds repeats).
@@ -47,27 +48,30 @@ class Mixing(NamedTuple):
   period: int | None
 
 
-def prepare(mixing: Any, name: str = "mixing") -> Mixing:
-  """A `Mixing` from a matrix `[N, N]`, a sequence `[T, N, N]` or a `Graph` (Metropolis–Hastings weights).
+def prepare(graph: Any, name: str = "graph") -> Mixing:
+  """A `Mixing` from a `Graph` (W by its `mixing_rule`), a matrix `[N, N]` or a sequence `[T, N, N]`.
 
-  A concrete matrix is checked by `fedjax_opt.graphs.check_mixing_matrix`
-  (symmetric, nonnegative, doubly stochastic, spectral gap > 0, over one period
-  for a sequence); a traced one (a `jax.vmap` over matrices) only by shape.
+  A `Graph` is mixed by `fedjax_opt.graphs.mixing_matrix` (Metropolis–Hastings
+  unless its `mixing_rule` says otherwise). A concrete matrix is checked by
+  `fedjax_opt.graphs.check_mixing_matrix` (symmetric, nonnegative, doubly
+  stochastic, spectral gap > 0, over one period for a sequence); a traced one
+  (a `jax.vmap` over matrices) only by shape.
 
   Raises:
-    TypeError: `mixing` is None or not array-like.
+    TypeError: `graph` is None or not a Graph or array-like.
     ValueError: a bad shape, or a check of `check_mixing_matrix` fails.
   """
-  if mixing is None:
-    raise TypeError(f"{name} must be given: a mixing matrix [N, N] or [T, N, N] (fedjax_opt.graphs."
-                    "metropolis_hastings(graph), random_matchings(...)) or a fedjax_opt.graphs.Graph.")
-  if isinstance(mixing, graphs_lib.Graph):
-    mixing = graphs_lib.metropolis_hastings(mixing)
-  if is_concrete(mixing):
-    matrix = graphs_lib.check_mixing_matrix(np.asarray(mixing), name)
+  if graph is None:
+    raise TypeError(f"{name} must be given: a fedjax_opt.graphs.Graph (mixed by its mixing_rule, default "
+                    "Metropolis–Hastings) or a mixing matrix [N, N] or sequence [T, N, N] (fedjax_opt.graphs."
+                    "uniform_degree(graph), random_matchings(...)).")
+  if isinstance(graph, graphs_lib.Graph):
+    graph = graphs_lib.mixing_matrix(graph)
+  if is_concrete(graph):
+    matrix = graphs_lib.check_mixing_matrix(np.asarray(graph), name)
   else:
-    matrix = mixing
-    shape = tuple(jnp.shape(mixing))
+    matrix = graph
+    shape = tuple(jnp.shape(graph))
     if len(shape) not in (2, 3) or shape[-1] != shape[-2]:
       raise ValueError(f"{name} must be a square [N, N] mixing matrix or a sequence [T, N, N]; got shape {shape}.")
   shape = tuple(jnp.shape(matrix))
