@@ -3,7 +3,8 @@
 * `--topology NAME` is the graph of the decentralized algorithms (gossip,
   dpsgd, gradient_tracking, d_fedem): every client is a node, every node trains every
   round on S batches of B examples, and talks only to its neighbours through
-  the graph's Metropolis–Hastings mixing matrix (`fedjax_opt.graphs`). The
+  the graph's Metropolis–Hastings mixing matrix (`fedjax_opt.graphs`;
+  `matchings` is a time-varying sequence of matrices). The
   default is `ring` whenever a decentralized algorithm is named.
 * `--async` runs every algorithm on a simulated wall clock
   (`fedjax_opt.core.asynchrony`). The asynchronous algorithms (fedbuff,
@@ -24,7 +25,7 @@ import math
 from typing import Any
 
 __all__ = ["DEFAULT_DELAY", "DELAYS", "MATCHING_PERIOD", "NetworkError", "TOPOLOGIES", "check", "compute_time",
-           "default_algorithms", "describe", "mixing"]
+           "default_algorithms", "describe", "graph"]
 
 TOPOLOGIES = ("ring", "torus", "exponential", "complete", "erdos_renyi", "matchings")
 DELAYS = ("exp:MEAN", "const:VALUE", "lognormal:MU,SIGMA")
@@ -100,8 +101,9 @@ def default_algorithms(given: dict[str, Any]) -> str | None:
   return None
 
 
-def mixing(topology: str, num_nodes: int, seed: int):
-  """The mixing matrix (or `[T, N, N]` sequence) of `--topology` over `num_nodes` nodes."""
+def graph(topology: str, num_nodes: int, seed: int):
+  """The `graph=` of `--topology` over `num_nodes` nodes: a `fo.graphs.Graph` (Metropolis–Hastings mixing), or
+  for `matchings` its `[T, N, N]` sequence of mixing matrices."""
   from fedjax_opt import graphs
 
   n = num_nodes
@@ -114,19 +116,17 @@ def mixing(topology: str, num_nodes: int, seed: int):
     if rows < 3:
       raise NetworkError(f"--topology torus needs --num-clients = rows × cols with both >= 3 (e.g. 100 = 10 × 10); "
                          f"got {n}")
-    graph = graphs.torus(rows, n // rows)
-  elif topology == "erdos_renyi":  # about twice the connectivity threshold ln(n)/n
-    graph = graphs.erdos_renyi(n, min(1.0, 2 * math.log(max(n, 2)) / n), seed=seed)
-  elif topology == "exponential" and n < 2:
+    return graphs.torus(rows, n // rows)
+  if topology == "erdos_renyi":  # about twice the connectivity threshold ln(n)/n
+    return graphs.erdos_renyi(n, min(1.0, 2 * math.log(max(n, 2)) / n), seed=seed)
+  if topology == "exponential" and n < 2:
     raise NetworkError("--topology exponential needs at least 2 clients")
-  else:
-    graph = getattr(graphs, topology)(n)
-  return graphs.metropolis_hastings(graph)
+  return getattr(graphs, topology)(n)
 
 
 def describe(config: dict[str, Any], num_nodes: int) -> str:
   """One line for the run's header: the topology and its spectral gap."""
   from fedjax_opt import graphs
 
-  gap = graphs.spectral_gap(mixing(config["topology"], num_nodes, config["seed"]))
+  gap = graphs.spectral_gap(graphs.mixing_matrix(graph(config["topology"], num_nodes, config["seed"])))
   return f"decentralized: {num_nodes} nodes on a {config['topology']} graph, spectral gap {gap:.3g}"

@@ -58,8 +58,8 @@ PSEUDO = {
 
 WIRED = ("loss_fn", "num_clients", "num_examples", "client_map", "client_optimizer", "server_optimizer", "graph",
          "aggregator", "storage_dtype", "prox", "finetune_client_optimizer", "finetune_server_optimizer",
-         "personalize_optimizer", "edge_weights", "mixing", "schedule", "validation_data", "validation_mask",
-         "apply_fn", "public_data", "digest_optimizer", "architecture_of", "layers")
+         "personalize_optimizer", "schedule", "validation_data", "validation_mask", "apply_fn", "public_data",
+         "digest_optimizer", "architecture_of", "layers")
 """Factory parameters the command line fills itself (never `--set`)."""
 
 FAMILIES = {
@@ -88,7 +88,7 @@ class Context:
   client_map: str
   aggregator: Any = None  # --aggregator / --attack: replaces the factory's default aggregator
   clients_per_round: int = 1  # the run's --clients-per-round (clients in flight under --async)
-  mixing: Any = None  # --topology's mixing matrix (decentralized algorithms)
+  graph: Any = None  # --topology's graph (`network.graph`: a `fo.graphs.Graph`, or matchings' `[T, N, N]`)
   schedule: Any = None  # --async: the `core.asynchrony.wall_clock` of the asynchronous algorithms
   validation: Any = None  # --async: Zeno++'s server-side validation batch (pooled train examples)
   apply_fn: Any = None  # the model's `apply(params, x) -> scores` (FedMD's public scores)
@@ -106,7 +106,9 @@ class Spec:
     factory: the `fo.algorithms` factory; hyper-parameters are checked against its signature.
     defaults: settable hyper-parameters and their defaults (factory parameters or `PSEUDO` names).
     wire: `wire(context, hyper) -> {factory keyword: value}` for what the defaults do not give directly
-      (optimizers, derived step sizes, graphs); the rest of `hyper` is passed by name.
+      (optimizers, derived step sizes); the rest of `hyper` is passed by name.
+    graph: the factory's `graph=`: None (it takes none), "topology" (the run's `--topology`, `Context.graph`)
+      or the name of a `fo.graphs` builder called with the run's N (e.g. "chain", "ring").
     server_lr: the hyper-parameter `--server-lr` sets (None: the algorithm has no server step size).
     evaluation: "global" (state.params on every client's test split), "table" (also each client's stored
       model: `fo.personalized_params`) or "adapt" (also the global model adapted on each client:
@@ -136,6 +138,7 @@ class Spec:
   factory: Callable
   defaults: Mapping[str, Any]
   wire: Callable[[Context, dict], dict] = lambda ctx, hyper: {}
+  graph: str | None = None
   server_lr: str | None = None
   evaluation: str = "global"
   sampling: str = "clients"
@@ -186,6 +189,10 @@ def _client(ctx, hyper):
   return {"client_optimizer": _sgd(hyper["client_lr"])}
 
 
+def _client_local(ctx, hyper):
+  return {"client_optimizer": _sgd(hyper["client_lr"]), "local_steps": ctx.local_steps}
+
+
 def _client_server(ctx, hyper):
   return {"client_optimizer": _sgd(hyper["client_lr"]), "server_optimizer": _server(hyper)}
 
@@ -217,18 +224,6 @@ def _l2sgd_plus_wire(ctx, hyper):
 def _per_fedavg_batches(hyper: dict) -> int:
   """Batches per Per-FedAvg meta-step: D, D' (first order, MAML) or D, D', D'' (Hessian-free)."""
   return 3 if hyper.get("variant") == "hf" else 2
-
-
-def _graph(kind: str):
-  def wire(ctx, hyper):
-    from fedjax_opt import graphs
-
-    return {"graph": getattr(graphs, kind)(ctx.num_clients), "client_optimizer": _sgd(hyper["client_lr"])}
-  return wire
-
-
-def _decentralized_wire(ctx, hyper):
-  return {"mixing": ctx.mixing}
 
 
 def _async_wire(ctx, hyper):
@@ -271,10 +266,10 @@ def _fedma_wire(ctx, hyper):
   return {"layers": algorithms.fedma_model(ctx.model)[1], "client_optimizer": _sgd(hyper["client_lr"])}
 
 
-def _fedu_wire(ctx, hyper):
+def _builder_graph(builder: str, num_nodes: int):
   from fedjax_opt import graphs
 
-  return {"graph": graphs.ring(ctx.num_clients)}
+  return getattr(graphs, builder)(num_nodes)
 
 
 def _builders() -> dict[str, Callable[[Any], Spec]]:
@@ -361,51 +356,45 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           _l2sgd_plus_wire, evaluation="table", sampling="full_fixed", communication="metrics"),
       "fedu": lambda a: Spec(
           "personalized", "decentralized Laplacian-regularized personal models on a ring (Dinh et al. 2021)",
-          a.fedu, {"lam": 0.1, "eta": CLIENT_LR},
-          lambda ctx, h: {**_fedu_wire(ctx, h), "local_steps": ctx.local_steps},
-          evaluation="table", messages=(1, 0)),
+          a.fedu, {"lam": 0.1, "eta": CLIENT_LR}, lambda ctx, h: {"local_steps": ctx.local_steps},
+          graph="ring", evaluation="table", messages=(1, 0)),
       "easgd": lambda a: Spec(
           "personalized", "elastic averaging of local models and a center (Zhang et al. 2015)", a.easgd,
           {"alpha": 0.1, "client_lr": CLIENT_LR}, _client, evaluation="table"),
       # ---- ADMM (convex) ---------------------------------------------------------------------------------------
       "admm_consensus": lambda a: Spec(
           "admm", "consensus ADMM, inexact local steps, pooled-risk objective (Boyd et al. 2011)",
-          a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local},
-          lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
+          a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local}, _client_local,
           sampling="full", messages=(1, 1), objective="pooled"),
       "gadmm": lambda a: Spec(
           "admm", "group ADMM on a chain of workers, no server (Elgabli et al. 2020)", a.gadmm,
-          {"rho": 0.1, "objective": "examples", **admm_local},
-          lambda ctx, h: {**_graph("chain")(ctx, h), "local_steps": ctx.local_steps},
+          {"rho": 0.1, "objective": "examples", **admm_local}, _client_local, graph="chain",
           sampling="full", messages=(1, 0), objective="pooled"),
       "cq_ggadmm": lambda a: Spec(
           "admm", "censored and quantized GADMM on a chain (Issaid et al. 2020)", a.cq_ggadmm,
           {"rho": 0.1, "tau0": 0.5, "xi": 0.9, "bits": 8, "objective": "examples", **admm_local},
-          lambda ctx, h: {**_graph("chain")(ctx, h), "local_steps": ctx.local_steps},
-          sampling="full", communication="bits", objective="pooled"),
+          _client_local, graph="chain", sampling="full", communication="bits", objective="pooled"),
       "mixture_admm": lambda a: Spec(
           "admm", "ADMM on the mixture of global and local models (personalized)", a.mixture_admm,
-          {"lam": 0.1, "rho": 0.1, **admm_local},
-          lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]), "local_steps": ctx.local_steps},
+          {"lam": 0.1, "rho": 0.1, **admm_local}, _client_local,
           evaluation="table", sampling="full", messages=(1, 1), objective="mixture"),
       # ---- decentralized (--topology) -------------------------------------------------------------------------
       "gossip": lambda a: Spec(
           "decentralized", "local SGD, then averaging with the neighbours: x ← W(x + Δ) (decentralized "
-          "FedAvg)", a.gossip, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table",
+          "FedAvg)", a.gossip, {"eta": CLIENT_LR}, graph="topology", evaluation="table",
           sampling="nodes", communication="bytes"),
       "dpsgd": lambda a: Spec(
           "decentralized", "D-PSGD: x_i ← Σ_j W_ij x_j − η ∇f_i(x_i), one step per batch "
-          "(Lian et al. 2017)", a.dpsgd, {"eta": CLIENT_LR}, _decentralized_wire, evaluation="table", sampling="nodes",
+          "(Lian et al. 2017)", a.dpsgd, {"eta": CLIENT_LR}, graph="topology", evaluation="table", sampling="nodes",
           communication="bytes"),
       "gradient_tracking": lambda a: Spec(
           "decentralized", "DIGing: tracks the average gradient, exact under heterogeneity "
-          "(Nedić et al. 2017)", a.gradient_tracking, {"eta": CLIENT_LR}, _decentralized_wire,
+          "(Nedić et al. 2017)", a.gradient_tracking, {"eta": CLIENT_LR}, graph="topology",
           evaluation="table", sampling="nodes", communication="bytes"),
       "d_fedem": lambda a: Spec(
           "decentralized", "FedEM without a server: each node's components averaged with its "
           "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
-          lambda ctx, h: {**_decentralized_wire(ctx, h), "client_optimizer": _sgd(h["client_lr"])},
-          evaluation="table", sampling="nodes", communication="bytes", eval_model=a.fedem_mixture_model),
+          _client, graph="topology", evaluation="table", sampling="nodes", communication="bytes", eval_model=a.fedem_mixture_model),
       # ---- matched averaging (host-driven) --------------------------------------------------------------------
       "fedma": lambda a: Spec(
           "matched", "match hidden units layer by layer (BBP-MAP, Hungarian), average, retrain the layers "
@@ -488,6 +477,16 @@ def check_registry() -> None:
       raise AssertionError(f"{name}: server_lr={spec.server_lr!r} is not one of its defaults")
     if spec.family not in FAMILIES:
       raise AssertionError(f"{name}: unknown family {spec.family!r}")
+    if ("graph" in params) != (spec.graph is not None):
+      raise AssertionError(f"{name}: {spec.factory.__name__} {'takes' if 'graph' in params else 'takes no'} graph=, "
+                           f"but its Spec has graph={spec.graph!r}")
+    if (spec.graph == "topology") != (spec.family == "decentralized"):
+      raise AssertionError(f"{name}: the run's --topology graph is for the decentralized family exactly")
+    if spec.graph is not None and spec.graph != "topology":
+      from fedjax_opt import graphs
+
+      if not callable(getattr(graphs, spec.graph, None)):
+        raise AssertionError(f"{name}: graph={spec.graph!r} is neither 'topology' nor a fo.graphs builder")
 
 
 def _coerce(name: str, key: str, value: Any, default: Any) -> Any:
@@ -550,6 +549,8 @@ def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
     loss_fn = _ridge(ctx.loss_fn if spec.train_model is None else spec.train_model(ctx.model).loss_fn,
                      hyper.get("l2", 0.0))
     kwargs = spec.wire(ctx, hyper)
+    if spec.graph is not None:
+      kwargs["graph"] = ctx.graph if spec.graph == "topology" else _builder_graph(spec.graph, ctx.num_clients)
     for key, value in hyper.items():  # a value set by the user wins over the wiring; None leaves the wiring
       if key not in PSEUDO and (value is not None or key not in kwargs):
         kwargs[key] = value

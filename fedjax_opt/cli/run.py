@@ -318,10 +318,10 @@ def _prepared(config: dict[str, Any]):
 
 
 def network_context(config: dict[str, Any], dataset) -> dict[str, Any]:
-  """The `registry.Context` fields of --topology and --async: the mixing matrix, the clock, Zeno++'s batch."""
+  """The `registry.Context` fields of --topology and --async: the graph, the clock, Zeno++'s batch."""
   out: dict[str, Any] = {}
   if config["topology"] is not None:
-    out["mixing"] = network.mixing(config["topology"], dataset.num_clients, config["seed"])
+    out["graph"] = network.graph(config["topology"], dataset.num_clients, config["seed"])
   if config["asynchronous"]:
     from fedjax_opt.core import asynchrony
 
