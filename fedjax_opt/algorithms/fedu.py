@@ -149,7 +149,7 @@ def _laplacian_times(table: PyTree, edges: np.ndarray, weights: jax.Array) -> Py
 
 
 def laplacian_penalty(table: PyTree, graph: graphs_lib.Graph, lam: Any) -> jax.Array:
-  """(λ/2) Σ_{(i,j)∈E} a_ij ‖x_i − x_j‖² for a table with leaves `[N, ...]` (a scalar), a_ij = `graph.weights`."""
+  """(λ/2) Σ_{(i,j)∈E} a_ij ‖x_i − x_j‖² (a_ij = `graph.weights`) for a table with leaves `[N, ...]`."""
   weights = _edge_weights(graph)
   head, tail = jnp.asarray(graph.edges[:, 0]), jnp.asarray(graph.edges[:, 1])
   squares = [jnp.sum(jnp.square(z[head] - z[tail]).reshape(graph.num_edges, -1), axis=1)

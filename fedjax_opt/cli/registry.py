@@ -394,7 +394,8 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       "d_fedem": lambda a: Spec(
           "decentralized", "FedEM without a server: each node's components averaged with its "
           "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
-          _client, graph="topology", evaluation="table", sampling="nodes", communication="bytes", eval_model=a.fedem_mixture_model),
+          _client, graph="topology", evaluation="table", sampling="nodes", communication="bytes",
+          eval_model=a.fedem_mixture_model),
       # ---- matched averaging (host-driven) --------------------------------------------------------------------
       "fedma": lambda a: Spec(
           "matched", "match hidden units layer by layer (BBP-MAP, Hungarian), average, retrain the layers "
