@@ -1,5 +1,11 @@
-"""Consensus and sharing ADMM reach the centralized optimum (closed forms, scipy L-BFGS, scikit-learn)."""
+"""Consensus and sharing ADMM reach the centralized optimum (closed forms, scipy L-BFGS, scikit-learn).
 
+Compiling is most of these tests' time: the algorithms are built inside cached jitted programs (`_consensus`,
+`_sharing`) with their hyper-parameters (ρ, α, λ₁, λ₂, the tolerances) traced, so one program serves every test
+and every value that shares the static choices and the data's shapes.
+"""
+
+import functools
 import inspect
 
 import chex
@@ -34,6 +40,11 @@ def _ridge_loss(params, batch):
   return lsq_loss(params, batch) + 0.5 * L2 * jnp.sum(jnp.square(params["w"]))
 
 
+def _ridge_loss_with(l2):
+  """Least squares plus (l2/2)‖w‖² per example; l2 may be traced (0: exactly `lsq_loss`'s values)."""
+  return lambda params, batch: lsq_loss(params, batch) + 0.5 * l2 * jnp.sum(jnp.square(params["w"]))
+
+
 def _centralized_ridge(clients, l2):
   """argmin Σ_i [(1/n_i) Σ ½(xᵀw + b − y)² + (l2/2)‖w‖²] from the normal equations, float64."""
   a = [np.hstack([x, np.ones((len(x), 1))]) for x, _ in clients]
@@ -43,36 +54,77 @@ def _centralized_ridge(clients, l2):
   return np.linalg.solve(lhs, rhs)
 
 
-def _run(algo, params, batches, iterations):
-  """The whole solve as one jitted `lax.scan` over ADMM iterations; also returns the metrics history."""
+def _np(tree):
+  """Every array leaf as NumPy (PRNG keys kept): the tests then index and compare without compiling eager ops."""
+  return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else np.asarray(a), tree)
+
+
+def _scan(algo, state, batches, iterations):
+  """`iterations` steps as one `lax.scan`; returns the final state and the metrics history."""
 
   def body(state, _):
     state = algo.step(state, batches)
     return state, state.metrics
 
-  return jax.jit(lambda s: jax.lax.scan(body, s, None, length=iterations))(algo.init(params, jax.random.key(0)))
+  return jax.lax.scan(body, state, None, length=iterations)
+
+
+def _run(algo, params, batches, iterations):
+  """The whole solve as one jitted `lax.scan` over ADMM iterations; also returns the metrics history (NumPy)."""
+  return _np(jax.jit(lambda s: _scan(algo, s, batches, iterations))(algo.init(params, jax.random.key(0))))
 
 
 def _rel_err(got, want):
   return np.linalg.norm(got - want) / np.linalg.norm(want)
 
 
+def _hyper(rho=1.0, alpha=1.0, l2=L2, abs_tol=1e-6, rel_tol=1e-4):
+  """The traced hyper-parameters of `_consensus`'s programs (always the same pytree, so they never retrace)."""
+  return dict(rho=rho, alpha=alpha, l2=l2, abs_tol=abs_tol, rel_tol=rel_tol)
+
+
+@functools.cache
+def _consensus(objective="clients", balancing=False, prox="least_squares", iterations=100):
+  """Exact consensus ADMM (prox_least_squares(λ₂) or prox_quadratic of the ridge loss), built inside jitted programs
+  from the traced `_hyper(...)` dict `h`, once per static choice: `init(params, h)`, `step(state, batches, h)` and
+  `run(params, batches, h) -> (state, metrics history)` of `iterations` iterations from `init`."""
+
+  def algo(h):
+    loss = _ridge_loss_with(h["l2"])
+    x_update = prox_least_squares(h["l2"]) if prox == "least_squares" else prox_quadratic(loss)
+    return admm_consensus(loss, h["rho"], num_clients=N, prox=x_update, relaxation=h["alpha"],
+                          residual_balancing=balancing, abs_tol=h["abs_tol"], rel_tol=h["rel_tol"],
+                          objective=objective)
+
+  init = jax.jit(lambda params, h: algo(h).init(params, jax.random.key(0)))
+  step = jax.jit(lambda state, batches, h: algo(h).step(state, batches))
+  run = jax.jit(lambda params, batches, h: _scan(algo(h), algo(h).init(params, jax.random.key(0)), batches,
+                                                 iterations))
+  return init, step, run
+
+
+def _solve(params, batches, h, **static):
+  """`_consensus(**static)`'s run as NumPy (state, history)."""
+  return _np(_consensus(**static)[2](params, batches, h))
+
+
 @pytest.fixture
 def lsq_clients(rng):
-  """Heterogeneous least squares: unequal sizes, shifted inputs, a different target model per client."""
+  """Heterogeneous least squares: unequal sizes, shifted inputs, a different target model per client.
+
+  Packed into 5 steps (the last ones all padding) so that these batches share their shape, and so the compiled
+  programs, with the examples-objective test's."""
   clients = make_clients(rng, [8, 10, 6, 12], D)
   with jax.enable_x64(True):  # float64 device arrays (outside the context they would be float32)
-    return clients, pack(clients, 2, 6, extra_slots=1, dtype=np.float64)
+    return clients, pack(clients, 5, 6, extra_slots=1, dtype=np.float64)
 
 
 @pytest.mark.parametrize("l2, prox_name", [(0.0, "least_squares"), (L2, "least_squares"), (L2, "quadratic")])
 def test_exact_consensus_reaches_centralized_least_squares_and_ridge(lsq_clients, l2, prox_name):
+  """100 iterations of ρ = 1 (λ₂ = 0 is least squares: the ridge loss and prox with a traced λ₂ = 0)."""
   clients, batches = lsq_clients
   with jax.enable_x64(True):
-    loss = _ridge_loss if l2 else lsq_loss
-    prox = prox_least_squares(l2) if prox_name == "least_squares" else prox_quadratic(loss)
-    algo = admm_consensus(loss, 1.0, num_clients=N, prox=prox)
-    state, history = _run(algo, _tree(np.zeros(D + 1)), batches, 80)
+    state, history = _solve(_tree(np.zeros(D + 1)), batches, _hyper(l2=l2), prox=prox_name)
     z_star = _centralized_ridge(clients, l2)
     assert _rel_err(_vec(state.params), z_star) < 1e-6
     for i in range(N):  # every x_i agrees with z
@@ -80,7 +132,7 @@ def test_exact_consensus_reaches_centralized_least_squares_and_ridge(lsq_clients
     np.testing.assert_allclose(np.asarray(state.duals["w"]).sum(0), 0, atol=1e-10)  # Σ λ_i = 0
     assert history["primal_residual"][-1] < 1e-7 and history["dual_residual"][-1] < 1e-7
     assert bool(history["converged"][-1]) and not bool(history["converged"][0])
-    assert int(state.metrics["num_clients"]) == N and int(state.round) == 80
+    assert int(state.metrics["num_clients"]) == N and int(state.round) == 100
     objective = np.mean([np.mean(0.5 * (x @ z_star[:-1] + z_star[-1] - y) ** 2) + 0.5 * l2 * z_star[:-1] @ z_star[:-1]
                          for x, y in clients])
     np.testing.assert_allclose(float(history["objective"][-1]), objective, rtol=1e-5)
@@ -90,16 +142,23 @@ def _two_of_four(rng):
   """Clients 2 and 0 of 4 in the round (float64), then a zero-weight padding client as client 1; random z, x_i, λ_i."""
   all_clients = make_clients(rng, [5, 6, 4, 7], D)
   batches = pack([all_clients[2], all_clients[0]], 2, 4, extra_clients=1, dtype=np.float64)
-  batches = batches.replace(client_id=jnp.array([2, 0, 1], jnp.int32))
+  batches = batches.replace(client_id=jnp.asarray(np.array([2, 0, 1], np.int32)))
   z, xs, lams = rng.normal(size=D + 1), rng.normal(size=(N, D + 1)), rng.normal(size=(N, D + 1))
   return all_clients, batches, z, xs, lams
 
 
-def _start(algo, z, xs, lams):
-  """`algo.init` with z, the x_i and the λ_i (rows `[N, D + 1]`) set."""
-  return algo.init(_tree(z), jax.random.key(0)).replace(
+def _start(z, xs, lams, objective="clients", rho=1.0, weights=None):
+  """The jitted `init` of `_consensus(objective)` at ρ with z, the x_i and the λ_i (rows `[N, D + 1]`) set, and the
+  client weights w_i when given."""
+  state = _consensus(objective)[0](_tree(z), _hyper(rho=rho)).replace(
       local_params={"w": jnp.asarray(xs[:, :-1]), "b": jnp.asarray(xs[:, -1])},
       duals={"w": jnp.asarray(lams[:, :-1]), "b": jnp.asarray(lams[:, -1])})
+  return state if weights is None else state.replace(client_weights=jnp.asarray(weights))
+
+
+def _step(state, batches, objective="clients", **hyper):
+  """One iteration of `_consensus(objective)`'s jitted step (ρ is the state's), as NumPy."""
+  return _np(_consensus(objective)[1](state, batches, _hyper(**hyper)))
 
 
 def _numpy_admm_iteration(z, xs, lams, clients, ids, rho, alpha, l2, weights=None):
@@ -133,9 +192,7 @@ def test_one_iteration_with_partial_participation_matches_numpy(rng):
   rho, alpha = 0.7, 1.5
   with jax.enable_x64(True):
     all_clients, batches, z, xs, lams = _two_of_four(rng)
-    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=alpha)
-    state = _start(algo, z, xs, lams)
-    out = jax.jit(algo.step)(state, batches)
+    out = _step(_start(z, xs, lams, rho=rho), batches, alpha=alpha)
     ref_z, ref_xs, ref_lams = _numpy_admm_iteration(z, xs, lams, all_clients, [2, 0], rho, alpha, L2)
     np.testing.assert_allclose(_vec(out.params), ref_z, rtol=1e-10)
     got_xs = np.column_stack([out.local_params["w"], out.local_params["b"]])
@@ -156,10 +213,8 @@ def test_a_client_with_weight_but_no_real_example_takes_no_part(rng):
   rho = 0.7
   with jax.enable_x64(True):
     all_clients, batches, z, xs, lams = _two_of_four(rng)
-    batches = batches.replace(weight=jnp.array([4.0, 5.0, 3.0]))
-    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2))
-    state = _start(algo, z, xs, lams)
-    out = jax.jit(algo.step)(state, batches)
+    batches = batches.replace(weight=jnp.asarray(np.array([4.0, 5.0, 3.0])))
+    out = _step(_start(z, xs, lams, rho=rho), batches)
     ref_z, ref_xs, ref_lams = _numpy_admm_iteration(z, xs, lams, all_clients, [2, 0], rho, 1.0, L2)
     np.testing.assert_allclose(_vec(out.params), ref_z, rtol=1e-10)
     np.testing.assert_allclose(np.column_stack([out.local_params["w"], out.local_params["b"]]), ref_xs, rtol=1e-10)
@@ -182,11 +237,9 @@ def test_examples_objective_reaches_the_pooled_solution_which_the_clients_object
   assert _rel_err(per_client, pooled) > 0.05  # the two objectives really differ on these clients
   with jax.enable_x64(True):
     batches = pack(clients, 5, 6, extra_slots=1, dtype=np.float64)
-    batches = batches.replace(weight=jnp.ones(N))  # n_i comes from the mask, not from batches.weight
-    runs = {}
-    for objective in ("examples", "clients"):
-      algo = admm_consensus(_ridge_loss, 1.0, num_clients=N, prox=prox_least_squares(L2), objective=objective)
-      runs[objective] = _run(algo, _tree(np.zeros(D + 1)), batches, 100)
+    batches = batches.replace(weight=jnp.asarray(np.ones(N)))  # n_i comes from the mask, not from batches.weight
+    runs = {objective: _solve(_tree(np.zeros(D + 1)), batches, _hyper(), objective=objective)
+            for objective in ("examples", "clients")}
     state, history = runs["examples"]
     assert _rel_err(_vec(state.params), pooled) < 1e-8
     np.testing.assert_array_equal(np.asarray(state.client_weights), [3, 30, 5, 12])
@@ -206,10 +259,7 @@ def test_examples_objective_one_iteration_with_partial_participation_matches_num
   with jax.enable_x64(True):
     all_clients, batches, z, xs, lams = _two_of_four(rng)
     weights = np.array([9.0, 11.0, 2.0, 0.0])
-    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=alpha,
-                          objective="examples")
-    state = _start(algo, z, xs, lams).replace(client_weights=jnp.asarray(weights))
-    out = jax.jit(algo.step)(state, batches)
+    out = _step(_start(z, xs, lams, "examples", rho, weights), batches, "examples", alpha=alpha)
     ref_z, ref_xs, ref_lams = _numpy_admm_iteration(z, xs, lams, all_clients, [2, 0], rho, alpha, L2, weights)
     np.testing.assert_allclose(_vec(out.params), ref_z, rtol=1e-10)
     np.testing.assert_allclose(np.column_stack([out.local_params["w"], out.local_params["b"]]), ref_xs, rtol=1e-10)
@@ -225,17 +275,15 @@ def test_a_client_with_nan_data_never_spreads(rng, objective):
   clients = make_clients(rng, [5, 6, 4, 7], D)
   with jax.enable_x64(True):
     batches = pack(clients, 2, 4, dtype=np.float64)
-    batches = batches.replace(data={**batches.data, "x": batches.data["x"].at[bad, 0, 1, 2].set(jnp.nan)})
+    x = np.array(batches.data["x"])
+    x[bad, 0, 1, 2] = np.nan
+    batches = batches.replace(data={**batches.data, "x": jnp.asarray(x)})
     z, xs, lams = rng.normal(size=D + 1), rng.normal(size=(N, D + 1)), rng.normal(size=(N, D + 1))
     weights = np.array([1.0, 3.0, 1.0, 1.0]) if objective == "examples" else None
-    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), objective=objective)
-    state = _start(algo, z, xs, lams)
-    if weights is not None:
-      state = state.replace(client_weights=jnp.asarray(weights))
-    step = jax.jit(algo.step)
+    state = _start(z, xs, lams, objective, rho, weights)
     x_bad, lam_bad = xs[bad].copy(), lams[bad].copy()
     for _ in range(5):
-      state = step(state, batches)
+      state = _step(state, batches, objective)
       z, xs, lams = _numpy_admm_iteration(z, xs, lams, clients, [0, 2, 3], rho, 1.0, L2, weights)
       if weights is not None:
         weights = np.array([5.0, 3.0, 4.0, 7.0])
@@ -256,9 +304,7 @@ def test_over_relaxation_and_residual_balancing_converge(lsq_clients, relaxation
   """α = 1.5, and residual balancing from a badly chosen ρ = 50: ρ moves, residuals go to 0, z = z*."""
   clients, batches = lsq_clients
   with jax.enable_x64(True):
-    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=relaxation,
-                          residual_balancing=balancing)
-    state, history = _run(algo, _tree(np.zeros(D + 1)), batches, 80)
+    state, history = _solve(_tree(np.zeros(D + 1)), batches, _hyper(rho=rho, alpha=relaxation), balancing=balancing)
     assert _rel_err(_vec(state.params), _centralized_ridge(clients, L2)) < 1e-6
     assert history["primal_residual"][-1] < 1e-7 and history["dual_residual"][-1] < 1e-7
     assert bool(history["converged"][-1])
@@ -286,12 +332,9 @@ def test_metrics_are_boyds_residuals_tolerances_and_the_objective_at_z(rng, obje
     results, larger = {}, set()
     # Duals with a common shift move z⁺ away from the x_i, so that √N‖z⁺‖ is the larger side of ε_pri's max.
     for shift, tols in ((0.0, (abs_tol, rel_tol)), (0.0, (10.0, 0.5)), (6.0, (abs_tol, rel_tol))):
-      algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=alpha,
-                            abs_tol=tols[0], rel_tol=tols[1], objective=objective)
-      state = _start(algo, z, xs, lams + shift)
-      if weights is not None:
-        state = state.replace(client_weights=jnp.asarray(weights))
-      metrics = results[shift, tols] = jax.jit(algo.step)(state, batches).metrics
+      state = _start(z, xs, lams + shift, objective, rho, weights)
+      metrics = results[shift, tols] = _step(state, batches, objective, alpha=alpha, abs_tol=tols[0],
+                                             rel_tol=tols[1]).metrics
       new_z, new_xs, new_lams = _numpy_admm_iteration(z, xs, lams + shift, all_clients, [2, 0], rho, alpha, L2,
                                                       weights)
       r = np.linalg.norm(new_xs - new_z)
@@ -327,10 +370,9 @@ def test_residual_balancing_is_boyds_rule_with_the_default_mu_and_tau(lsq_client
   assert (defaults["balancing_mu"].default, defaults["balancing_tau"].default) == (10.0, 2.0)  # Boyd's suggestion
   with jax.enable_x64(True):
     moves, ratios = set(), []
-    for rho in (70.0, 0.2):
-      algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), residual_balancing=True)
-      _, history = _run(algo, _tree(np.zeros(D + 1)), batches, 40)
-      r, s, rhos = (np.asarray(history[k]) for k in ("primal_residual", "dual_residual", "rho"))
+    for rho in (70.0, 0.2):  # the first 40 of the shared program's 100 iterations
+      _, history = _solve(_tree(np.zeros(D + 1)), batches, _hyper(rho=rho), balancing=True)
+      r, s, rhos = (np.asarray(history[k][:40]) for k in ("primal_residual", "dual_residual", "rho"))
       assert rhos[0] == rho
       ratios.extend(np.maximum(r / s, s / r)[:-1])
       for k in range(len(rhos) - 1):
@@ -339,13 +381,12 @@ def test_residual_balancing_is_boyds_rule_with_the_default_mu_and_tau(lsq_client
         moves.add(np.sign(np.log(rhos[k + 1] / rhos[k])))
     assert moves == {-1.0, 0.0, 1.0}
     assert any(10 < ratio < 11 for ratio in ratios)
-    state, history = _run(admm_consensus(_ridge_loss, 50.0, num_clients=N, prox=prox_least_squares(L2)),
-                          _tree(np.zeros(D + 1)), batches, 10)
+    state, history = _solve(_tree(np.zeros(D + 1)), batches, _hyper(rho=50.0))  # 100 iterations
     np.testing.assert_array_equal(history["rho"], 50.0)
     assert float(state.rho) == 50.0
-    idle = batches.replace(weight=jnp.zeros_like(batches.weight))
-    algo = admm_consensus(_ridge_loss, 3.0, num_clients=N, prox=prox_least_squares(L2), residual_balancing=True)
-    state = jax.jit(algo.step)(algo.init(_tree(np.arange(D + 1.0)), jax.random.key(0)), idle)
+    idle = batches.replace(weight=jnp.asarray(np.zeros(N)))
+    init, step, _ = _consensus(balancing=True)
+    state = _np(step(init(_tree(np.arange(D + 1.0)), _hyper(rho=3.0)), idle, _hyper(rho=3.0)))
     assert float(state.metrics["primal_residual"]) == 0.0 and float(state.metrics["dual_residual"]) == 0.0
     assert float(state.rho) == 3.0
 
@@ -358,16 +399,14 @@ def test_examples_objective_from_init_counts_only_the_clients_seen(rng):
   clients = make_clients(rng, [3, 2, 1, 4], D)
   z0 = rng.normal(size=D + 1)
   with jax.enable_x64(True):
-    batches = pack([clients[2]], 1, 3, extra_clients=1, dtype=np.float64).replace(
-        client_id=jnp.array([2, 0], jnp.int32))
-    algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2), relaxation=alpha,
-                          objective="examples")
-    state = algo.init(_tree(z0), jax.random.key(0))
+    # Packed as `_two_of_four`'s batches (two steps of four slots, three rows: the shapes of its compiled step).
+    batches = pack([clients[2]], 2, 4, extra_clients=2, dtype=np.float64).replace(
+        client_id=jnp.asarray(np.array([2, 0, 1], np.int32)))
+    state = _consensus("examples")[0](_tree(z0), _hyper(rho=rho))
     np.testing.assert_array_equal(np.asarray(state.client_weights), 0.0)
-    step = jax.jit(algo.step)
-    idle = step(state, batches.replace(weight=jnp.zeros(2)))
+    idle = _step(state, batches.replace(weight=jnp.asarray(np.zeros(3))), "examples", alpha=alpha)
     np.testing.assert_array_equal(_vec(idle.params), z0)
-    out = step(state, batches)
+    out = _step(state, batches, "examples", alpha=alpha)
     x, y = clients[2]
     a = np.hstack([x, np.ones((1, 1))])
     x2 = np.linalg.solve(a.T @ a + np.diag([L2] * D + [0.0]) + rho * np.eye(D + 1), a.T @ y + rho * z0)
@@ -398,7 +437,7 @@ def test_inexact_x_update_is_k_optax_steps_cycling_through_the_batches(rng):
   with jax.enable_x64(True):
     all_clients, batches, z, xs, lams = _two_of_four(rng)
     algo = admm_consensus(lsq_loss, rho, num_clients=N, client_optimizer=optax.sgd(eta), local_steps=k_steps)
-    out = jax.jit(algo.step)(_start(algo, z, xs, lams), batches)
+    out = _np(jax.jit(algo.step)(_start(z, xs, lams, rho=rho), batches))  # init does not depend on the x-update
     data_x, data_y, mask = (np.asarray(a) for a in (batches.data["x"], batches.data["y"], batches.mask))
     new_xs, terms = xs.copy(), xs + lams / rho
     for c, i in enumerate((2, 0)):
@@ -417,15 +456,15 @@ def test_inexact_x_update_is_k_optax_steps_cycling_through_the_batches(rng):
 
 def test_vmap_over_rho_runs_a_sweep_in_one_program(lsq_clients):
   clients, batches = lsq_clients
-  rhos = jnp.array([0.7, 1.0, 2.0])
+  rhos = np.array([0.7, 1.0, 2.0])
   with jax.enable_x64(True):
 
     def solve(rho):
       algo = admm_consensus(_ridge_loss, rho, num_clients=N, prox=prox_least_squares(L2))
-      state, history = _run(algo, _tree(np.zeros(D + 1)), batches, 150)
+      state, history = _scan(algo, algo.init(_tree(np.zeros(D + 1)), jax.random.key(0)), batches, 150)
       return state.params, history["primal_residual"]
 
-    params, residuals = jax.jit(jax.vmap(solve))(rhos)
+    params, residuals = _np(jax.jit(jax.vmap(solve))(rhos))
     z_star = _centralized_ridge(clients, L2)
     for i in range(len(rhos)):
       assert _rel_err(_vec(jax.tree.map(lambda a: a[i], params)), z_star) < 1e-6
@@ -488,20 +527,51 @@ def test_bad_arguments():
     admm_sharing(1.0, num_samples=10, l1=-0.1)
 
 
-def _vertical_batches(x, y, blocks):
-  """Column blocks of X as one client each, `[N, 1, m, d_max]`; the last client has one padding sample row."""
+def _vertical_batches(x, y, blocks, *, nan_client=None, nan_labels_after_client_zero=False, nan_features=False):
+  """Column blocks of X as one client each, `[N, 1, m, d_max]`; the last client has one padding sample row.
+
+  Built in NumPy (no eager op to compile): `nan_client`'s real samples' features are NaN; with
+  `nan_labels_after_client_zero` every row's labels but client 0's are NaN; with `nan_features` every feature is.
+  """
   m = len(y)
   n, d_max = len(blocks), max(blocks)
-  starts = np.cumsum([0] + blocks)
+  starts = np.cumsum([0] + list(blocks))
   a = np.zeros((n, 1, m + 1, d_max))
   for i, d in enumerate(blocks):
     a[i, 0, :m, :d] = x[:, starts[i]:starts[i + 1]]
   a[:, 0, m] = 7.0  # a padding sample with arbitrary values
+  if nan_client is not None:
+    a[nan_client, 0, :m] = np.nan
+  if nan_features:
+    a[:] = np.nan
   labels = np.broadcast_to(np.append(y, 3.0), (n, 1, m + 1)).copy()
+  if nan_labels_after_client_zero:
+    labels[1:] = np.nan
   mask = np.ones((n, 1, m + 1), bool)
   mask[:, 0, m] = False
   return fo.ClientBatches(data={"x": jnp.asarray(a), "y": jnp.asarray(labels)}, mask=jnp.asarray(mask),
-                          weight=jnp.ones(n), client_id=jnp.arange(n, dtype=jnp.int32))
+                          weight=jnp.asarray(np.ones(n)), client_id=jnp.asarray(np.arange(n, dtype=np.int32)))
+
+
+def _sharing_hyper(rho, l1=0.0, l2=0.0, alpha=1.0):
+  """The traced hyper-parameters of `_sharing`'s programs (always the same pytree)."""
+  return dict(rho=rho, l1=l1, l2=l2, alpha=alpha)
+
+
+@functools.cache
+def _sharing(loss="squared", num_samples=61, inner_steps=20, iterations=6):
+  """Sharing ADMM built inside jitted programs from the traced `_sharing_hyper(...)` dict `h`, once per static
+  choice: `init(x0, h)`, `step(state, batches, h)` and `run(x0, batches, h) -> (state, metrics history)` of
+  `iterations` iterations from `init`."""
+
+  def algo(h):
+    return admm_sharing(h["rho"], num_samples=num_samples, loss=loss, l1=h["l1"], l2=h["l2"], inner_steps=inner_steps,
+                        relaxation=h["alpha"])
+
+  init = jax.jit(lambda x0, h: algo(h).init(x0, jax.random.key(0)))
+  step = jax.jit(lambda state, batches, h: algo(h).step(state, batches))
+  run = jax.jit(lambda x0, batches, h: _scan(algo(h), algo(h).init(x0, jax.random.key(0)), batches, iterations))
+  return init, step, run
 
 
 @pytest.mark.parametrize("regularizer", ["lasso", "ridge"])
@@ -519,8 +589,8 @@ def test_sharing_admm_reaches_the_scikit_learn_solution_with_features_split_by_c
     options = dict(l2=0.5 / m)
   with jax.enable_x64(True):
     batches = _vertical_batches(x, y, blocks)
-    algo = admm_sharing(0.05, num_samples=m + 1, **options)
-    state, history = _run(algo, jnp.zeros((len(blocks), max(blocks))), batches, 300)
+    run = _sharing(num_samples=m + 1, iterations=300)[2]
+    state, history = _np(run(np.zeros((len(blocks), max(blocks))), batches, _sharing_hyper(0.05, **options)))
     got = np.concatenate([np.asarray(state.params[i, :d]) for i, d in enumerate(blocks)])
     assert _rel_err(got, coef) < 1e-5, _rel_err(got, coef)
     np.testing.assert_array_equal(np.asarray(state.params[1, 2:]), 0)  # padding columns stay 0
@@ -559,7 +629,9 @@ def _l1_logistic_reference(x, y, l1):
 
 @pytest.mark.parametrize("regularizer", ["l2", "l1"])
 def test_sharing_admm_logistic_regression_with_features_split_by_column(rng, regularizer):
-  """Vertical logistic regression (labels in {0, 1}) reaches scikit-learn (ℓ2) / scipy (ℓ1) float64 optima to 1e-4."""
+  """Vertical logistic regression (labels in {0, 1}) reaches scikit-learn (ℓ2) / scipy (ℓ1) float64 optima to 1e-4.
+
+  400 iterations: the over-relaxation test's compiled program (300 already reach 1e-4)."""
   x, y, blocks = _logistic_data(rng)
   m, c = len(y), 0.5
   if regularizer == "l2":  # C Σ log-loss + ½‖w‖² = Cm [(1/m) Σ log-loss + (1/(Cm))/2 ‖w‖²]
@@ -571,8 +643,8 @@ def test_sharing_admm_logistic_regression_with_features_split_by_column(rng, reg
     assert np.sum(np.abs(coef) < 1e-8) >= 1  # sparse: the ℓ1 prox matters
   with jax.enable_x64(True):
     batches = _vertical_batches(x, y, blocks)
-    algo = admm_sharing(0.01, num_samples=m + 1, loss="logistic", **options)
-    state, history = _run(algo, jnp.zeros((len(blocks), max(blocks))), batches, 300)
+    run = _sharing("logistic", m + 1, iterations=400)[2]
+    state, history = _np(run(np.zeros((len(blocks), max(blocks))), batches, _sharing_hyper(0.01, **options)))
     got = np.concatenate([np.asarray(state.params[i, :d]) for i, d in enumerate(blocks)])
     assert _rel_err(got, coef) < 1e-4, _rel_err(got, coef)
     np.testing.assert_array_equal(np.asarray(state.params[1, 2:]), 0)
@@ -589,10 +661,9 @@ def test_sharing_over_relaxation_reaches_the_same_solution(rng, loss):
   with jax.enable_x64(True):
     batches = _vertical_batches(x, y, blocks)
     runs = []
-    for alpha in (1.0, 1.5):
-      algo = admm_sharing(0.05 if loss == "squared" else 0.01, num_samples=m + 1, loss=loss, l2=0.02,
-                          relaxation=alpha)
-      state, history = _run(algo, jnp.zeros((len(blocks), max(blocks))), batches, 400)
+    for alpha in (1.0, 1.5):  # one compiled program: α is traced
+      h = _sharing_hyper(0.05 if loss == "squared" else 0.01, l2=0.02, alpha=alpha)
+      state, history = _np(_sharing(loss, m + 1, iterations=400)[2](np.zeros((len(blocks), max(blocks))), batches, h))
       runs.append((np.asarray(state.params), np.asarray(history["objective"])))
     np.testing.assert_allclose(runs[1][0], runs[0][0], atol=1e-7)
     assert not np.allclose(runs[1][1][:5], runs[0][1][:5])
@@ -654,13 +725,13 @@ def test_sharing_over_relaxation_matches_the_unreduced_iteration_in_numpy(rng, a
   zs = np.stack([a @ xi for a, xi in zip(blocks_a, xs)])  # z_i^0 = A_i x_i^0 (offsets start at 0)
   us = np.zeros((n, m))
   with jax.enable_x64(True):
-    algo = admm_sharing(rho, num_samples=m + 1, l2=l2, inner_steps=200, relaxation=alpha)
-    state = algo.init(jnp.asarray(x0), jax.random.key(0))
-    step = jax.jit(algo.step)
+    init, step, _ = _sharing(num_samples=m + 1, inner_steps=200)
+    h = _sharing_hyper(rho, l2=l2, alpha=alpha)  # traced: the α cases share one program per shape
+    state = init(x0, h)
     batches = _vertical_batches(x, y, blocks)
     for _ in range(5):
       z_bar_old = state.z_bar
-      state = step(state, batches)
+      state = _np(step(state, batches, h))
       xs, zs, us = _numpy_sharing_ridge(blocks_a, y, xs, zs, us, rho, alpha, l2)
       got = [np.asarray(state.params[i, :d]) for i, d in enumerate(blocks)]
       for g, want in zip(got, xs):
@@ -692,13 +763,12 @@ def test_sharing_a_client_with_nan_features_is_frozen_and_never_spreads(rng, los
     x0[i, :d] = rng.normal(size=d)
   keep = [i for i in range(len(blocks)) if i != bad]
   with jax.enable_x64(True):
-    batches = _vertical_batches(x, y, blocks)
-    poisoned = batches.replace(data={**batches.data, "x": batches.data["x"].at[bad, 0, :m].set(jnp.nan)})
+    poisoned = _vertical_batches(x, y, blocks, nan_client=bad)
     rest = _vertical_batches(np.delete(x, np.s_[blocks[0]:blocks[0] + blocks[1]], axis=1), y, blocks[:1] + blocks[2:])
-    rho = 0.05 if loss == "squared" else 0.01
-    algo = admm_sharing(rho, num_samples=m + 1, loss=loss, l2=0.02, relaxation=alpha)
-    state, history = _run(algo, jnp.asarray(x0), poisoned, 6)
-    reference, ref_history = _run(algo, jnp.asarray(x0[keep]), rest, 6)
+    h = _sharing_hyper(0.05 if loss == "squared" else 0.01, l2=0.02, alpha=alpha)
+    run = _sharing(loss, m + 1)[2]  # 6 iterations
+    state, history = _np(run(x0, poisoned, h))
+    reference, ref_history = _np(run(x0[keep], rest, h))
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
       if jnp.issubdtype(leaf.dtype, jnp.inexact):
         assert np.all(np.isfinite(np.asarray(leaf))), jax.tree_util.keystr(path)
@@ -744,10 +814,21 @@ def _numpy_safeguarded_newton(v, labels, real, n, frozen, m, rho, start, steps):
   return np.array(out), fallbacks
 
 
+def _z_update(*args):
+  """`_logistic_z_update` through one jitted program per `steps` (its last argument): eagerly, each of its ops would
+  compile on its own."""
+  from fedjax_opt.algorithms.admm_sharing import _logistic_z_update  # pylint: disable=import-outside-toplevel
+  return _jitted_z_update(_logistic_z_update)(*args)
+
+
+@functools.cache
+def _jitted_z_update(fn):
+  return jax.jit(fn, static_argnums=8)
+
+
 def test_sharing_logistic_z_update_is_the_safeguarded_newton_of_the_docstring(rng):
   """Each of the first steps equals the NumPy transcription (bracket v ± 1/(mρ), clipped start, bisection fallback,
   frozen shares c inside σ, padding samples t = v); 80 steps solve φ(t) = 0 to rounding."""
-  from fedjax_opt.algorithms.admm_sharing import _logistic_z_update  # pylint: disable=import-outside-toplevel
   size, n, m, rho = 9, 10.0, 8.0, 0.004  # steep σ(N t), wide bracket: some Newton points leave it
   v = rng.normal(size=size) * 3
   labels = (rng.random(size) < 0.5).astype(np.float64)
@@ -758,12 +839,12 @@ def test_sharing_logistic_z_update_is_the_safeguarded_newton_of_the_docstring(rn
   start = v + width * np.array([-2.5, 1.7, 0.4, -1.2, 3.0, -0.3, 1.1, -4.0, 2.0])
   with jax.enable_x64(True):
     for steps in (1, 2, 3, 5):
-      got = _logistic_z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
+      got = _z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
                                jnp.asarray(frozen), jnp.asarray(m), jnp.asarray(rho), jnp.asarray(start), steps)
       want, fallbacks = _numpy_safeguarded_newton(v, labels, real, n, frozen, m, rho, start, steps)
       np.testing.assert_allclose(np.asarray(got), want, rtol=1e-13, atol=1e-13)
     assert fallbacks > 0  # the bisection branch was taken
-    t = np.asarray(_logistic_z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
+    t = np.asarray(_z_update(jnp.asarray(v), jnp.asarray(labels), jnp.asarray(real), jnp.asarray(n),
                                       jnp.asarray(frozen), jnp.asarray(m), jnp.asarray(rho), jnp.asarray(start), 80))
   phi = np.where(real, (1 / (1 + np.exp(-(n * t + frozen))) - labels) / m, 0) + rho * (t - v)
   np.testing.assert_allclose(phi, 0, atol=1e-15)
@@ -774,7 +855,6 @@ def test_sharing_logistic_z_update_in_float32_under_x64_uses_float32_rounding():
   """A float32 solve with x64 on: "within rounding" is float32's (16 eps₃₂ (1 + |t|)), so once converged it keeps
   its root; with float64's eps, rounding-level Newton moves fail the halving test and bisect a bracket left wide
   on one side (max |φ| about 1.6e-5 after 30 steps instead of 1.1e-8). φ is evaluated in float64 NumPy."""
-  from fedjax_opt.algorithms.admm_sharing import _logistic_z_update  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(1)
   size, n, m, rho = 4000, 10.0, 8.0, 0.004
   f32 = np.float32
@@ -784,7 +864,7 @@ def test_sharing_logistic_z_update_in_float32_under_x64_uses_float32_rounding():
   start = (v + rng.normal(size=size) * 40).astype(f32)
   with jax.enable_x64(True):
     args = [jnp.asarray(a) for a in (v, labels, np.ones(size, bool), f32(n), frozen, f32(m), f32(rho), start)]
-    t = _logistic_z_update(*args, 30)
+    t = _z_update(*args, 30)
     assert t.dtype == jnp.float32
   t = np.asarray(t, np.float64)
   phi = (1 / (1 + np.exp(-(n * t + frozen))) - labels) / m + rho * (t - v)
@@ -811,12 +891,13 @@ def test_sharing_x_update_is_ista_with_step_one_over_rho_norm_squared_plus_l2(rn
       xk = np.sign(v) * np.maximum(np.abs(v) - step * l1, 0)
     want.append(xk)
   with jax.enable_x64(True):
-    algo = admm_sharing(rho, num_samples=m + 1, loss=loss, l1=l1, l2=l2, inner_steps=2)
-    state = algo.step(algo.init(jnp.asarray(x0), jax.random.key(0)), _vertical_batches(x, y, blocks))  # eager
+    init, step, _ = _sharing(loss, m + 1, inner_steps=2)
+    h = _sharing_hyper(rho, l1=l1, l2=l2)
+    state = step(init(x0, h), _vertical_batches(x, y, blocks), h)
     for i, d in enumerate(blocks):
       np.testing.assert_allclose(np.asarray(state.params[i, :d]), want[i], rtol=1e-12, atol=1e-14)
-    small = algo.init(jnp.asarray(x0, jnp.float32), jax.random.key(0))
-    small = algo.step(small, _vertical_batches(x, y, blocks))  # float64 data, float32 model
+    small = init(x0.astype(np.float32), h)
+    small = step(small, _vertical_batches(x, y, blocks), h)  # float64 data, float32 model
     for path, leaf in jax.tree_util.tree_flatten_with_path(small)[0]:
       if jnp.issubdtype(leaf.dtype, jnp.floating) and not jax.tree_util.keystr(path).startswith(".metrics"):
         assert leaf.dtype == jnp.float32, jax.tree_util.keystr(path)
@@ -826,13 +907,13 @@ def test_sharing_labels_are_client_zeros(rng):
   """The labels are read from client 0 (the label holder): NaN labels in every other row change nothing."""
   x, y, blocks = _logistic_data(rng, m=20)
   with jax.enable_x64(True):
-    for loss in ("squared", "logistic"):
-      algo = admm_sharing(0.1, num_samples=len(y) + 1, loss=loss, l2=0.1, inner_steps=3)
-      state = algo.init(jnp.zeros((len(blocks), max(blocks))), jax.random.key(0))
+    for loss in ("squared", "logistic"):  # the no-finite-client test's programs
+      init, step, _ = _sharing(loss, len(y) + 1, inner_steps=3)
+      h = _sharing_hyper(0.1, l2=0.1)
+      state = init(np.zeros((len(blocks), max(blocks))), h)
       batches = _vertical_batches(x, y, blocks)
-      others_nan = batches.replace(data={**batches.data, "y": batches.data["y"].at[1:].set(jnp.nan)})
-      step = jax.jit(algo.step)
-      chex.assert_trees_all_equal(step(state, others_nan), step(state, batches))
+      others_nan = _vertical_batches(x, y, blocks, nan_labels_after_client_zero=True)
+      chex.assert_trees_all_equal(step(state, others_nan, h), step(state, batches, h))
 
 
 def test_sharing_a_client_frozen_mid_run_leaves_its_last_share_inside_the_loss(rng):
@@ -843,20 +924,22 @@ def test_sharing_a_client_frozen_mid_run_leaves_its_last_share_inside_the_loss(r
   y = x @ rng.normal(size=x.shape[1])
   m, bad, keep = len(y), 1, [0, 2]
   with jax.enable_x64(True):
-    algo = admm_sharing(0.05, num_samples=m + 1, l2=0.02, inner_steps=5, relaxation=1.3)
+    init, step, _ = _sharing(num_samples=m + 1, inner_steps=5)
+    h = _sharing_hyper(0.05, l2=0.02, alpha=1.3)
     batches = _vertical_batches(x, y, blocks)
-    poisoned = batches.replace(data={**batches.data, "x": batches.data["x"].at[bad, 0, :m].set(jnp.nan)})
-    state, _ = _run(algo, jnp.zeros((3, max(blocks))), batches, 3)
+    poisoned = _vertical_batches(x, y, blocks, nan_client=bad)
+    state = init(np.zeros((3, max(blocks))), h)
+    for _ in range(3):  # the same step program as the poisoned iterations below
+      state = _np(step(state, batches, h))
     c = np.asarray(state.predictions[bad])
     assert np.abs(c[:m]).max() > 1e-3  # the frozen share is not 0
     pick = lambda a: jnp.asarray(np.asarray(a)[keep])
     rest_x = np.delete(x, np.s_[blocks[0]:blocks[0] + blocks[1]], axis=1)
     rest = _vertical_batches(rest_x, y - c[:m], [blocks[0], blocks[2]])
-    ref = algo.init(pick(state.params)[:, :max(blocks)], jax.random.key(0)).replace(
+    ref = init(pick(state.params)[:, :max(blocks)], h).replace(
         scaled_dual=state.scaled_dual, share_offsets=pick(state.share_offsets), predictions=pick(state.predictions))
-    step = jax.jit(algo.step)
     for _ in range(4):
-      state, ref = step(state, poisoned), step(ref, rest)
+      state, ref = _np(step(state, poisoned, h)), _np(step(ref, rest, h))
       np.testing.assert_allclose(np.asarray(state.params[np.asarray(keep)]), np.asarray(ref.params), rtol=1e-9,
                                  atol=1e-12)
       np.testing.assert_allclose(np.asarray(state.scaled_dual), np.asarray(ref.scaled_dual), rtol=1e-9, atol=1e-12)
@@ -871,10 +954,14 @@ def test_sharing_an_iteration_with_no_finite_client_changes_nothing(rng, loss):
   """Every feature block NaN: x, z̄, u, the offsets and the stored shares stay as they were; all N are counted."""
   x, y, blocks = _logistic_data(rng, m=20)
   with jax.enable_x64(True):
-    algo = admm_sharing(0.1, num_samples=len(y) + 1, loss=loss, l2=0.1, inner_steps=3)
+    init, step, _ = _sharing(loss, len(y) + 1, inner_steps=3)  # the labels test's programs
+    h = _sharing_hyper(0.1, l2=0.1)
     batches = _vertical_batches(x, y, blocks)
-    state, _ = _run(algo, jnp.zeros((len(blocks), max(blocks))), batches, 2)
-    after = jax.jit(algo.step)(state, batches.replace(data={**batches.data, "x": batches.data["x"] * jnp.nan}))
+    state = init(np.zeros((len(blocks), max(blocks))), h)
+    for _ in range(2):
+      state = step(state, batches, h)
+    state = _np(state)
+    after = _np(step(state, _vertical_batches(x, y, blocks, nan_features=True), h))
     for field in ("params", "z_bar", "scaled_dual", "share_offsets", "predictions"):
       np.testing.assert_array_equal(np.asarray(getattr(after, field)), np.asarray(getattr(state, field)), field)
     assert int(after.metrics["num_nonfinite"]) == len(blocks)
@@ -885,11 +972,10 @@ def test_sharing_logistic_z_update_escapes_the_two_cycle_of_plain_bracketed_newt
   """σ(10 t + 1), m = 8, ρ = 0.004, v = 2, b = 0, started at the bracket's end: plain bracket-checked Newton jumps
   between the two ends t = −29.25 and t = 2 forever (φ = ∓1/8); the half-step rule reaches the root (checked
   against scipy's brentq) in 60 steps."""
-  from fedjax_opt.algorithms.admm_sharing import _logistic_z_update  # pylint: disable=import-outside-toplevel
   n, m, rho, v, b, c = 10.0, 8.0, 0.004, 2.0, 0.0, 1.0
   phi = lambda t: (1 / (1 + np.exp(-(n * t + c))) - b) / m + rho * (t - v)
   root = scipy.optimize.brentq(phi, v - 1 / (m * rho), v + 1 / (m * rho), xtol=1e-15)
   with jax.enable_x64(True):
-    args = [jnp.asarray([x]) for x in (v, b, True, n, c, m, rho, v - 100)]
-    got = float(_logistic_z_update(*args[:3], args[3][0], args[4], args[5][0], args[6][0], args[7], 60)[0])
+    args = [np.asarray([x]) for x in (v, b, True, n, c, m, rho, v - 100)]
+    got = float(np.asarray(_z_update(*args[:3], args[3][0], args[4], args[5][0], args[6][0], args[7], 60))[0])
   np.testing.assert_allclose(got, root, rtol=1e-12)

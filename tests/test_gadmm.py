@@ -1,5 +1,10 @@
-"""GADMM and CQ-GGADMM reach the centralized optimum (normal equations, scipy L-BFGS) and save bits."""
+"""GADMM and CQ-GGADMM reach the centralized optimum (normal equations, scipy L-BFGS) and save bits.
 
+Compiling is most of these tests' time: results come back as NumPy (`_np`), states start from a jitted `init`
+(`_init`), and hyper-parameter families run through one program with the values traced.
+"""
+
+import functools
 import importlib
 
 import jax
@@ -51,15 +56,47 @@ def _centralized(clients, l2=0.0):
   return np.linalg.solve(lhs, rhs)
 
 
-def _run(algo, batches, iterations, key=0):
-  """The whole run as one jitted `lax.scan` over iterations; returns the final state and the metrics history."""
+def _np(tree):
+  """Every array leaf as NumPy (PRNG keys kept): the tests then index and compare without compiling eager ops."""
+  return jax.tree.map(lambda a: a if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else np.asarray(a), tree)
+
+
+def _init(algo, key=0):
+  """`algo.init` from zero params as one jitted program (eagerly, each of its ops would compile on its own)."""
+  return jax.jit(lambda: algo.init(_zeros(), jax.random.key(key)))()
+
+
+def _scan(algo, batches, iterations, key=0):
+  """`iterations` steps from `algo.init` as one `lax.scan`: (final state, (metrics history, params history))."""
 
   def body(state, _):
     state = algo.step(state, batches)
     return state, (state.metrics, state.params)
 
-  init = algo.init(_zeros(), jax.random.key(key))
-  return jax.jit(lambda s: jax.lax.scan(body, s, None, length=iterations))(init)
+  return jax.lax.scan(body, algo.init(_zeros(), jax.random.key(key)), None, length=iterations)
+
+
+def _run(algo, batches, iterations, key=0):
+  """The whole run (init included) as one jitted `lax.scan` over iterations; returns the final state and the
+  metrics history, as NumPy."""
+  return _np(jax.jit(lambda: _scan(algo, batches, iterations, key))())
+
+
+@functools.cache
+def _chain_solver(method, iterations=200):
+  """Exact GADMM (`method="gadmm"`) or uncompressed, uncensored CQ-GGADMM (τ₀ = 0) on the chain of 6 workers
+  (prox_least_squares, client_map="vmap") as one jitted `run(batches, rho)` with ρ traced, shared by the tests on
+  `chain_clients`: (final state, (metrics history, params history))."""
+
+  def run(batches, rho):
+    if method == "gadmm":
+      algo = gadmm(lsq_loss, rho, graph=fo.graphs.chain(6), prox=prox_least_squares(), client_map="vmap")
+    else:
+      algo = cq_ggadmm(lsq_loss, rho, 0.0, graph=fo.graphs.chain(6), bits=None, prox=prox_least_squares(),
+                       client_map="vmap")
+    return _scan(algo, batches, iterations)
+
+  return jax.jit(run)
 
 
 def _rel_err(got, want):
@@ -79,8 +116,7 @@ def test_gadmm_on_a_chain_reaches_the_centralized_least_squares_solution(chain_c
   clients, batches = chain_clients
   n = len(clients)
   with jax.enable_x64(True):
-    algo = gadmm(lsq_loss, 3.0, graph=fo.graphs.chain(n), prox=prox_least_squares(), client_map="vmap")
-    state, (history, _) = _run(algo, batches, 200)
+    state, (history, _) = _np(_chain_solver("gadmm")(batches, 3.0))  # 200 iterations
     z_star = _centralized(clients)
     assert _rel_err(_vec(state.params), z_star) < 1e-6
     assert np.all(_rel_err(_rows(state.local_params), z_star) < 1e-6)  # all workers agree
@@ -132,7 +168,7 @@ def test_iterations_match_the_papers_chain_equations_in_numpy(chain_clients, rng
   thetas, lams = rng.normal(size=(n, D + 1)), rng.normal(size=(n - 1, D + 1))
   with jax.enable_x64(True):
     algo = gadmm(_ridge_loss, rho, graph=fo.graphs.chain(n), prox=prox_least_squares(L2), client_map="vmap")
-    state = algo.init(_zeros(), jax.random.key(0)).replace(local_params=_table(thetas), duals=_table(lams))
+    state = _init(algo).replace(local_params=_table(thetas), duals=_table(lams))
     step = jax.jit(algo.step)
     for _ in range(3):
       state = step(state, batches)
@@ -209,7 +245,7 @@ def test_censored_iteration_on_a_bipartite_graph_matches_numpy(rng):
     batches = pack(clients, 2, 6, dtype=np.float64)
     algo = cq_ggadmm(lsq_loss, rho, tau0, xi, graph=graph, bits=None, prox=prox_least_squares(),
                      client_map="vmap")
-    state = algo.init(_zeros(), jax.random.key(0)).replace(
+    state = _init(algo).replace(
         local_params=_table(thetas), transmitted=_table(sent), duals=_table(lams))
     step = jax.jit(algo.step)
     counts = []
@@ -253,7 +289,7 @@ def test_cq_ggadmm_censors_the_quantized_change_against_the_decaying_threshold(r
   with jax.enable_x64(True):
     batches = pack(clients, 2, 6, dtype=np.float64)
     algo = cq_ggadmm(lsq_loss, rho, tau0, xi, graph=graph, bits=bits, prox=prox_least_squares(), client_map="vmap")
-    state = algo.init(_zeros(), jax.random.key(0)).replace(
+    state = _init(algo).replace(
         local_params=_table(thetas), transmitted=_table(sent), duals=_table(lams))
     step = jax.jit(algo.step)
     counts, differ = [], []
@@ -308,10 +344,10 @@ def test_examples_objective_iterations_match_numpy_on_a_bipartite_graph(rng):
   scale = n * sizes / sizes.sum()
   thetas, lams = rng.normal(size=(n, D + 1)), rng.normal(size=(graph.num_edges, D + 1))
   with jax.enable_x64(True):
-    batches = pack(clients, 5, 5, extra_slots=1, dtype=np.float64).replace(weight=jnp.ones(n))
+    batches = pack(clients, 5, 5, extra_slots=1, dtype=np.float64).replace(weight=jnp.asarray(np.ones(n)))
     algo = cq_ggadmm(lsq_loss, rho, 0.0, graph=graph, bits=None, prox=prox_least_squares(), objective="examples",
                      client_map="vmap")
-    state = algo.init(_zeros(), jax.random.key(0)).replace(
+    state = _init(algo).replace(
         local_params=_table(thetas), transmitted=_table(thetas), duals=_table(lams))
     step = jax.jit(algo.step)
     sent = thetas
@@ -339,13 +375,15 @@ def test_a_worker_with_nan_data_never_spreads(rng, method):
   incident = [e for e, (i, j) in enumerate(graph.edges) if bad in (i, j)]
   with jax.enable_x64(True):
     batches = pack(clients, 2, 6, dtype=np.float64)
-    batches = batches.replace(data={**batches.data, "x": batches.data["x"].at[bad, 1, 0, 1].set(jnp.nan)})
+    x = np.array(batches.data["x"])
+    x[bad, 1, 0, 1] = np.nan
+    batches = batches.replace(data={**batches.data, "x": jnp.asarray(x)})
     if method == "gadmm":
       algo = gadmm(lsq_loss, rho, graph=graph, prox=prox_least_squares(), client_map="vmap")
-      state = algo.init(_zeros(), jax.random.key(0)).replace(local_params=_table(thetas), duals=_table(lams))
+      state = _init(algo).replace(local_params=_table(thetas), duals=_table(lams))
     else:
       algo = cq_ggadmm(lsq_loss, rho, tau0, xi, graph=graph, bits=None, prox=prox_least_squares(), client_map="vmap")
-      state = algo.init(_zeros(), jax.random.key(0)).replace(
+      state = _init(algo).replace(
           local_params=_table(thetas), transmitted=_table(sent), duals=_table(lams))
     step = jax.jit(algo.step)
     before = (thetas[bad].copy(), sent[bad].copy(), lams[incident].copy())
@@ -427,8 +465,11 @@ def test_uncompressed_uncensored_cq_ggadmm_on_a_chain_is_gadmm(chain_clients, ex
   else:
     options = dict(client_optimizer=optax.sgd(0.1), local_steps=3)
   with jax.enable_x64(True):
-    a, (a_hist, _) = _run(gadmm(lsq_loss, 1.3, graph=graph, **options), batches, 20)
-    b, (b_hist, _) = _run(cq_ggadmm(lsq_loss, 1.3, 0.0, graph=graph, bits=None, **options), batches, 20)
+    if exact:  # 200 iterations: the programs of the chain test (ρ traced)
+      (a, (a_hist, _)), (b, (b_hist, _)) = (_np(_chain_solver(method)(batches, 1.3)) for method in ("gadmm", "cq"))
+    else:
+      a, (a_hist, _) = _run(gadmm(lsq_loss, 1.3, graph=graph, **options), batches, 20)
+      b, (b_hist, _) = _run(cq_ggadmm(lsq_loss, 1.3, 0.0, graph=graph, bits=None, **options), batches, 20)
     for field in ("params", "local_params", "duals"):
       jax.tree.map(np.testing.assert_array_equal, getattr(a, field), getattr(b, field))
     jax.tree.map(np.testing.assert_array_equal, b.transmitted, b.local_params)
@@ -459,16 +500,16 @@ def test_stochastic_quantizer_is_unbiased_on_a_grid_of_2_to_the_b_levels(rng):
 
 def test_vmap_over_rho_runs_a_sweep_in_one_program(chain_clients):
   clients, batches = chain_clients
-  rhos = jnp.array([1.0, 3.0, 5.0])
+  rhos = np.array([1.0, 3.0, 5.0])
   graph = fo.graphs.chain(6)
   with jax.enable_x64(True):
 
     def solve(rho):
       algo = cq_ggadmm(lsq_loss, rho, 0.5, 0.9, graph=graph, bits=8, prox=prox_least_squares())
-      state, (history, _) = _run(algo, batches, 250)
+      state, (history, _) = _scan(algo, batches, 250)
       return state.params, history["primal_residual"]
 
-    params, residuals = jax.jit(jax.vmap(solve))(rhos)
+    params, residuals = _np(jax.jit(jax.vmap(solve))(rhos))
     z_star = _centralized(clients)
     for i in range(len(rhos)):
       assert _rel_err(_vec(jax.tree.map(lambda a: a[i], params)), z_star) < 1e-6
@@ -537,8 +578,9 @@ def test_stochastic_quantizer_keeps_the_extremes_and_each_leaf_dtype():
   with jax.enable_x64(True):
     x = {"a": jnp.asarray([-2.0, 0.3, 2.0, -1.1]), "b": jnp.asarray([[0.7, -2.0]], jnp.float32),
          "c": jnp.asarray([1.9, -0.2, 0.05])}
+    quantize = jax.jit(stochastic_quantize, static_argnums=2)  # one program for the 20 seeds
     for seed in range(20):
-      q = stochastic_quantize(jax.random.key(seed), x, 2)
+      q = _np(quantize(jax.random.key(seed), x, 2))
       assert [leaf.dtype for leaf in jax.tree.leaves(q)] == [jnp.float64, jnp.float32, jnp.float64]
       assert float(q["a"][0]) == -2.0 and float(q["b"][0, 1]) == -2.0  # l = 0 exactly
       np.testing.assert_allclose(float(q["a"][2]), 2.0, rtol=1e-12)  # l = 3
@@ -555,7 +597,7 @@ def test_two_workers_are_the_smallest_chain_and_match_the_papers_equations(rng):
   with jax.enable_x64(True):
     batches = pack(clients, 2, 6, extra_slots=1, dtype=np.float64)
     algo = gadmm(_ridge_loss, 0.7, graph=fo.graphs.chain(2), prox=prox_least_squares(L2), client_map="vmap")
-    state = algo.init(_zeros(), jax.random.key(0)).replace(local_params=_table(thetas), duals=_table(lams))
+    state = _init(algo).replace(local_params=_table(thetas), duals=_table(lams))
     for _ in range(2):
       state = jax.jit(algo.step)(state, batches)
       thetas, lams = _numpy_gadmm_chain(thetas, lams, clients, 0.7, L2)
@@ -568,7 +610,7 @@ def _examples_iterations_match_numpy(graph, clients, batches, rho, scale, thetas
   transcription with weights c_n = `scale`; returns the last state."""
   algo = cq_ggadmm(lsq_loss, rho, 0.0, graph=graph, bits=None, prox=prox_least_squares(), objective="examples",
                    client_map="vmap")
-  state = algo.init(_zeros(), jax.random.key(0)).replace(
+  state = _init(algo).replace(
       local_params=_table(thetas), transmitted=_table(thetas), duals=_table(lams))
   step, sent = jax.jit(algo.step), thetas
   for _ in range(iterations):
@@ -591,7 +633,9 @@ def test_examples_objective_a_worker_without_examples_takes_the_neighbours_point
   thetas, lams = rng.normal(size=(n, D + 1)), rng.normal(size=(graph.num_edges, D + 1))
   with jax.enable_x64(True):
     batches = pack(clients, 5, 5, extra_slots=1, dtype=np.float64)
-    batches = batches.replace(mask=batches.mask.at[empty].set(False))
+    mask = np.array(batches.mask)
+    mask[empty] = False
+    batches = batches.replace(mask=jnp.asarray(mask))
     state = _examples_iterations_match_numpy(graph, clients, batches, rho, scale, thetas, lams, 2)
     assert int(state.metrics["num_nonfinite"]) == 0
 
@@ -607,7 +651,9 @@ def test_examples_objective_with_a_single_example_in_all_weighs_it_fully(rng):
   thetas, lams = rng.normal(size=(n, D + 1)), rng.normal(size=(graph.num_edges, D + 1))
   with jax.enable_x64(True):
     batches = pack(clients, 2, 2, dtype=np.float64)
-    batches = batches.replace(mask=batches.mask.at[1:].set(False))
+    mask = np.array(batches.mask)
+    mask[1:] = False
+    batches = batches.replace(mask=jnp.asarray(mask))
     _examples_iterations_match_numpy(graph, clients, batches, rho, scale, thetas, lams, 2)
 
 
@@ -622,9 +668,11 @@ def test_zero_threshold_never_censors_even_an_unchanged_model(bits):
   per_message = 32.0 * p if bits is None else bits * p + 32.0
   with jax.enable_x64(True):
     batches = pack(clients, 2, 2, dtype=np.float64)
+    # τ₀ traced: both thresholds run through one program.
+    run = jax.jit(lambda tau0: _scan(cq_ggadmm(lsq_loss, 1.0, tau0, graph=graph, bits=bits, prox=prox_least_squares()),
+                                     batches, 3))
     for tau0, sent in ((0.0, n), (0.5, 0)):
-      state, (hist, _) = _run(cq_ggadmm(lsq_loss, 1.0, tau0, graph=graph, bits=bits, prox=prox_least_squares()),
-                              batches, 3)
+      state, (hist, _) = _np(run(tau0))
       jax.tree.map(lambda leaf: np.testing.assert_array_equal(leaf, 0.0), state.local_params)
       np.testing.assert_array_equal(hist["transmissions"], [sent] * 3)
       np.testing.assert_array_equal(hist["bits"], [sent * per_message] * 3)
