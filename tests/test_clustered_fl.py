@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -92,11 +93,24 @@ def _two_group_inputs():
   return least_squares_inputs(centers=centers + 0.05 * rng.normal(size=(6, 3)), seed=3)
 
 
+@functools.cache
+def _squares_cfl(eps_2=0.0, max_clusters=3):
+  """The least-squares CFL of the six two-group clients (ε₁ = 100, client sgd(0.1)), one object per (ε₂,
+  max_clusters): the tests below share its compiled steps and rounds."""
+  return fo.algorithms.clustered_fl(squares_loss, eps_1=100.0, eps_2=eps_2, max_clusters=max_clusters, num_clients=6,
+                                    client_optimizer=optax.sgd(0.1))
+
+
+@functools.cache
+def _rounds(algo, rounds):
+  """`run_rounds(algo, params, batches, rounds, key)` as one jitted program of (params, batches, key)."""
+  return jax.jit(lambda params, batches, key: run_rounds(algo, params, batches, rounds, key))
+
+
 def test_one_split_round_is_the_paper_in_numpy():
   x, y, mask, weight, batches = _two_group_inputs()
   lr = 0.1
-  algo = fo.algorithms.clustered_fl(squares_loss, eps_1=100.0, eps_2=0.0, max_clusters=3, num_clients=6,
-                                    client_optimizer=optax.sgd(lr))
+  algo = _squares_cfl()
   w0, b0 = np.zeros(3), 0.0
   state = algo.init({"w": jnp.zeros(3), "b": jnp.zeros(())}, jax.random.key(0))
   state = jax.jit(algo.step)(state, batches)
@@ -130,17 +144,14 @@ def test_the_split_criterion_and_max_clusters():
   _, _, _, _, batches = _two_group_inputs()
   params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
   # ε₂ above every update norm: never splits, and is FedAvg.
-  never = fo.algorithms.clustered_fl(squares_loss, eps_1=100.0, eps_2=1e6, max_clusters=3, num_clients=6,
-                                     client_optimizer=optax.sgd(0.1))
+  never = _squares_cfl(eps_2=1e6)
   fedavg = fo.algorithms.fedavg(squares_loss, client_optimizer=optax.sgd(0.1))
-  a = run_rounds(never, params, batches, 3, jax.random.key(0))
-  b = run_rounds(fedavg, params, batches, 3, jax.random.key(0))
+  a = _rounds(never, 3)(params, batches, jax.random.key(0))
+  b = _rounds(fedavg, 3)(params, batches, jax.random.key(0))
   assert int(a.num_clusters) == 1 and np.all(np.asarray(a.cluster_of) == 0)
   np.testing.assert_allclose(np.asarray(a.params["w"]), np.asarray(b.params["w"]), rtol=1e-6, atol=1e-7)
   # Splitting whenever possible: never more than max_clusters, each client in a used slot.
-  always = fo.algorithms.clustered_fl(squares_loss, eps_1=100.0, eps_2=0.0, max_clusters=4, num_clients=6,
-                                      client_optimizer=optax.sgd(0.1))
-  state = run_rounds(always, params, batches, 5, jax.random.key(0))
+  state = _rounds(_squares_cfl(max_clusters=4), 5)(params, batches, jax.random.key(0))
   assert int(state.num_clusters) == 4 and int(np.max(np.asarray(state.cluster_of))) == 3
   assert np.sum(np.asarray(state.metrics["cluster_counts"])) == 6
 
@@ -174,11 +185,9 @@ def test_a_nan_client_is_dropped_counted_and_kept_out_of_the_split():
   _, _, _, _, batches = _two_group_inputs()
   poisoned = batches.replace(data={"x": batches.data["x"].at[4, 1, 0, 0].set(jnp.nan), "y": batches.data["y"]})
   absent = batches.replace(weight=batches.weight.at[4].set(0.0))
-  algo = fo.algorithms.clustered_fl(squares_loss, eps_1=100.0, eps_2=0.0, max_clusters=3, num_clients=6,
-                                    client_optimizer=optax.sgd(0.1))
   params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
-  got = run_rounds(algo, params, poisoned, 2, jax.random.key(0))
-  want = run_rounds(algo, params, absent, 2, jax.random.key(0))
+  got = _rounds(_squares_cfl(), 2)(params, poisoned, jax.random.key(0))
+  want = _rounds(_squares_cfl(), 2)(params, absent, jax.random.key(0))
   assert int(got.metrics["num_nonfinite"]) == 1
   assert int(got.cluster_of[4]) == 0  # it stays where it was
   np.testing.assert_array_equal(np.asarray(got.cluster_of), np.asarray(want.cluster_of))
@@ -189,13 +198,11 @@ def test_a_nan_client_is_dropped_counted_and_kept_out_of_the_split():
 
 def test_jit_and_reproducibility():
   _, _, _, _, batches = _two_group_inputs()
-  algo = fo.algorithms.clustered_fl(squares_loss, eps_1=100.0, eps_2=0.0, max_clusters=3, num_clients=6,
-                                    client_optimizer=optax.sgd(0.1))
+  algo = _squares_cfl()
   state = algo.init({"w": jnp.zeros(3), "b": jnp.zeros(())}, jax.random.key(0))
   step = jax.jit(algo.step)
   stepped = step(step(state, batches), batches)
-  scanned = jax.jit(lambda b: run_rounds(algo, {"w": jnp.zeros(3), "b": jnp.zeros(())}, b, 2, jax.random.key(0)))(
-      batches)
+  scanned = _rounds(algo, 2)({"w": jnp.zeros(3), "b": jnp.zeros(())}, batches, jax.random.key(0))
   again = step(step(state, batches), batches)
   for a, b, c in zip(jax.tree.leaves(stepped), jax.tree.leaves(scanned), jax.tree.leaves(again)):
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):

@@ -1,5 +1,7 @@
 """FedSGD / FedAvg / FedOpt against float64 NumPy references, padding, purity and the non-finite guard."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -48,9 +50,10 @@ def test_fedsgd_equals_centralized_gradient_descent_on_pooled_data(rng):
     batches = pack(clients, steps=3, batch=4, dtype=np.float64)
     algo = fo.algorithms.fedsgd(softmax_loss, server_optimizer=optax.sgd(lr))
     state = algo.init(params, jax.random.key(0))
+    step = jax.jit(algo.step)  # one program for both rounds (eager rounds compile every op: see test_step_is_pure)
     for _ in range(2):
       p = _np(state.params)
-      state = algo.step(state, batches)
+      state = step(state, batches)
       gw, gb = softmax_grad_np(p["w"], p["b"], np.concatenate([c[0] for c in clients]),
                                np.concatenate([c[1] for c in clients]))
       np.testing.assert_allclose(state.params["w"], p["w"] - lr * gw, rtol=1e-10)
@@ -82,7 +85,7 @@ def test_fedavg_unequal_sizes_matches_numpy_weighted_average(rng):
   with jax.enable_x64(True):
     algo = fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(lr))
     state = algo.init({"w": jnp.asarray(w), "b": jnp.asarray(b)}, jax.random.key(0))
-    state = algo.step(state, pack(clients, steps, batch, dtype=np.float64))
+    state = jax.jit(algo.step)(state, pack(clients, steps, batch, dtype=np.float64))
     np.testing.assert_allclose(state.params["w"], ref_w, rtol=1e-10)
     np.testing.assert_allclose(state.params["b"], ref_b, rtol=1e-10)
     assert int(state.metrics["num_clients"]) == 4
@@ -97,15 +100,15 @@ def test_uniform_mean_aggregator_matches_numpy(rng):
   ref_w, _ = _numpy_fedavg_round(w, b, clients, 0.1, 3, 4, [1, 1, 1])
   with jax.enable_x64(True):
     algo = fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(0.1), aggregator=fo.aggregators.mean())
-    state = algo.step(algo.init({"w": jnp.asarray(w), "b": jnp.asarray(b)}, jax.random.key(0)),
-                      pack(clients, 3, 4, dtype=np.float64, extra_clients=2))
+    state = jax.jit(algo.step)(algo.init({"w": jnp.asarray(w), "b": jnp.asarray(b)}, jax.random.key(0)),
+                               pack(clients, 3, 4, dtype=np.float64, extra_clients=2))
     np.testing.assert_allclose(state.params["w"], ref_w, rtol=1e-10)
 
 
-@settings(max_examples=6, deadline=None)
-@given(extra_steps=st.integers(0, 3), extra_slots=st.integers(0, 3), extra_clients=st.integers(0, 3))
-def test_padding_changes_nothing(extra_steps, extra_slots, extra_clients):
-  """The same clients packed with more padding (steps, slots, zero-weight clients) give the same round."""
+@functools.cache
+def _padding_setup():
+  """The clients, parameters, jitted FedAdam step and unpadded round shared by every example of the padding
+  property: the unpadded round compiles once, each padded shape once."""
   rng = np.random.default_rng(1)
   clients = make_clients(rng, [3, 7, 5], D)
   params = {"w": jnp.asarray(rng.normal(size=D), jnp.float32), "b": jnp.zeros((), jnp.float32)}
@@ -113,6 +116,14 @@ def test_padding_changes_nothing(extra_steps, extra_slots, extra_clients):
                               server_optimizer=fo.server_optimizers.fedadam(0.1))
   step = jax.jit(algo.step)
   base = step(algo.init(params, jax.random.key(0)), pack(clients, 2, 4))
+  return clients, params, algo, step, base
+
+
+@settings(max_examples=6, deadline=None)
+@given(extra_steps=st.integers(0, 3), extra_slots=st.integers(0, 3), extra_clients=st.integers(0, 3))
+def test_padding_changes_nothing(extra_steps, extra_slots, extra_clients):
+  """The same clients packed with more padding (steps, slots, zero-weight clients) give the same round."""
+  clients, params, algo, step, base = _padding_setup()
   padded = step(algo.init(params, jax.random.key(0)),
                 pack(clients, 2, 4, extra_steps=extra_steps, extra_slots=extra_slots, extra_clients=extra_clients))
   for k in params:
@@ -121,14 +132,19 @@ def test_padding_changes_nothing(extra_steps, extra_slots, extra_clients):
   assert int(padded.metrics["num_clients"]) == 3
 
 
-def _setup(rng, server_optimizer=None, client_map=None):
+@functools.cache
+def _fedyogi_algo(client_map=None):
+  """One FedAvg + FedYogi algorithm per client map, so the tests below share its compiled steps."""
+  return fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(0.05),
+                              server_optimizer=fo.server_optimizers.fedyogi(0.05), client_map=client_map)
+
+
+def _setup(rng, client_map=None):
+  """Five clients of sizes 4–7 packed [5, 2, 4] (the same shapes whatever rng), random params, `_fedyogi_algo`."""
   clients = make_clients(rng, [4, 6, 5, 3, 7], D)
   batches = pack(clients, 2, 4)
   params = {"w": jnp.asarray(rng.normal(size=D), jnp.float32), "b": jnp.zeros((), jnp.float32)}
-  algo = fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(0.05),
-                              server_optimizer=server_optimizer or fo.server_optimizers.fedyogi(0.05),
-                              client_map=client_map)
-  return algo, params, batches
+  return _fedyogi_algo(client_map), params, batches
 
 
 def test_step_is_pure_jitted_or_not(rng):
@@ -165,8 +181,9 @@ def test_vmap_over_seeds_and_initial_models_equals_separate_runs(rng):
   states = [algo.init(p, jax.random.key(i)) for i, p in enumerate(inits)]
   batched = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
   out = jax.jit(jax.vmap(algo.step, in_axes=(0, None)))(batched, batches)
+  step = jax.jit(algo.step)
   for i, s in enumerate(states):
-    ref = algo.step(s, batches)
+    ref = step(s, batches)
     for k in params:
       np.testing.assert_allclose(out.params[k][i], ref.params[k], rtol=1e-5, atol=1e-7)
 
@@ -183,16 +200,23 @@ def test_vmap_over_client_learning_rates(rng):
     return algo.step(algo.init(params, jax.random.key(0)), batches).params
 
   out = jax.jit(jax.vmap(run))(lrs)
+  separate = jax.jit(run)  # one run at a time, the lr still traced: one program for the three references
   for i, lr in enumerate([0.01, 0.05, 0.1]):
-    ref = run(lr)
+    ref = separate(jnp.float32(lr))
     np.testing.assert_allclose(out["w"][i], ref["w"], rtol=1e-5)
+
+
+@functools.cache
+def _client_map_reference():
+  """The vmap round of `_setup(default_rng(7))`, which every client map must reproduce: computed once."""
+  algo_ref, params, batches = _setup(np.random.default_rng(7), client_map="vmap")
+  return params, batches, jax.jit(algo_ref.step)(algo_ref.init(params, jax.random.key(0)), batches)
 
 
 @pytest.mark.parametrize("mode", ["vmap", "sequential", "chunked:2", "chunked:3", "auto"])
 def test_client_map_modes_agree(rng, mode):
-  algo_ref, params, batches = _setup(np.random.default_rng(7), client_map="vmap")
-  algo, _, _ = _setup(np.random.default_rng(7), client_map=mode)
-  ref = jax.jit(algo_ref.step)(algo_ref.init(params, jax.random.key(0)), batches)
+  params, batches, ref = _client_map_reference()
+  algo = _fedyogi_algo(mode)
   out = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
   for k in params:
     np.testing.assert_allclose(out.params[k], ref.params[k], rtol=1e-5, atol=1e-7)

@@ -1,6 +1,7 @@
 """Robust aggregators against float64 NumPy / scipy transcriptions of the papers, with hypothesis properties,
 inside FedAvg, and the claims of Xie, Koyejo & Gupta (2018) on synthetic vectors and a least-squares problem."""
 
+import functools
 import itertools
 
 import jax
@@ -138,6 +139,9 @@ BULYAN = {f: A.bulyan(f) for f in (1, 2)}
 TRIMMED = {beta: A.trimmed_mean(beta) for beta in (0.1, 0.25, 0.45)}
 MEAMED = {q: A.mean_around_median(q) for q in (0, 2, 4)}
 MARMED = A.marginal_median()
+MULTI_KRUM_2_4 = A.multi_krum(2, 4)
+GEOMED_TIGHT = A.geometric_median(tol=1e-12, max_iterations=1000, smoothing=1e-12)
+GEOMED_DEFAULT = A.geometric_median()
 
 
 # ---- against the references --------------------------------------------------------------------------------
@@ -165,13 +169,13 @@ def test_marginal_median_of_an_even_count_is_the_mean_of_the_middle_two():
 def test_geometric_median_matches_scipy(seed):
   x, w = data(seed)
   ref, best = np_geometric_median(x[w > 0])
-  got, _ = aggregate(A.geometric_median(tol=1e-12, max_iterations=1000, smoothing=1e-12), x, w)
+  got, _ = aggregate(GEOMED_TIGHT, x, w)
   assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-4
   assert np.linalg.norm(got - x[w > 0], axis=1).sum() <= best * (1 + 1e-9)
   # The defaults (float32 budget: tol 1e-6, 100 iterations) are within the same relative error.
   with jax.enable_x64(False):
     tree = to_tree(x.astype(np.float32))
-    out, _ = jax.jit(A.geometric_median().aggregate)(tree, jnp.asarray(w, jnp.float32), (), KEY)
+    out, _ = jax.jit(GEOMED_DEFAULT.aggregate)(tree, jnp.asarray(w, jnp.float32), (), KEY)
   assert np.linalg.norm(to_vec(out) - ref) / np.linalg.norm(ref) <= 1e-4
 
 
@@ -193,7 +197,7 @@ def test_krum_multi_krum_and_bulyan_match_numpy(seed):
   for f in (1, 3):
     np.testing.assert_allclose(aggregate(KRUM[f], x, w)[0], np_krum(real, f), rtol=1e-12)
     np.testing.assert_allclose(aggregate(MULTI_KRUM[f], x, w)[0], np_multi_krum(real, f, 9 - f), rtol=1e-12)
-  np.testing.assert_allclose(aggregate(A.multi_krum(2, 4), x, w)[0], np_multi_krum(real, 2, 4), rtol=1e-12)
+  np.testing.assert_allclose(aggregate(MULTI_KRUM_2_4, x, w)[0], np_multi_krum(real, 2, 4), rtol=1e-12)
   for f in (1, 2):  # n = 9 >= 4f + 3 for f = 1; f = 2 (C = 11 rows) has n < 4f + 3: θ = 5, β = 1
     np.testing.assert_allclose(aggregate(BULYAN[f], x, w)[0], np_bulyan(real, f), rtol=1e-12, atol=1e-12)
 
@@ -251,27 +255,23 @@ def test_centered_clipping_walks_toward_agreeing_clients_tau_per_iteration():
 
 # ---- properties --------------------------------------------------------------------------------------------
 
+# The same aggregator objects as above where the rule is the same, so `aggregate` compiles each once.
 RULES = {
-    "marginal_median": A.marginal_median(),
-    "mean_around_median": A.mean_around_median(2),
+    "marginal_median": MARMED,
+    "mean_around_median": MEAMED[2],
     "geometric_median": A.geometric_median(tol=1e-12, max_iterations=500, smoothing=1e-12),
     "geometric_median_weighted": A.geometric_median(tol=1e-12, max_iterations=500, smoothing=1e-12, weighted=True),
     "trimmed_mean": A.trimmed_mean(0.2),
     "krum": A.krum(2),
     "multi_krum": A.multi_krum(2, 3),
-    "bulyan": A.bulyan(2),
+    "bulyan": BULYAN[2],
     "centered_clipping": A.centered_clipping(100.0, 2),
 }
-JITTED = {}
 
 
 def _run(name, x, w):
-  with jax.enable_x64(True):
-    if name not in JITTED:
-      JITTED[name] = jax.jit(RULES[name].aggregate)
-    tree = to_tree(x)
-    state = RULES[name].init(jax.tree.map(lambda u: u[0], tree))
-    return to_vec(JITTED[name](tree, jnp.asarray(w), state, KEY)[0])
+  """RULES[name]'s aggregate of x [C, 10] with weights w, in float64 (through `aggregate`'s compiled rounds)."""
+  return aggregate(RULES[name], x, w)[0]
 
 
 cases = st.tuples(st.integers(0, 2**31 - 1), st.lists(st.booleans(), min_size=C, max_size=C).filter(
@@ -351,20 +351,22 @@ def test_bad_arguments_raise_clear_errors():
 
 
 def _honest_and_attacked(attack, attackers, seed=0, n=15, d=40):
-  """n clients near a common mean; the attack applied by `corrupt` around an identity aggregator."""
+  """n clients near a common mean; the attack applied by `corrupt` around an aggregator that hands back the
+  stacked updates it receives (one jitted program)."""
   rng = np.random.default_rng(seed)
   honest_mean = rng.normal(size=d)
   x = honest_mean + 0.1 * rng.normal(size=(n, d))
-  seen = {}
-
-  def capture(updates, weights, state, key):
-    seen["x"] = updates
-    return jax.tree.map(lambda u: u[0], updates), state
-
-  spy = attacks.corrupt(A.Aggregator(lambda p: (), capture), attack, attackers=attackers)
+  identity = A.Aggregator(lambda p: (), lambda updates, weights, state, key: (updates, state))
+  spy = attacks.corrupt(identity, attack, attackers=attackers)
   w = jnp.ones(n, jnp.float32)
-  spy.aggregate({"p": jnp.asarray(x, jnp.float32)}, w, spy.init(None), jax.random.key(seed))
-  return x, np.asarray(seen["x"]["p"], np.float64), np.ones(n)
+  seen, _ = jax.jit(spy.aggregate)({"p": jnp.asarray(x, jnp.float32)}, w, spy.init(None), jax.random.key(seed))
+  return x, np.asarray(seen["p"], np.float64), np.ones(n)
+
+
+@functools.cache
+def _rule(make, *args):
+  """One aggregator object per rule and arguments, so tests asking for the same rule share its compiled round."""
+  return make(*args)
 
 
 def _rule_output(agg, x, w):
@@ -381,8 +383,8 @@ def test_classic_byzantine_pulls_the_mean_arbitrarily_far_but_not_the_medians():
   assert rows.sum() == 4
   honest = x[~rows].mean(0)
   assert np.linalg.norm(_rule_output(A.mean(), attacked, w) - honest) > 1e4
-  for agg in (A.geometric_median(), A.marginal_median(), A.mean_around_median(4), A.trimmed_mean(0.3), A.krum(4),
-              A.multi_krum(4), A.bulyan(3)):
+  for agg in (_rule(A.geometric_median), _rule(A.marginal_median), _rule(A.mean_around_median, 4),
+              A.trimmed_mean(0.3), A.krum(4), A.multi_krum(4), A.bulyan(3)):
     assert np.linalg.norm(_rule_output(agg, attacked, w) - honest) < 0.5, agg  # honest spread: ‖0.1 ξ‖ ≈ 0.63
 
 
@@ -397,12 +399,13 @@ def test_dimensional_byzantine_pulls_the_geometric_median_far_but_not_the_coordi
   assert bad.any(1).all()  # every client is wrong somewhere
   correct = np.ma.masked_array(attacked, bad)
   low, high, correct_mean = correct.min(0).data, correct.max(0).data, correct.mean(0).data
-  assert np.linalg.norm(_rule_output(A.geometric_median(), attacked, w) - x.mean(0)) > 100
+  assert np.linalg.norm(_rule_output(_rule(A.geometric_median), attacked, w) - x.mean(0)) > 100
   assert np.linalg.norm(_rule_output(A.krum(6), attacked, w) - x.mean(0)) > 100
-  for agg in (A.marginal_median(), A.mean_around_median(6), A.trimmed_mean(0.4)):
+  for agg in (_rule(A.marginal_median), _rule(A.mean_around_median, 6), A.trimmed_mean(0.4)):
     out = _rule_output(agg, attacked, w)
     assert np.all((out >= low - 1e-6) & (out <= high + 1e-6)), agg
-  np.testing.assert_allclose(_rule_output(A.mean_around_median(6), attacked, w), correct_mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_rule_output(_rule(A.mean_around_median, 6), attacked, w), correct_mean, rtol=1e-5,
+                             atol=1e-6)
 
 
 # ---- inside FedAvg -----------------------------------------------------------------------------------------
