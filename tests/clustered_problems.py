@@ -9,6 +9,8 @@ transcriptions of one round.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,8 +51,9 @@ def label_shift_problem(groups: int, steps: int = 5, batch: int = 20, seed: int 
   xt, yt = draw(200)
   batches = fo.ClientBatches(
       data={"x": jnp.asarray(x.reshape(n, steps, batch, D)), "y": jnp.asarray(y.reshape(n, steps, batch))},
-      mask=jnp.ones((n, steps, batch), bool), weight=jnp.full((n,), float(steps * batch)),
-      client_id=jnp.arange(n, dtype=jnp.int32))
+      mask=jnp.asarray(np.ones((n, steps, batch), bool)),
+      weight=jnp.asarray(np.full((n,), float(steps * batch), np.float32)),
+      client_id=jnp.asarray(np.arange(n, dtype=np.int32)))
   return batches, (jnp.asarray(xt), jnp.asarray(yt)), group
 
 
@@ -61,16 +64,36 @@ def run_rounds(algorithm, params, batches, rounds, key):
   return jax.lax.scan(body, state, None, length=rounds)[0]
 
 
+@functools.cache
+def _fedavg_run(rounds):
+  """FedAvg's `rounds` rounds from zeros, the client step size traced: one program per round count (and shapes)."""
+
+  def run(batches, lr):
+    algo = fo.algorithms.fedavg(softmax_loss, client_optimizer=optax.sgd(lr))
+    return run_rounds(algo, zeros_model(), batches, rounds, jax.random.key(0)).params
+
+  return jax.jit(run)
+
+
+@jax.jit
+def _mean_accuracy(models, x, y):
+  """Mean over clients of each client's model's accuracy on its examples (models stacked `[N, ...]`)."""
+  return jnp.mean(jax.vmap(accuracy)(models, x, y))
+
+
+@jax.jit
+def _global_accuracy(params, x, y):
+  """Mean over clients of one model's accuracy on each client's examples."""
+  return jnp.mean(jax.vmap(lambda xc, yc: accuracy(params, xc, yc))(x, y))
+
+
 def fedavg_accuracy(batches, test, rounds=60, lr=0.5):
-  algo = fo.algorithms.fedavg(softmax_loss, client_optimizer=optax.sgd(lr))
-  state = jax.jit(lambda b: run_rounds(algo, zeros_model(), b, rounds, jax.random.key(0)))(batches)
-  return float(jnp.mean(jax.vmap(lambda x, y: accuracy(state.params, x, y))(*test)))
+  return float(_global_accuracy(_fedavg_run(rounds)(batches, lr), *test))
 
 
 def personal_accuracy(state, test):
   """Mean over clients of the accuracy of the client's cluster model on its test examples."""
-  models = fo.core.clusters.client_models(state)
-  return float(jnp.mean(jax.vmap(accuracy)(models, *test)))
+  return float(_mean_accuracy(fo.core.clusters.client_models(state), *test))
 
 
 def squares_loss(params, batch):
