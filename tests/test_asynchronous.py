@@ -5,6 +5,9 @@ arrivals in time order (ties to the lower client id), a dict of every past model
 each algorithm's server rule in NumPy.
 """
 
+import functools
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,14 +79,29 @@ def _assert_params(state, x, rtol=1e-12):
   np.testing.assert_allclose(state.params["b"], x[1], rtol=rtol, atol=1e-14)
 
 
+def _scan_events(algo, params, batches, events, seed=0):
+  """(params, metrics, version) after each of `events` steps from `algo.init(params, key(seed))`, stacked (version
+  None for a synchronous algorithm); traceable."""
+
+  def body(state, _):
+    state = algo.step(state, batches)
+    return state, (state.params, state.metrics, getattr(state, "version", None))
+
+  return jax.lax.scan(body, algo.init(params, jax.random.key(seed)), None, length=events)[1]
+
+
+def _unstack(stacked, events):
+  """The stacked output of `_scan_events` as a list of `.params` / `.metrics` / `.version` namespaces, indexed in
+  NumPy (an eager slice would compile a program per shape and index)."""
+  stacked = jax.tree.map(np.asarray, stacked)
+  return [types.SimpleNamespace(**dict(zip(("params", "metrics", "version"),
+                                           jax.tree.map(lambda leaf, i=i: leaf[i], stacked))))
+          for i in range(events)]
+
+
 def _run(algo, params, batches, events, seed=0):
-  state = algo.init(params, jax.random.key(seed))
-  step = jax.jit(algo.step)
-  states = []
-  for _ in range(events):
-    state = step(state, batches)
-    states.append(state)
-  return states
+  """The params and metrics after each of `events` events: one program (a scan over the events, init included)."""
+  return _unstack(jax.jit(lambda p, b: _scan_events(algo, p, b, events, seed))(params, batches), events)
 
 
 SPEEDS = [1.0, 2.0, 3.0]  # arrivals (test_asynchrony.py): clients 0,0,1,0,2,0,1 at times 1,2,2,3,3,4,4
@@ -105,9 +123,8 @@ def test_fedbuff_with_zero_staleness_and_k_equal_to_the_event_is_fedavg(rng):
                                                                                     arrivals_per_step=4))
     avg = fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(LR), server_optimizer=server(),
                                aggregator=fo.aggregators.mean())
-    s_buff, s_avg = buff.init(params, jax.random.key(0)), avg.init(params, jax.random.key(0))
-    for event in range(3):
-      s_buff, s_avg = buff.step(s_buff, batches), avg.step(s_avg, batches)
+    both = jax.jit(lambda p, b: (_scan_events(buff, p, b, 3), _scan_events(avg, p, b, 3)))  # one program
+    for event, (s_buff, s_avg) in enumerate(zip(*(_unstack(run, 3) for run in both(params, batches)))):
       for k in params:
         np.testing.assert_allclose(s_buff.params[k], s_avg.params[k], rtol=1e-12)
       assert int(s_buff.metrics["staleness_max"]) == 0 and int(s_buff.version) == event + 1
@@ -150,14 +167,41 @@ def test_fedasync_alpha_one_zero_staleness_takes_the_client_model(rng):
   with jax.enable_x64(True):
     algo = fo.algorithms.fedasync(lsq_loss, 1.0, num_clients=3, client_optimizer=optax.sgd(LR),
                                   schedule=asy.wall_clock(asy.exponential(1.0), concurrency=1))
-    state = algo.init(_params((rng.normal(size=D), 0.0)), jax.random.key(0))
-    step = jax.jit(algo.step)
-    for _ in range(5):
-      arriving = int(np.flatnonzero(np.isfinite(np.asarray(state.clock.finish_time)))[0])
-      expected = _local_sgd(np.asarray(state.params["w"]), float(state.params["b"]), clients[arriving])
-      state = step(state, _batches(clients))
-      _assert_params(state, expected)
-      assert int(state.metrics["staleness_max"]) == 0
+
+    @jax.jit
+    def run(params, batches):  # five events in one program: the clock before each, the state after it
+      def body(state, _):
+        new = algo.step(state, batches)
+        return new, (state.clock.finish_time, new.params, new.metrics["staleness_max"])
+
+      return jax.lax.scan(body, algo.init(params, jax.random.key(0)), None, length=5)[1]
+
+    x0 = _params((rng.normal(size=D), 0.0))
+    finish, params, staleness = jax.tree.map(np.asarray, run(x0, _batches(clients)))
+  w, b = np.asarray(x0["w"]), float(x0["b"])
+  for event in range(5):
+    arriving = int(np.flatnonzero(np.isfinite(finish[event]))[0])
+    expected = _local_sgd(w, b, clients[arriving])
+    w, b = params["w"][event], float(params["b"][event])
+    _assert_params(types.SimpleNamespace(params={"w": w, "b": b}), expected)
+    assert int(staleness[event]) == 0
+
+
+@functools.cache
+def _fedasync_events(kind, events):
+  """`run(alpha, rho, a, b, params, batches)`: after each of `events` FedAsync events (on `_schedule()`, from key 0),
+  the state's params and metrics (NumPy, as `.params` / `.metrics`), as a list. α, ρ, a and b are traced
+  arguments, so each staleness kind is one program (the two hinge cases share it); call it under
+  `jax.enable_x64(True)`."""
+
+  @jax.jit
+  def run(alpha, rho, a, b, params, batches):
+    algo = fo.algorithms.fedasync(lsq_loss, alpha, rho, num_clients=3, client_optimizer=optax.sgd(LR),
+                                  staleness_weight=kind, a=a, b=b, schedule=_schedule())
+
+    return _scan_events(algo, params, batches, events)
+
+  return lambda *args: _unstack(run(*args), events)
 
 
 @pytest.mark.parametrize("kind,a,b", [("constant", 0.5, 0), ("polynomial", 0.7, 0), ("hinge", 0.5, 2),
@@ -177,9 +221,7 @@ def test_fedasync_matches_numpy_for_each_staleness_function(rng, kind, a, b):
   ref = _reference_run(clients, SPEEDS, 7, x0, rule, rho=rho)
   assert [r["staleness"] - 1 for r in ref] == [0, 0, 2, 1, 4, 1, 3]  # t − τ before the update's own bump
   with jax.enable_x64(True):
-    algo = fo.algorithms.fedasync(lsq_loss, alpha, rho, num_clients=3, client_optimizer=optax.sgd(LR),
-                                  staleness_weight=kind, a=a, b=b, schedule=_schedule())
-    states = _run(algo, _params(x0), _batches(clients), 7)
+    states = _fedasync_events(kind, 7)(alpha, rho, a, b, _params(x0), _batches(clients))
   for state, r in zip(states, ref):
     _assert_params(state, r["params"])
     assert int(state.metrics["staleness_max"]) == r["staleness"] - 1
@@ -232,15 +274,22 @@ def _linear(params, batch):
   return batch["x"] @ params["w"]
 
 
+@jax.jit
+def _zeno_linear_event(eps):
+  """Zeno++ (γ = ρ = ½, ε traced: one program for every ε) on `_linear`, one event from w = 0.25 with x = 2 everywhere
+  and validation x = 1; call it under `jax.enable_x64(True)`."""
+  batches = fo.ClientBatches(data={"x": jnp.full((1, S, B, 1), 2.0)}, mask=jnp.ones((1, S, B), bool),
+                             weight=jnp.ones((1,)), client_id=jnp.zeros((1,), jnp.int32))
+  algo = fo.algorithms.zeno_plus_plus(_linear, 0.5, 0.5, eps, validation_data={"x": jnp.ones((3, 1))},
+                                      num_clients=1, schedule=asy.wall_clock(asy.constant(1.0)))
+  return algo.step(algo.init({"w": jnp.array([0.25])}, jax.random.key(0)), batches)
+
+
 @pytest.mark.parametrize("eps,accepted", [(2.0, True), (2.0 - 2.0 ** -20, False), (3.0, True)])
 def test_zeno_plus_plus_accepts_exactly_on_the_boundary(eps, accepted):
   """Linear loss: v = 1 and g = 2 exactly; γ = ρ = 1/2: score γ v g − ρ g² = −1, accepted iff −1 ≥ −γε."""
   with jax.enable_x64(True):
-    batches = fo.ClientBatches(data={"x": jnp.full((1, S, B, 1), 2.0)}, mask=jnp.ones((1, S, B), bool),
-                               weight=jnp.ones((1,)), client_id=jnp.zeros((1,), jnp.int32))
-    algo = fo.algorithms.zeno_plus_plus(_linear, 0.5, 0.5, eps, validation_data={"x": jnp.ones((3, 1))},
-                                        num_clients=1, schedule=asy.wall_clock(asy.constant(1.0)))
-    state = algo.step(algo.init({"w": jnp.array([0.25])}, jax.random.key(0)), batches)
+    state = _zeno_linear_event(eps)
     np.testing.assert_array_equal(state.validation.gradient["w"], [1.0])
     assert int(state.metrics["num_rejected"]) == int(not accepted)
     assert float(state.params["w"][0]) == (0.25 - 0.5 * 2.0 if accepted else 0.25)
@@ -269,7 +318,7 @@ def test_zeno_plus_plus_rejects_sign_flipped_and_scaled_gradients_and_applies_ho
     algo = fo.algorithms.zeno_plus_plus(_scaled_lsq, gamma, rho, eps, validation_data=validation, num_clients=5,
                                         schedule=no_staleness)
     params = {"w": jnp.zeros(D), "b": jnp.zeros(())}
-    state = algo.step(algo.init(params, jax.random.key(0)), batches)
+    state = jax.jit(lambda p, b: algo.step(algo.init(p, jax.random.key(0)), b))(params, batches)  # one program
   # NumPy: v at x_0 = 0, each client's full-batch gradient at x_0 (staleness 0), tested and applied in row order.
   v = np.append(*lsq_grad_np(np.zeros(D), 0.0, xv, xv @ w_true))
   point, verdicts = np.zeros(D + 1), []
@@ -330,7 +379,7 @@ def test_bad_arguments_raise_clear_errors():
   with pytest.raises(TypeError, match="schedule must be a fedjax_opt.core.asynchrony.Schedule"):
     fo.algorithms.fedasync(lsq_loss, 0.5, num_clients=2, client_optimizer=sgd, schedule="wall_clock")
   algo = fo.algorithms.fedasync(lsq_loss, 0.5, num_clients=3, client_optimizer=sgd, schedule=_schedule())
-  state = algo.init({"w": jnp.zeros(D), "b": jnp.zeros(())}, jax.random.key(0))
+  state = jax.jit(algo.init)({"w": jnp.zeros(D), "b": jnp.zeros(())}, jax.random.key(0))  # one program
   two = fo.ClientBatches(data={"x": jnp.zeros((2, S, B, D)), "y": jnp.zeros((2, S, B))},
                          mask=jnp.ones((2, S, B), bool), weight=jnp.ones((2,)),
                          client_id=jnp.array([1, 2], jnp.int32))

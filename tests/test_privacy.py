@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,8 +52,8 @@ def test_without_noise_the_aggregate_is_the_clipped_uniform_mean_over_m():
   u = _updates(np.random.default_rng(1))
   w = np.array([3.0, 0.0, 1.0, 7.0, 2.0])  # n_k weights are ignored; client 1 takes no part
   agg = P.dp_mean(1.0, 0.0, expected_clients=4)
-  with jax.enable_x64(True):
-    got, state = agg.aggregate({k: jnp.asarray(v) for k, v in u.items()}, jnp.asarray(w), agg.init(None), KEY)
+  with jax.enable_x64(True):  # one program, not op-by-op dispatch
+    got, state = jax.jit(agg.aggregate)({k: jnp.asarray(v) for k, v in u.items()}, jnp.asarray(w), agg.init(None), KEY)
   want, _ = _numpy_clipped_sum(u, w, 1.0)
   for name in u:
     np.testing.assert_allclose(got[name], want[name] / 4, rtol=1e-6)
@@ -142,8 +144,8 @@ def test_zero_weight_and_nonfinite_clients_contribute_nothing_and_are_not_counte
   bad = {k: v.copy() for k, v in u.items()}
   bad["w"][3, 0, 0] = np.inf
   agg = P.dp_mean(1.0, 0.0, expected_clients=10, adaptive=P.AdaptiveClipping(0.5, 0.2, 1e-6))
-  out = aggregate_updates(agg, {k: jnp.asarray(v, jnp.float32) for k, v in bad.items()}, jnp.asarray(w),
-                          agg.init(None), KEY)
+  out = jax.jit(functools.partial(aggregate_updates, agg))(  # one program, not op-by-op dispatch
+      {k: jnp.asarray(v, jnp.float32) for k, v in bad.items()}, jnp.asarray(w), agg.init(None), KEY)
   want, norms = _numpy_clipped_sum(u, np.array([1.0, 1.0, 0.0, 0.0, 1.0]), 1.0)
   for name in u:
     np.testing.assert_allclose(out.update[name], want[name] / 10, rtol=1e-5, atol=1e-7)

@@ -10,6 +10,7 @@ the fixed-point rounding.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import json
@@ -98,13 +99,14 @@ def test_any_t_of_n_shamir_shares_give_the_secret_and_t_minus_1_do_not_determine
     assert np.sum((counts - 500) ** 2 / 500) < 24.3  # χ²(7) at 1 − 1e-3
 
 
-def _round(c=8, length=3000, seed=0):
+def _round(c=9, length=3000, seed=0):
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(c, length)).astype(np.float32) * 0.1
   encoded, _ = P.fixed_point_encode(jnp.asarray(x), jax.random.key(seed), frac_bits=16, bound=1.0)
   return x, encoded
 
 
+# One program for every `_round()` ([9, 3000]) in this file.
 _secure_sum = jax.jit(lambda e, m, d, k: P.secure_sum(e, m, d, k, threshold=3))
 
 
@@ -131,7 +133,7 @@ def test_each_masked_upload_looks_uniform_and_the_uploads_unmask_to_exactly_the_
 
 
 def test_dropout_recovery_gives_exactly_the_survivors_sum():
-  x, encoded = _round(c=9, length=257, seed=3)
+  x, encoded = _round(seed=3)
   rng = np.random.default_rng(4)
   member = np.ones(9, bool)
   member[7] = False  # a slot with weight 0: not in the key exchange at all
@@ -180,12 +182,16 @@ def _updates(c=10, seed=0):
           "b": jnp.asarray(rng.normal(size=(c, 3)) * 0.2, jnp.float32)}
 
 
+# mean() counts weight > 0 only, so the weight can carry the drop set: 2 = drops (a traced input). One secure mean,
+# one jitted aggregate for the [10]-client `_updates()` of every test below.
+_SECURE_MEAN = P.secure_aggregation(A.mean(), frac_bits=16, bound=1.0, threshold=4, dropout=lambda key, w: w > 1.5)
+_secure_mean_aggregate = jax.jit(_SECURE_MEAN.aggregate)
+
+
 def test_the_aggregate_is_the_inner_aggregate_up_to_fixed_point_rounding_with_and_without_dropouts():
   c, f = 10, 16
   u = _updates(c)
-  # mean() counts weight > 0 only, so the weight can carry the drop set: 2 = drops (a traced input, one compile).
-  agg = P.secure_aggregation(A.mean(), frac_bits=f, bound=1.0, threshold=4, dropout=lambda key, w: w > 1.5)
-  aggregate = jax.jit(agg.aggregate)
+  agg, aggregate = _SECURE_MEAN, _secure_mean_aggregate
   inner = A.mean()
   rng = np.random.default_rng(1)
   for trial in range(4):
@@ -205,18 +211,18 @@ def test_the_aggregate_is_the_inner_aggregate_up_to_fixed_point_rounding_with_an
 
 
 def test_fewer_than_t_survivors_reject_the_round_and_change_nothing():
-  c = 6
+  c = 10
   u = _updates(c)
-  agg = P.secure_aggregation(A.mean(), bound=1.0, threshold=4, dropout=lambda key, w: jnp.arange(w.shape[0]) < 3)
-  out, state = jax.jit(agg.aggregate)(u, jnp.ones(c), agg.init(None), jax.random.key(0))  # 3 survivors < t = 4
+  agg = _SECURE_MEAN
+  drops = jnp.asarray([2.0] * 7 + [1.0] * 3)  # weight 2: drops (`_SECURE_MEAN`)
+  out, state = _secure_mean_aggregate(u, drops, agg.init(None), jax.random.key(0))  # 3 survivors < t = 4
   assert all(np.all(np.isnan(np.asarray(v))) for v in jax.tree.leaves(out))  # nothing decodable is released
   assert int(state.num_survivors) == 3 and not bool(state.recovered)
   # Through FedAvg (the non-finite guard): the round is rejected, model and aggregator state unchanged.
-  params, batches = _fedavg_inputs(np.random.default_rng(0), c=c)
-  algo = fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1), aggregator=agg,
-                              server_optimizer=optax.sgd(1.0, momentum=0.9))
-  s0 = algo.init(params, jax.random.key(0))
-  s1 = jax.jit(algo.step)(s0, batches)
+  params, batches = _fedavg_inputs(np.random.default_rng(0))
+  batches = batches.replace(weight=jnp.asarray([2.0] * 5 + [1.0] * 3))  # weight 2: drops; 3 survivors < t = 4
+  s0 = _fedavg(_SECURE_FEDAVG, momentum=0.9).init(params, jax.random.key(0))
+  s1 = _secure_fedavg_step("vmap")(0.9, s0, batches)
   assert not bool(s1.metrics["round_accepted"]) and int(s1.round) == 1 and int(s1.metrics["num_clients"]) == 0
   for a, b in zip(jax.tree.leaves((s1.params, s1.server_opt_state, s1.aggregator_state)),
                   jax.tree.leaves((s0.params, s0.server_opt_state, s0.aggregator_state))):
@@ -232,7 +238,7 @@ def test_with_dp_mean_the_same_key_gives_dp_mean_alone_up_to_quantization():
   assert agg.always_releases
   key = jax.random.key(3)
   got, state = jax.jit(agg.aggregate)(u, weights, agg.init(None), key)
-  want, want_state = dp.aggregate(u, weights, dp.init(None), key)
+  want, want_state = jax.jit(dp.aggregate)(u, weights, dp.init(None), key)
   for name in u:  # the same noise; the sum differs by at most C·2^−f before dividing by m
     np.testing.assert_allclose(got[name], want[name], atol=c * 2.0**-f / m + 1e-6, rtol=0)
   np.testing.assert_allclose(state.inner.noisy_fraction, want_state.noisy_fraction, atol=c * 2.0**-f / m)
@@ -241,6 +247,23 @@ def test_with_dp_mean_the_same_key_gives_dp_mean_alone_up_to_quantization():
 
 def _loss(params, batch):
   return 0.5 * jnp.square(batch["x"] @ params["w"] + params["b"] - batch["y"])
+
+
+# FedAvg's secure mean (8 clients): weight 2 drops (as `_SECURE_MEAN`); t = 4.
+_SECURE_FEDAVG = P.secure_aggregation(A.mean(), frac_bits=20, bound=4.0, threshold=4, dropout=lambda key, w: w > 1.5)
+
+
+def _fedavg(aggregator, client_map="vmap", momentum=0.0):
+  """FedAvg with local SGD(0.05) and server SGD(1) with `momentum` (may be traced; 0 is plain SGD, exactly)."""
+  return fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.05), aggregator=aggregator, client_map=client_map,
+                              server_optimizer=optax.sgd(1.0, momentum=momentum))
+
+
+@functools.cache
+def _secure_fedavg_step(client_map):
+  """`step(momentum, state, batches)` of `_fedavg(_SECURE_FEDAVG, client_map)`, jitted once per client map for the
+  tests below (the server momentum a traced argument)."""
+  return jax.jit(lambda momentum, state, batches: _fedavg(_SECURE_FEDAVG, client_map, momentum).step(state, batches))
 
 
 def _fedavg_inputs(rng, c=8, s=2, b=4, d=3):
@@ -252,17 +275,17 @@ def _fedavg_inputs(rng, c=8, s=2, b=4, d=3):
 
 
 def test_fedavg_with_a_secure_mean_trains_like_the_plain_mean_in_stacked_and_loop_modes():
-  params, batches = _fedavg_inputs(np.random.default_rng(7))
-  secure = P.secure_aggregation(A.mean(), frac_bits=20, bound=4.0)
-  assert secure.streaming is None  # the masks need each client's index and the round key: stacked form only
+  params, batches = _fedavg_inputs(np.random.default_rng(7))  # weight 1 everywhere: nobody drops
+  assert _SECURE_FEDAVG.streaming is None  # the masks need each client's index and the round key: stacked form only
   finals = {}
-  for name, aggregator, mode in (("plain", A.mean(), "vmap"), ("secure", secure, "vmap"),
-                                 ("secure-loop", secure, "sequential")):
-    algo = fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.05), aggregator=aggregator, client_map=mode)
-    state = algo.init(params, jax.random.key(1))
-    step = jax.jit(algo.step)
+  for name, mode in (("plain", "vmap"), ("secure", "vmap"), ("secure-loop", "sequential")):
+    if name == "plain":
+      step = jax.jit(lambda momentum, state, b: _fedavg(A.mean(), momentum=momentum).step(state, b))
+    else:
+      step = _secure_fedavg_step(mode)
+    state = _fedavg(A.mean() if name == "plain" else _SECURE_FEDAVG, mode).init(params, jax.random.key(1))
     for _ in range(4):
-      state = step(state, batches)
+      state = step(0.0, state, batches)  # server SGD(1), momentum 0: plain SGD
     finals[name] = state
   assert bool(finals["secure"].metrics["round_accepted"]) and int(finals["secure"].metrics["num_clients"]) == 8
   for name in ("w", "b"):
