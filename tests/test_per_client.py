@@ -1,5 +1,6 @@
 """Per-client state: gather/scatter against NumPy indexing, padding never writes, every client_map mode."""
 
+import functools
 import re
 
 import jax
@@ -7,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import diagonal
 from hypothesis import given, settings, strategies as st
 
 import fedjax_opt as fo
@@ -45,7 +47,7 @@ def test_gather_equals_numpy_indexing(rng):
 def test_gather_casts_to_the_model_dtype(rng):
   table = _table(rng, jnp.bfloat16)
   like = {"w": jnp.zeros((3, 2), jnp.float32), "b": jnp.zeros((), jnp.float32)}
-  rows = per_client.gather(table, jnp.array([2, 5], jnp.int32), like=like)
+  rows = jax.jit(lambda t, i: per_client.gather(t, i, like=like))(table, np.array([2, 5], np.int32))
   assert rows["w"].dtype == jnp.float32
   np.testing.assert_array_equal(rows["w"], np.asarray(table["w"], np.float32)[[2, 5]])
 
@@ -81,10 +83,10 @@ def test_scatter_equals_numpy_assignment_last_writer_wins(ids, data):
 def test_zero_weight_padding_never_writes_even_when_it_shares_a_row(rng):
   """Padding clients carry arbitrary ids (here those of real clients) and garbage values: nothing of theirs lands."""
   table = _table(rng)
-  ids = jnp.array([4, 4, 2, 2], jnp.int32)
-  values = {"w": jnp.full((4, 3, 2), 9.0), "b": jnp.array([1.0, 2.0, 3.0, jnp.nan])}
-  weight = jnp.array([5.0, 0.0, 3.0, 0.0])  # padding after the real client with the same id
-  out = per_client.scatter(table, ids, values, weight > 0)
+  ids = np.array([4, 4, 2, 2], np.int32)
+  values = {"w": np.full((4, 3, 2), 9.0, np.float32), "b": np.array([1.0, 2.0, 3.0, np.nan], np.float32)}
+  weight = np.array([5.0, 0.0, 3.0, 0.0], np.float32)  # padding after the real client with the same id
+  out = _scatter(table, ids, values, weight > 0)
   np.testing.assert_array_equal(out.written, [True, False, True, False])
   assert float(out.table["b"][4]) == 1.0 and float(out.table["b"][2]) == 3.0
   untouched = [0, 1, 3, 5, 6]
@@ -95,14 +97,18 @@ def test_low_precision_storage_change_is_what_was_stored(rng):
   """bfloat16 rows are rounded; `change` is the change of the stored sum, so a mean kept beside it stays exact."""
   params = {"w": jnp.zeros((3, 2), jnp.float32), "b": jnp.zeros((), jnp.float32)}
   table = per_client.init(params, N, storage_dtype=jnp.bfloat16)
-  mean = jax.tree.map(jnp.zeros_like, params)
+  mean = jax.tree.map(np.zeros_like, params)
+
+  @jax.jit  # one program for the four rounds (eagerly, each of their small ops compiles)
+  def round_(table, mean, ids, values, write):
+    out = per_client.scatter(table, ids, values, write)
+    return out.table, jax.tree.map(lambda m, d: m + d / N, mean, out.change)
+
   for r in range(4):
-    ids = jnp.asarray(rng.choice(N, 3, replace=False), jnp.int32)
-    values = {"w": jnp.asarray(rng.normal(size=(3, 3, 2)), jnp.float32) / 3,
-              "b": jnp.asarray(rng.normal(size=(3,)), jnp.float32) / 3}
-    out = per_client.scatter(table, ids, values, jnp.array([True, True, r % 2 == 0]))
-    table = out.table
-    mean = jax.tree.map(lambda m, d: m + d / N, mean, out.change)
+    ids = rng.choice(N, 3, replace=False).astype(np.int32)
+    values = {"w": rng.normal(size=(3, 3, 2)).astype(np.float32) / 3,
+              "b": rng.normal(size=(3,)).astype(np.float32) / 3}
+    table, mean = round_(table, mean, ids, values, np.array([True, True, r % 2 == 0]))
   assert table["w"].dtype == jnp.bfloat16
   for k in params:
     np.testing.assert_allclose(mean[k], np.asarray(table[k], np.float64).mean(0), rtol=1e-5, atol=1e-6)
@@ -164,8 +170,7 @@ def test_a_round_of_per_client_state_is_the_same_under_every_client_map_mode(rng
     np.testing.assert_allclose(out[k], expected[k], rtol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["vmap", "chunked:16"])
-@pytest.mark.parametrize("name", ["scaffold", "feddyn", "ditto"])
+@pytest.mark.parametrize("name, mode", diagonal(["scaffold", "feddyn", "ditto"], ["vmap", "chunked:16"]))
 def test_rounds_update_the_table_in_place(name, mode):
   """A compiled run of rounds (a scan, state donated, as fo.train runs them) needs far less temporary memory than
   one copy of the [N, P] table: the round writes its C rows in place, so its cost does not grow with N."""
@@ -212,12 +217,25 @@ def _scaffold_rounds(n, c, storage_dtype):
   return state, one
 
 
+# Table rows of the scan_rounds tests: large enough that a copy of the table shows in the compiled loop body.
+N_ROUNDS_TABLE = 12_345
+
+
+@functools.cache
+def _compiled_rounds(scan, n, storage_dtype):
+  """4 SCAFFOLD rounds of 8 clients over an [n, ...] table as `scan(one_round, state, keys)`, state donated, compiled
+  once and shared by the tests that run it and those that read its compiled text."""
+  state, one = _scaffold_rounds(n, 8, storage_dtype)
+  keys = jax.random.split(jax.random.key(3), 4)
+  return jax.jit(lambda s: scan(one, s, keys)[0], donate_argnums=0).lower(state).compile()
+
+
 def test_scan_rounds_is_the_plain_scan_bit_for_bit():
   """16-bit leaves of the carry travel as bits: the result (tables, model, typed key, metrics) is unchanged."""
-  state, one = _scaffold_rounds(50, 8, jnp.bfloat16)
-  keys = jax.random.split(jax.random.key(3), 6)
-  want = jax.jit(lambda s: jax.lax.scan(one, s, keys)[0])(state)
-  got = jax.jit(lambda s: per_client.scan_rounds(one, s, keys)[0])(state)
+  n, dtype = N_ROUNDS_TABLE, jnp.bfloat16
+  # Each run is given its own initial state (the programs donate it).
+  want = _compiled_rounds(jax.lax.scan, n, dtype)(_scaffold_rounds(n, 8, dtype)[0])
+  got = _compiled_rounds(per_client.scan_rounds, n, dtype)(_scaffold_rounds(n, 8, dtype)[0])
   assert got.client_control_variates["w"].dtype == jnp.bfloat16
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -230,9 +248,7 @@ def test_scan_rounds_is_the_plain_scan_bit_for_bit():
 def _table_sized_ops_in_loop_body(scan, n, storage_dtype):
   """Instructions of the compiled while body whose result has the table's [N, ...] shape, other than the
   loop-carried value itself and the scatter that writes the round's rows."""
-  state, one = _scaffold_rounds(n, 8, storage_dtype)
-  keys = jax.random.split(jax.random.key(3), 4)
-  text = jax.jit(lambda s: scan(one, s, keys)[0], donate_argnums=0).lower(state).compile().as_text()
+  text = _compiled_rounds(scan, n, storage_dtype).as_text()
   entry = text[text.index("\nENTRY"):]
   body_name = re.search(r"while\(.*?body=%?([\w.\-]+)", entry).group(1)  # the loop over rounds
   body = re.search(r"\n%?" + re.escape(body_name) + r" .*?\n}", text, re.S).group(0)
@@ -245,7 +261,7 @@ def _table_sized_ops_in_loop_body(scan, n, storage_dtype):
 def test_scan_rounds_updates_a_bfloat16_table_in_place():
   """XLA:CPU copies a bfloat16 table every round under a plain scan (a bitcast or float conversion of all N
   rows); under scan_rounds the loop body touches the table only through the scatter of the round's rows."""
-  n = 12_345
+  n = N_ROUNDS_TABLE
   assert _table_sized_ops_in_loop_body(per_client.scan_rounds, n, jnp.bfloat16) == []
   assert _table_sized_ops_in_loop_body(per_client.scan_rounds, n, None) == []
   if jax.default_backend() == "cpu":  # the check above can see a copy: the plain scan makes one on XLA:CPU

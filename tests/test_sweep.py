@@ -1,5 +1,6 @@
 """Vectorised sweeps: K runs vmapped into one program equal K separate runs; the driver and CLI accept them."""
 
+import functools
 import json
 import os
 import subprocess
@@ -30,12 +31,23 @@ def setup():
   return dataset, model, algo
 
 
+@functools.cache
+def _initial_model_fn(model):
+  """`_initial_model` for one model as one jitted function of the seed (eagerly, each leaf's draw compiles)."""
+
+  @jax.jit
+  def fn(seed):
+    params = model.init(jax.random.key(seed))
+    noise = jax.random.split(jax.random.key(100 + seed), len(jax.tree.leaves(params)))
+    leaves = [p + 0.01 * jax.random.normal(k, p.shape) for p, k in zip(jax.tree.leaves(params), noise)]
+    return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+  return fn
+
+
 def _initial_model(model, seed):
   """A different starting point per seed (logistic regression starts at zero)."""
-  params = model.init(jax.random.key(seed))
-  noise = jax.random.split(jax.random.key(100 + seed), len(jax.tree.leaves(params)))
-  leaves = [p + 0.01 * jax.random.normal(k, p.shape) for p, k in zip(jax.tree.leaves(params), noise)]
-  return jax.tree.unflatten(jax.tree.structure(params), leaves)
+  return _initial_model_fn(model)(seed)
 
 
 def _separate_run(algo, dataset, rounds):
@@ -53,15 +65,23 @@ def _separate_run(algo, dataset, rounds):
   return run
 
 
-def test_sweep_over_8_seeds_equals_8_separate_runs(setup):
-  """fo.train on a sweep with seeds 0..7 (initial model, algorithm key, data stream) == 8 separate runs."""
+@pytest.fixture(scope="module")
+def seed_sweep(setup):
+  """fo.train on a sweep of the setup algorithm over seeds 0..7 (initial model, algorithm key, data stream), 6 rounds
+  evaluated every 3: (state, history), run once for the tests that check it."""
   dataset, model, algo = setup
-  fns = {"accuracy": model.accuracy_fn}
   swept = sweep.seeds(algo, len(SEEDS))
   params = sweep.stack([_initial_model(model, s) for s in SEEDS])
   keys = jnp.stack([jax.random.key(1000 + s) for s in SEEDS])
-  state, history = train(swept, swept.init(params, keys, params_axis=0), dataset, 6, SAMPLING,
-                         evaluation=Evaluation(every=3, metric_fns=fns), seed=SEEDS, progress=False)
+  return train(swept, swept.init(params, keys, params_axis=0), dataset, 6, SAMPLING,
+               evaluation=Evaluation(every=3, metric_fns={"accuracy": model.accuracy_fn}), seed=SEEDS, progress=False)
+
+
+def test_sweep_over_8_seeds_equals_8_separate_runs(setup, seed_sweep):
+  """fo.train on a sweep with seeds 0..7 (initial model, algorithm key, data stream) == 8 separate runs."""
+  dataset, model, algo = setup
+  fns = {"accuracy": model.accuracy_fn}
+  state, history = seed_sweep
   assert history.sweep_size == 8 and history.num_rounds == 6
   assert history.round_metrics["client_loss"].shape == (8, 6)
   rounds, accuracy = history.eval_series("test_accuracy")
@@ -93,38 +113,34 @@ def test_hyper_parameter_grid_equals_separate_factories(setup):
   swept = sweep.vmap_algorithm(make, hp)
   assert swept.size == 4
   params = _initial_model(model, 0)
-  sample = jax.jit(fo.data.sample_round, static_argnames=tuple(KW))
-  step = jax.jit(swept.step)
-  state = swept.init(params, jax.random.key(3))
-  batches = [sample(jax.random.key(r), dataset, **KW) for r in range(3)]
-  for b in batches:
-    state = step(state, b)
+  # The shared stream: 3 rounds drawn with keys 0, 1, 2, stacked on a leading round axis.
+  batches = jax.jit(jax.vmap(lambda r: fo.data.sample_round(jax.random.key(r), dataset, **KW)))(jnp.arange(3))
+
+  def rounds(algo, state):
+    """`algo.step` over the 3 rounds (a scan: one round compiled, not three)."""
+    return jax.lax.scan(lambda s, b: (algo.step(s, b), None), state, batches)[0]
+
+  state = jax.jit(lambda key: rounds(swept, swept.init(params, key)))(jax.random.key(3))
   member_keys = jax.random.split(jax.random.key(3), 4)
 
   @jax.jit
   def separate(client_lr, server_lr, key):  # one member's run on its own, not vmapped
     algo = make(client_lr, server_lr)
-    ref = algo.init(params, key)
-    for b in batches:
-      ref = algo.step(ref, b)
-    return ref.params
+    return rounds(algo, algo.init(params, key)).params
 
   for k in range(4):
     ref = separate(hp["client_lr"][k], hp["server_lr"][k], member_keys[k])
     chex.assert_trees_all_close(sweep.member(state.params, k), ref, rtol=2e-5, atol=1e-6)
 
 
-def test_history_of_a_sweep_round_trips_json(setup, tmp_path):
-  dataset, model, algo = setup
-  swept = sweep.seeds(algo, 3)
-  _, history = train(swept, swept.init(_initial_model(model, 0), jax.random.key(0)), dataset, 4, SAMPLING,
-                     evaluation=Evaluation(every=2, metric_fns={"accuracy": model.accuracy_fn}), seed=0, progress=False)
+def test_history_of_a_sweep_round_trips_json(seed_sweep, tmp_path):
+  _, history = seed_sweep
   path = tmp_path / "h.json"
   history.save_json(str(path))
   again = fo.History.from_dict(json.loads(path.read_text()))
-  assert again.sweep_size == 3 and again.num_rounds == 4
+  assert again.sweep_size == 8 and again.num_rounds == 6
   np.testing.assert_array_equal(again.round_metrics["client_loss"], history.round_metrics["client_loss"])
-  assert again.eval_series("test_accuracy")[1].shape == (3, 2)
+  assert again.eval_series("test_accuracy")[1].shape == (8, 2)
 
 
 def test_bad_sweeps_are_rejected(setup):

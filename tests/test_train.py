@@ -26,6 +26,15 @@ def setup():
 
 KW = dict(clients_per_round=5, local_steps=4, batch_size=10)
 SAMPLING = Sampling(**KW)
+# The setup algorithm's round programs are compiled once per (sampling, seed, chunk length): the tests that train it
+# share one seed (not the default, so the first test also checks that `seed` picks the data) and chunks of 3 rounds
+# (the last chunk 1 or 2), so they reuse three programs.
+SEED = 3
+
+
+def _fns(model):
+  """The metrics every evaluation of the setup model reports (one evaluation program for all the tests)."""
+  return {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
 
 
 def _assert_same_state(a, b):
@@ -34,33 +43,33 @@ def _assert_same_state(a, b):
 
 def test_chunked_scan_equals_round_by_round_steps(setup):
   dataset, _, algo, params = setup
-  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 12, SAMPLING,
-                         evaluation=Evaluation(every=5), progress=False, seed=3)
-  step = jax.jit(algo.step)
-  sample = jax.jit(fo.data.sample_round, static_argnames=("clients_per_round", "local_steps", "batch_size"))
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 14, SAMPLING,
+                         evaluation=Evaluation(every=3), progress=False, seed=SEED)
+  # One round: the data drawn with fold_in(key(seed), r), then one step (one program for all the rounds).
+  one_round = jax.jit(lambda s, r: algo.step(s, fo.data.sample_round(jax.random.fold_in(jax.random.key(SEED), r),
+                                                                     dataset, **KW)))
   ref = algo.init(params, jax.random.key(1))
   losses = []
-  for r in range(12):
-    ref = step(ref, sample(jax.random.fold_in(jax.random.key(3), r), dataset, **KW))
+  for r in range(14):
+    ref = one_round(ref, r)
     losses.append(float(ref.metrics["client_loss"]))
   chex.assert_trees_all_close(state.params, ref.params, rtol=1e-6, atol=1e-7)
-  assert int(state.round) == 12
+  assert int(state.round) == 14
   np.testing.assert_allclose(history.round_metrics["client_loss"], losses, rtol=1e-5)
-  assert [e["round"] for e in history.evals] == [5, 10, 12]
+  assert [e["round"] for e in history.evals] == [3, 6, 9, 12, 14]
 
 
 def test_resume_is_bit_for_bit(setup, tmp_path):
   """2k rounds in one go == k rounds, stop, resume from the checkpoint, k more."""
   dataset, model, algo, params = setup
-  fns = {"loss": model.loss_fn, "accuracy": model.accuracy_fn}
   init = algo.init(params, jax.random.key(1))
-  evaluation = Evaluation(every=3, metric_fns=fns)
-  full, full_history = train(algo, init, dataset, 14, SAMPLING, evaluation=evaluation, progress=False)
-  train(algo, init, dataset, 7, SAMPLING, evaluation=evaluation, progress=False,
+  evaluation = Evaluation(every=3, metric_fns=_fns(model))
+  full, full_history = train(algo, init, dataset, 14, SAMPLING, evaluation=evaluation, progress=False, seed=SEED)
+  train(algo, init, dataset, 7, SAMPLING, evaluation=evaluation, progress=False, seed=SEED,
         checkpointing=Checkpointing(str(tmp_path)))
   assert Checkpointer(str(tmp_path)).latest_round() == 7
   resumed, history = train(algo, algo.init(params, jax.random.key(99)), dataset, 14, SAMPLING,
-                           evaluation=evaluation, progress=False,
+                           evaluation=evaluation, progress=False, seed=SEED,
                            checkpointing=Checkpointing(str(tmp_path), resume=True))
   _assert_same_state(full, resumed)
   np.testing.assert_array_equal(history.round_metrics["client_loss"], full_history.round_metrics["client_loss"])
@@ -73,7 +82,7 @@ def test_resume_is_bit_for_bit(setup, tmp_path):
 
 def test_resume_without_checkpoint_starts_fresh(setup, tmp_path):
   dataset, _, algo, params = setup
-  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 3, SAMPLING, progress=False,
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 3, SAMPLING, progress=False, seed=SEED,
                          checkpointing=Checkpointing(str(tmp_path), resume=True))
   assert int(state.round) == 3 and history.num_rounds == 3
 
@@ -82,8 +91,7 @@ def test_evaluation_matches_numpy(setup):
   """test_accuracy / test_loss equal a NumPy evaluation of the final model on every client's test examples."""
   dataset, model, algo, params = setup
   state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 10, SAMPLING, progress=False,
-                         evaluation=Evaluation(every=10, metric_fns={"loss": model.loss_fn,
-                                                                     "accuracy": model.accuracy_fn}))
+                         seed=SEED, evaluation=Evaluation(every=3, metric_fns=_fns(model)))
   leaves = jax.tree.leaves(state.params)
   kernel = np.asarray([l for l in leaves if l.ndim == 2][0], np.float64)
   bias = np.asarray([l for l in leaves if l.ndim == 1][0], np.float64)
@@ -107,8 +115,8 @@ def test_evaluation_matches_numpy(setup):
 
 def test_history_round_trips_json(setup, tmp_path):
   dataset, model, algo, params = setup
-  _, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 4, SAMPLING, progress=False,
-                     evaluation=Evaluation(every=2, metric_fns={"accuracy": model.accuracy_fn}))
+  _, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 4, SAMPLING, progress=False, seed=SEED,
+                     evaluation=Evaluation(every=2, metric_fns=_fns(model)))
   path = tmp_path / "h.json"
   history.save_json(str(path))
   import json
