@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
@@ -62,6 +63,12 @@ def _rounds(name, aggregator, rounds=2):
   return state
 
 
+@functools.cache
+def _unchained(name):
+  """`_rounds(name, fo.aggregators.mean())`, run once per factory: the identity and dp_mean tests share it."""
+  return _rounds(name, fo.aggregators.mean())
+
+
 def test_every_factory_with_an_aggregator_takes_a_client_stage():
   assert {"fedavg", "fedsgd", "fedprox", "fednova", "scaffold", "ditto", "pfedme", "per_fedavg", "fedavg_finetune",
           "fedem"} <= set(TAKING)
@@ -80,7 +87,7 @@ def test_the_server_receives_each_clients_top_1_and_is_charged_its_bits(name):
 
 @pytest.mark.parametrize("name", TAKING)
 def test_identity_with_error_feedback_is_the_unchained_run_bit_for_bit(name):
-  want = _rounds(name, fo.aggregators.mean())
+  want = _unchained(name)
   got = _rounds(name, fo.aggregators.chain(C.compress(C.identity(), error_feedback=True, num_clients=N),
                                            fo.aggregators.mean()))
   for a, b in zip(_leaves(got), _leaves(want)):
@@ -94,7 +101,7 @@ def test_a_stage_in_front_of_dp_mean_leaves_its_noise_as_it_was():
   got = _rounds("fedavg", fo.aggregators.chain(C.compress(C.identity()), dp))
   np.testing.assert_array_equal(np.asarray(got.params["w"]), np.asarray(want.params["w"]))
   np.testing.assert_array_equal(np.asarray(got.params["b"]), np.asarray(want.params["b"]))
-  assert not np.allclose(np.asarray(want.params["w"]), np.asarray(_rounds("fedavg", fo.aggregators.mean()).params["w"]))
+  assert not np.allclose(np.asarray(want.params["w"]), np.asarray(_unchained("fedavg").params["w"]))
 
 
 def test_pieces_that_do_not_compose_are_refused_in_one_line_naming_both():

@@ -13,6 +13,7 @@ signSGD's majority vote against NumPy; bad arguments.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -21,6 +22,7 @@ import numpy as np
 import optax
 import pytest
 from algorithm_examples import N, example_inputs, loss_fn
+from conftest import diagonal, lsq_grad_np
 
 import fedjax_opt as fo
 from fedjax_opt.core.local import LocalResult
@@ -78,7 +80,7 @@ def test_qsgd_is_unbiased_with_the_closed_form_variance_within_lemma_3_1(levels)
 def test_qsgd_bits_sets_the_levels_and_zero_stays_zero():
   assert C.qsgd(bits=2).name == "qsgd(s=1)" and C.qsgd(bits=4).name == "qsgd(s=7)"
   assert C.qsgd(bits=8).name == "qsgd(s=127)"
-  out, _ = C.qsgd(bits=4).compress(jax.random.key(0), jnp.zeros(5))
+  out, _ = jax.jit(C.qsgd(bits=4).compress)(jax.random.key(0), np.zeros(5, np.float32))
   np.testing.assert_array_equal(out, np.zeros(5))
 
 
@@ -93,22 +95,25 @@ def test_rand_k_is_unbiased_and_keeps_k_coordinates_scaled_by_p_over_k():
   se = np.abs(x.astype(np.float64)) * np.sqrt((p / k - 1) / m)
   assert np.all(np.abs(draws.mean(0) - x) <= 5 * se + 1e-7)
   assert np.allclose(kept.mean(0), k / p, atol=5 * np.sqrt(k / p * (1 - k / p) / m))
-  assert C.rand_k(0.1).compress(jax.random.key(0), jnp.asarray(x))[0].shape == (p,)
+  assert jax.eval_shape(C.rand_k(0.1).compress, jax.random.key(0), x)[0].shape == (p,)
 
 
 def test_top_k_keeps_exactly_the_k_largest_magnitudes_of_the_whole_pytree():
   rng = np.random.default_rng(2)
   tree = {"a": rng.normal(size=(3, 5)).astype(np.float32), "b": rng.normal(size=7).astype(np.float32)}
   flat = np.concatenate([tree["a"].reshape(-1), tree["b"]])
-  for k in (1, 4, 22):
-    out, _ = jax.jit(C.top_k(k=k).compress)(jax.random.key(0), jax.tree.map(jnp.asarray, tree))
+  ks = (1, 4, 22)
+  # Every k and the fraction in one program.
+  outs, fraction_out = jax.jit(lambda key, tree, flat: ([C.top_k(k=k).compress(key, tree)[0] for k in ks],
+                                                        C.top_k(0.1).compress(key, flat)[0]))(
+      jax.random.key(0), tree, flat)
+  for k, out in zip(ks, outs):
     got = np.concatenate([np.asarray(out["a"]).reshape(-1), np.asarray(out["b"])])
     want = np.zeros_like(flat)
     keep = np.argsort(-np.abs(flat))[:k]
     want[keep] = flat[keep]
     np.testing.assert_array_equal(got, want)
-  out, _ = C.top_k(0.1).compress(jax.random.key(0), jnp.asarray(flat))
-  assert int(np.sum(np.asarray(out) != 0)) == math.ceil(0.1 * flat.size)
+  assert int(np.sum(np.asarray(fraction_out) != 0)) == math.ceil(0.1 * flat.size)
 
 
 def test_sign_sends_the_mean_magnitude_times_a_one_bit_sign():
@@ -134,23 +139,44 @@ def _expected_bits(name, p):
   }[name]
 
 
+# Module-level instances: `_fedavg_step` caches FedAvg's compiled step by compressor, so tests that use the same
+# instance with the same choices share one program.
 COMPRESSORS = {"identity": C.identity(), "qsgd7": C.qsgd(bits=4), "qsgd5": C.qsgd(5), "top_k3": C.top_k(k=3),
                "rand_k3": C.rand_k(k=3), "sign": C.sign(), "sign_plain": C.sign(scaled=False)}
+TOP_1 = C.top_k(k=1)
+
+
+@functools.cache
+def _fedavg_step(compressor=None, error_feedback=False, aggregator="weighted_mean", mode="vmap"):
+  """`(algo, jitted step)` of FedAvg (client SGD at lr 0.05) with the client stage `compress(compressor,
+  error_feedback)` (none when `compressor` is None) in front of `fo.aggregators.<aggregator>()`.
+
+  Built once per choice: the tests that make the same choice share one compiled program.
+  """
+  stage = None if compressor is None else C.compress(compressor, error_feedback=error_feedback,
+                                                     num_clients=N if error_feedback else None)
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05),
+                              aggregator=_chain(stage, getattr(fo.aggregators, aggregator)()), client_map=mode)
+  return algo, jax.jit(algo.step)
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))
 def test_each_bit_count_matches_its_message_layout_in_the_compressor_and_the_round_metrics(name):
   compressor = COMPRESSORS[name]
-  for p in (3, 8, 1000, 7850):
-    x = jnp.asarray(_vector(p))
+  sizes = (3, 8, 1000, 7850)
+  xs = [_vector(p) for p in sizes]
+  charged = jax.jit(lambda key, xs: [compressor.compress(key, x)[1] for x in xs])(jax.random.key(0), xs)  # one program
+  for p, x, bits in zip(sizes, xs, charged):
     want = _expected_bits(name, p)
-    assert compressor.bits(x) == want
-    assert float(compressor.compress(jax.random.key(0), x)[1]) == want
+    assert compressor.bits(jnp.asarray(x)) == want
+    assert float(bits) == want
   # In a round: FedAvg on the examples' model (P = 4), clients 2 and 3 without weight take no part.
   params, batches = example_inputs("fedavg")
-  batches = batches.replace(weight=batches.weight.at[2:].set(0.0))
-  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.01), aggregator=_chain(C.compress(compressor)))
-  state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+  weight = np.asarray(batches.weight).copy()
+  weight[2:] = 0.0
+  batches = batches.replace(weight=jnp.asarray(weight))
+  algo, step = _fedavg_step(compressor)
+  state = step(algo.init(params, jax.random.key(0)), batches)
   assert float(state.metrics["bits_up"]) == _expected_bits(name, 4)
   assert float(state.metrics["bits_down"]) == 32 * 4
 
@@ -158,24 +184,26 @@ def test_each_bit_count_matches_its_message_layout_in_the_compressor_and_the_rou
 def test_uncompressed_algorithms_report_every_bit_of_each_message():
   params, batches = example_inputs("fedavg")
   p = 4
-  for algo, up, down in [
-      (fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.01)), 32 * p, 32 * p),
-      (fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(0.01)), 32 * p, 32 * p),
-      (fo.algorithms.scaffold(loss_fn, 0.01, 1.0, num_clients=N), 2 * 32 * p, 2 * 32 * p),  # (Δy, Δc) and (x, c)
+  for algo, step, up, down in [
+      (*_fedavg_step(None), 32 * p, 32 * p),  # FedAvg's default aggregator, the weighted mean
+      (fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(0.01)), None, 32 * p, 32 * p),
+      (fo.algorithms.scaffold(loss_fn, 0.01, 1.0, num_clients=N), None, 2 * 32 * p, 2 * 32 * p),  # (Δy, Δc), (x, c)
   ]:
-    state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+    state = (step or jax.jit(algo.step))(algo.init(params, jax.random.key(0)), batches)
     assert (float(state.metrics["bits_up"]), float(state.metrics["bits_down"])) == (up, down)
-  bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+  bf16 = jax.tree.map(lambda a: np.asarray(a).astype(jnp.bfloat16), params)
   assert fo.compression.tree_bits(bf16) == 16 * p
 
 
 def test_compressors_are_jittable_and_vmappable():
-  xs = jnp.asarray(np.random.default_rng(3).normal(size=(5, 30)).astype(np.float32))
+  """The batched compression (jit of vmap) against one client at a time (jit alone)."""
+  xs = np.random.default_rng(3).normal(size=(5, 30)).astype(np.float32)
   keys = jax.random.split(jax.random.key(1), 5)
   for compressor in COMPRESSORS.values():
     batched, bits = jax.jit(jax.vmap(compressor.compress))(keys, xs)
+    one_client = jax.jit(compressor.compress)
     for i in range(5):
-      one, one_bits = compressor.compress(keys[i], xs[i])
+      one, one_bits = one_client(keys[i], xs[i])
       np.testing.assert_allclose(batched[i], one, rtol=1e-6, atol=1e-7)
       assert float(bits[i]) == float(one_bits)
 
@@ -183,24 +211,33 @@ def test_compressors_are_jittable_and_vmappable():
 # ----------------------------------------------------------------------------- error feedback in the round
 
 
-def _recording_round(stage, deltas, ids, residuals):
-  """One `client_round` whose clients send the given Δ `[C, P]` and whose aggregator records what arrived."""
+def _recording_round(stage):
+  """`round(deltas, ids, residuals) -> (what arrived [C, P], new residuals)`, jitted: one `client_round` whose
+  clients (ids `[C]`) send the given Δ `[C, P]` and whose aggregator records what arrived."""
 
   def client_update(shared, data, mask):
     del shared, mask
     return ClientOutput(LocalResult(delta=data["delta"][0, 0], loss=jnp.float32(0), num_examples=jnp.float32(1),
                                     num_steps=jnp.int32(1)))
 
-  record = fo.aggregators.Aggregator(lambda p: jnp.zeros((len(ids),) + p.shape, p.dtype),
-                                     lambda u, w, s, k: (jnp.mean(u, 0), u))
-  c = len(ids)
-  batches = fo.ClientBatches(data={"delta": jnp.asarray(deltas)[:, None, None]}, mask=jnp.ones((c, 1, 1), bool),
-                             weight=jnp.ones(c), client_id=jnp.asarray(ids, jnp.int32))
-  aggregator = fo.aggregators.chain(stage, record)
-  state = StagedState(rows=(residuals,), server=record.init(jnp.zeros(deltas.shape[1])))
-  out = client_round("vmap", client_update, jnp.zeros(deltas.shape[1]), batches, aggregator=aggregator,
-                     aggregator_state=state, key=jax.random.key(len(ids)))
-  return np.asarray(out.agg.state.server), C.residuals(out.agg.state)
+  @jax.jit
+  def one_round(deltas, ids, residuals):
+    c, p = deltas.shape
+    record = fo.aggregators.Aggregator(lambda p: jnp.zeros((c,) + p.shape, p.dtype),
+                                       lambda u, w, s, k: (jnp.mean(u, 0), u))
+    batches = fo.ClientBatches(data={"delta": deltas[:, None, None]}, mask=jnp.ones((c, 1, 1), bool),
+                               weight=jnp.ones(c), client_id=ids.astype(jnp.int32))
+    aggregator = fo.aggregators.chain(stage, record)
+    state = StagedState(rows=(residuals,), server=record.init(jnp.zeros(p)))
+    out = client_round("vmap", client_update, jnp.zeros(p), batches, aggregator=aggregator,
+                       aggregator_state=state, key=jax.random.key(c))
+    return out.agg.state.server, C.residuals(out.agg.state)
+
+  def run(deltas, ids, residuals):
+    sent, residuals = one_round(np.asarray(deltas), np.asarray(ids), residuals)
+    return np.asarray(sent), residuals
+
+  return run
 
 
 def test_error_feedback_telescopes_and_each_step_is_top_k_of_delta_plus_residual():
@@ -208,13 +245,14 @@ def test_error_feedback_telescopes_and_each_step_is_top_k_of_delta_plus_residual
   n, p, k, rounds = 6, 10, 2, 8
   comp = C.compress(C.top_k(k=k), error_feedback=True, num_clients=n)
   residuals = fo.core.per_client.init(jnp.zeros(p), n)
+  one_round = _recording_round(comp)
   rng = np.random.default_rng(4)
   sent_total, delta_total = np.zeros((n, p)), np.zeros((n, p))
   e_ref = np.zeros((n, p))
   for _ in range(rounds):
     ids = np.sort(rng.choice(n, size=3, replace=False))
     deltas = rng.normal(size=(3, p)).astype(np.float32)
-    sent, residuals = _recording_round(comp, deltas, ids, residuals)
+    sent, residuals = one_round(deltas, ids, residuals)
     for row, i in enumerate(ids):
       v = deltas[row].astype(np.float64) + e_ref[i]
       want = np.zeros(p)
@@ -233,19 +271,20 @@ def test_the_compression_key_is_the_round_key_folded_with_the_client_id():
   p = 20
   comp = C.compress(C.rand_k(k=3), error_feedback=True, num_clients=6)
   delta = np.ones((2, p), np.float32)
-  sent_a, _ = _recording_round(comp, delta, [3, 5], fo.core.per_client.init(jnp.zeros(p), 6))
-  sent_b, _ = _recording_round(comp, delta, [5, 3], fo.core.per_client.init(jnp.zeros(p), 6))
+  one_round = _recording_round(comp)
+  sent_a, _ = one_round(delta, [3, 5], fo.core.per_client.init(jnp.zeros(p), 6))
+  sent_b, _ = one_round(delta, [5, 3], fo.core.per_client.init(jnp.zeros(p), 6))
   np.testing.assert_array_equal(sent_a, sent_b[::-1])
   assert not np.array_equal(sent_a[0] != 0, sent_a[1] != 0)
 
 
-def _run(stage, mode="vmap", rounds=2, poisoned=None, aggregator=None):
+def _run(compressor, error_feedback=False, mode="vmap", rounds=2, poisoned=None, aggregator="weighted_mean"):
+  """`rounds` rounds of `_fedavg_step(compressor, error_feedback, aggregator, mode)` on the examples' data,
+  client weights 6, 2, 5, 1 (client `poisoned` holds a NaN); the final state."""
   params, batches = example_inputs("fedavg", poisoned=poisoned)
   batches = batches.replace(weight=jnp.asarray([6.0, 2.0, 5.0, 1.0]))
-  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), aggregator=_chain(stage, aggregator),
-                              client_map=mode)
+  algo, step = _fedavg_step(compressor, error_feedback, aggregator, mode)
   state = algo.init(params, jax.random.key(7))
-  step = jax.jit(algo.step)
   for _ in range(rounds):
     state = step(state, batches)
   return state
@@ -253,8 +292,8 @@ def _run(stage, mode="vmap", rounds=2, poisoned=None, aggregator=None):
 
 def test_identity_compression_leaves_fedavg_unchanged_bit_for_bit():
   want = _run(None, rounds=3)
-  for comp in (C.compress(C.identity()), C.compress(C.identity(), error_feedback=True, num_clients=N)):
-    got = _run(comp, rounds=3)
+  for error_feedback in (False, True):
+    got = _run(COMPRESSORS["identity"], error_feedback, rounds=3)
     for a, b in zip(jax.tree.leaves((got.params, got.server_opt_state, got.metrics)),
                     jax.tree.leaves((want.params, want.server_opt_state, want.metrics))):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -263,16 +302,17 @@ def test_identity_compression_leaves_fedavg_unchanged_bit_for_bit():
   assert C.residuals(want.aggregator_state) is None
 
 
-@pytest.mark.parametrize("compressor", [C.qsgd(bits=3), C.rand_k(k=2), C.top_k(k=1), C.sign()],
-                         ids=lambda c: c.name)
-@pytest.mark.parametrize("aggregator", ["weighted_mean", "mean"])
+# compressors × aggregators: the diagonal (top_k and sign with the weighted mean, whose programs the NumPy and NaN
+# tests below reuse; qsgd and rand_k with the mean) in the default tier, every cell in the slow tier.
+@pytest.mark.parametrize("compressor,aggregator",
+                         diagonal([TOP_1, C.qsgd(bits=3), COMPRESSORS["sign"], C.rand_k(k=2)],
+                                  ["weighted_mean", "mean"]),
+                         ids=lambda v: getattr(v, "name", v))
 def test_compression_gives_the_same_state_stacked_and_streamed(compressor, aggregator):
   """vmap stacks the updates; sequential and chunked:3 (4 clients) stream them: the same state, residuals and bits."""
-  comp = C.compress(compressor, error_feedback=True, num_clients=N)
-  make = getattr(fo.aggregators, aggregator)
-  want = _run(comp, "vmap", aggregator=make())
+  want = _run(compressor, True, "vmap", aggregator=aggregator)
   for mode in ("sequential", "chunked:3"):
-    got = _run(comp, mode, aggregator=make())
+    got = _run(compressor, True, mode, aggregator=aggregator)
     for a, b in zip(jax.tree.leaves((got.params, C.residuals(got.aggregator_state), got.metrics)),
                     jax.tree.leaves((want.params, C.residuals(want.aggregator_state), want.metrics))):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6, err_msg=mode)
@@ -304,22 +344,21 @@ def _np_top_1(v):
 
 
 @pytest.mark.parametrize("compressor,reference", [
-    (C.top_k(k=1), _np_top_1),
-    (C.sign(), lambda v: np.abs(v).mean() * np.where(v >= 0, 1.0, -1.0)),
+    (TOP_1, _np_top_1),
+    (COMPRESSORS["sign"], lambda v: np.abs(v).mean() * np.where(v >= 0, 1.0, -1.0)),
 ], ids=["top_k1", "sign"])
 def test_two_fedavg_rounds_with_error_feedback_match_a_float64_numpy_transcription(compressor, reference):
   params, batches = example_inputs("fedavg")
   weights = np.array([6.0, 2.0, 5.0, 1.0])
   data = {k: np.asarray(v) for k, v in batches.data.items()}
-  comp = C.compress(compressor, error_feedback=True, num_clients=N)
-  state = _run(comp, rounds=1)
+  state = _run(compressor, True, rounds=1)
   want, res = _numpy_fedavg_round(params, data, weights, 0.05, reference, np.zeros((N, 4)))
   np.testing.assert_allclose(state.params["w"], want["w"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(state.params["b"], want["b"], rtol=1e-5, atol=1e-6)
   residuals = C.residuals(state.aggregator_state)
   got_res = np.concatenate([np.asarray(residuals["b"])[:, None], np.asarray(residuals["w"])], axis=1)
   np.testing.assert_allclose(got_res, res, rtol=1e-5, atol=1e-6)
-  state = _run(comp, rounds=2)
+  state = _run(compressor, True, rounds=2)
   want, res = _numpy_fedavg_round(want, data, weights, 0.05, reference, res)
   np.testing.assert_allclose(state.params["w"], want["w"], rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(state.params["b"], want["b"], rtol=1e-5, atol=1e-6)
@@ -327,8 +366,7 @@ def test_two_fedavg_rounds_with_error_feedback_match_a_float64_numpy_transcripti
 
 @pytest.mark.parametrize("mode", ["vmap", "chunked:3"])
 def test_a_nan_client_is_dropped_and_its_residual_row_is_not_written(mode):
-  comp = C.compress(C.top_k(k=1), error_feedback=True, num_clients=N)
-  state = _run(comp, mode, rounds=2, poisoned=1)
+  state = _run(TOP_1, True, mode, rounds=2, poisoned=1)
   residuals = C.residuals(state.aggregator_state)
   assert int(state.metrics["num_nonfinite"]) == 1 and int(state.metrics["num_clients"]) == N - 1
   assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves((state.params, residuals)))
@@ -337,10 +375,10 @@ def test_a_nan_client_is_dropped_and_its_residual_row_is_not_written(mode):
   assert np.all(np.abs(rows[[0, 2, 3]]).sum(1) > 0)  # top-1 of 4 entries leaves a residual for the others
   # A rejected round (every client NaN) writes no row.
   params, batches = example_inputs("fedavg")
-  nan = batches.replace(data={**batches.data, "x": jnp.full_like(batches.data["x"], jnp.nan)})
-  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), aggregator=_chain(comp), client_map=mode)
+  nan = batches.replace(data={**batches.data, "x": jnp.asarray(np.full(batches.data["x"].shape, np.nan, np.float32))})
+  algo, step = _fedavg_step(TOP_1, True, "weighted_mean", mode)
   s0 = algo.init(params, jax.random.key(0))
-  s1 = jax.jit(algo.step)(s0, nan)
+  s1 = step(s0, nan)
   assert not bool(s1.metrics["round_accepted"])
   assert all(not np.any(np.asarray(t)) for t in jax.tree.leaves(C.residuals(s1.aggregator_state)))
 
@@ -365,7 +403,7 @@ def test_majority_vote_matches_numpy_and_streams():
   updates[:, 0] = [1, 1, -1, -1, 0]  # 3 votes + (0 counts as +), 2 votes −
   weights = np.array([1.0, 4.0, 0.0, 2.0, 1.0])  # client 2 takes no part; the others one vote each
   agg = fo.aggregators.majority_vote()
-  got, _ = agg.aggregate(jnp.asarray(updates), jnp.asarray(weights), (), jax.random.key(0))
+  got, _ = jax.jit(agg.aggregate)(updates, weights, (), jax.random.key(0))
   votes = np.where(updates >= 0, 1, -1) * (weights > 0)[:, None]
   np.testing.assert_array_equal(got, np.sign(votes.sum(0)))
   assert float(got[0]) == 1.0
@@ -377,10 +415,13 @@ def test_majority_vote_matches_numpy_and_streams():
     algo = fo.algorithms.fedsgd(loss_fn, server_optimizer=optax.sgd(eta), aggregator=_chain(comp, agg),
                                 client_map=mode)
     finals.append(jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches))
-  grads = jax.vmap(lambda d, m: jax.grad(lambda p: jnp.mean(jax.vmap(lambda x, y: loss_fn(p, {"x": x, "y": y}))(
-      d["x"].reshape(-1, 3), d["y"].reshape(-1))))(params))(batches.data, batches.mask)
+  # Each client's gradient of its mean loss over all its examples, float64 NumPy.
+  x, y = (np.asarray(batches.data[k], np.float64) for k in ("x", "y"))
+  w0, b0 = np.asarray(params["w"], np.float64), float(params["b"])
+  grads = [lsq_grad_np(w0, b0, x[c].reshape(-1, 3), y[c].reshape(-1)) for c in range(N)]
+  grads = {"w": np.stack([g_w for g_w, _ in grads]), "b": np.array([g_b for _, g_b in grads])}
   for name in ("w", "b"):
-    g = np.asarray(grads[name], np.float64).reshape(N, -1)
+    g = grads[name].reshape(N, -1)
     want = np.asarray(params[name]).reshape(-1) + eta * np.sign(np.where(-g >= 0, 1, -1).sum(0))
     for s in finals:
       np.testing.assert_allclose(np.asarray(s.params[name]).reshape(-1), want, rtol=1e-6)

@@ -25,6 +25,7 @@ Each claim is checked against an independent reference:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -124,13 +125,27 @@ def _scaffold_batches(r):
   return batches.replace(client_id=jnp.asarray(ROUND_IDS[r], jnp.int32))
 
 
-def _run_scaffold(stage, rounds=2, mode="vmap", storage_dtype=None, eta_l=0.05, eta_g=0.8):
-  params, _ = example_inputs("fedavg")
-  algo = fo.algorithms.scaffold(loss_fn, eta_l, eta_g, num_clients=N_TOTAL,
+ETA_L, ETA_G = 0.05, 0.8  # SCAFFOLD's local and global learning rates in every test
+TOP_2, IDENTITY = C.top_k(k=2), C.identity()  # one instance each: `_scaffold_step` caches by instance
+
+
+@functools.cache
+def _scaffold_step(compressor=None, error_feedback=False, mode="vmap", storage_dtype=None):
+  """`(algo, jitted step)` of SCAFFOLD (η_l, η_g = ETA_L, ETA_G; N_TOTAL clients) with `compress(compressor,
+  error_feedback)` (none when None) in front of the mean; built once per choice, so tests share its program."""
+  stage = None if compressor is None else C.compress(compressor, error_feedback=error_feedback,
+                                                     num_clients=N_TOTAL if error_feedback else None)
+  algo = fo.algorithms.scaffold(loss_fn, ETA_L, ETA_G, num_clients=N_TOTAL,
                                 aggregator=_chain(stage, fo.aggregators.mean()), client_map=mode,
                                 storage_dtype=storage_dtype)
+  return algo, jax.jit(algo.step)
+
+
+def _run_scaffold(compressor=None, error_feedback=False, rounds=2, mode="vmap", storage_dtype=None):
+  """`(initial params, [state after each round])` of `_scaffold_step(...)` on `_scaffold_batches(r)`."""
+  params, _ = example_inputs("fedavg")
+  algo, step = _scaffold_step(compressor, error_feedback, mode, storage_dtype)
   state = algo.init(params, jax.random.key(3))
-  step = jax.jit(algo.step)
   states = []
   for r in range(rounds):
     state = step(state, _scaffold_batches(r))
@@ -141,9 +156,8 @@ def _run_scaffold(stage, rounds=2, mode="vmap", storage_dtype=None, eta_l=0.05, 
 @pytest.mark.parametrize("error_feedback,mode", [(False, "vmap"), (True, "vmap"), (True, "chunked:3")])
 def test_scaffold_with_top_k_matches_a_float64_numpy_transcription(error_feedback, mode):
   """Two rounds, both uploads top-2 of P = 4; chunked:3 streams the mean of the Δy_i and still matches."""
-  k, eta_l, eta_g = 2, 0.05, 0.8
-  comp = C.compress(C.top_k(k=k), error_feedback=error_feedback, num_clients=N_TOTAL if error_feedback else None)
-  params, states = _run_scaffold(comp, mode=mode, eta_l=eta_l, eta_g=eta_g)
+  k, eta_l, eta_g = 2, ETA_L, ETA_G
+  params, states = _run_scaffold(TOP_2, error_feedback, mode=mode)
   z, c, table = _vec(params), np.zeros(P), np.zeros((N_TOTAL, P))
   ey = np.zeros((N_TOTAL, P)) if error_feedback else None
   ec = np.zeros((N_TOTAL, P)) if error_feedback else None
@@ -173,14 +187,14 @@ def test_scaffold_with_top_k_matches_a_float64_numpy_transcription(error_feedbac
 def test_scaffold_counts_no_compressed_control_delta_of_a_zero_weight_client():
   """A client of weight 0 with real data computes a finite, nonzero Δc_i but takes no part: the server counts
   only the other clients' messages and its residual rows stay 0 (NumPy over the three others)."""
-  k, eta_l, eta_g = 2, 0.05, 0.8
-  comp = C.compress(C.top_k(k=k), error_feedback=True, num_clients=N_TOTAL)
+  k, eta_l, eta_g = 2, ETA_L, ETA_G
   params, _ = example_inputs("fedavg")
   batches = _scaffold_batches(0)
-  batches = batches.replace(weight=batches.weight.at[1].set(0.0))  # client id 1 (slot 1) sits the round out
-  algo = fo.algorithms.scaffold(loss_fn, eta_l, eta_g, num_clients=N_TOTAL,
-                                aggregator=_chain(comp, fo.aggregators.mean()))
-  state = jax.jit(algo.step)(algo.init(params, jax.random.key(3)), batches)
+  weight = np.asarray(batches.weight).copy()
+  weight[1] = 0.0  # client id 1 (slot 1) sits the round out
+  batches = batches.replace(weight=jnp.asarray(weight))
+  algo, step = _scaffold_step(TOP_2, True)  # the program of the top-k test's error-feedback case
+  state = step(algo.init(params, jax.random.key(3)), batches)
   xs, ys = _data(batches)
   keep = [0, 2, 3]
   zeros = np.zeros((N_TOTAL, P))
@@ -200,8 +214,7 @@ def test_scaffold_counts_no_compressed_control_delta_of_a_zero_weight_client():
 def test_scaffold_with_identity_compression_is_scaffold_bit_for_bit(storage_dtype):
   """With error feedback, so both residual tables are used (and stay exactly 0)."""
   _, want = _run_scaffold(None, storage_dtype=storage_dtype)
-  _, got = _run_scaffold(C.compress(C.identity(), error_feedback=True, num_clients=N_TOTAL),
-                         storage_dtype=storage_dtype)
+  _, got = _run_scaffold(IDENTITY, True, storage_dtype=storage_dtype)
   fields = lambda s: (s.params, s.control_variate, s.client_control_variates, s.server_opt_state, s.metrics)
   for a, b in zip(got, want):
     for x, y in zip(jax.tree.leaves(fields(a)), jax.tree.leaves(fields(b))):
@@ -251,7 +264,8 @@ def test_scaffold_with_qsgd_is_unbiased_over_keys():
     out = algo.step(start.replace(key=key), batches)
     return _flat_jnp(out.params), _flat_jnp(out.control_variate), out.metrics["bits_up"]
 
-  xs_new, cs_new, bits = jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(5), m))
+  # lax.map (a loop over the keys) compiles the step once, a quarter of what vmap's batched step costs.
+  xs_new, cs_new, bits = jax.jit(lambda keys: jax.lax.map(one, keys))(jax.random.split(jax.random.key(5), m))
   dx = np.asarray(xs_new, np.float64) - z
   dc = np.asarray(cs_new, np.float64) - c
   xs, ys = _data(batches)
@@ -421,8 +435,8 @@ def test_dp_mean_noise_after_compression_has_std_sigma_clip_over_m():
   _, _, noiseless = _clipped_reference(params, batches)
   algo = _fedavg(fo.privacy.dp_mean(CLIP, sigma, expected_clients=M_DENOMINATOR), C.compress(C.top_k(k=2)))
   start = algo.init(params, jax.random.key(0))
-  moved = jax.jit(jax.vmap(lambda key: _flat_jnp(algo.step(start.replace(key=key), batches).params)))(
-      jax.random.split(jax.random.key(9), m_keys))
+  moved = jax.jit(lambda keys: jax.lax.map(lambda key: _flat_jnp(algo.step(start.replace(key=key), batches).params),
+                                            keys))(jax.random.split(jax.random.key(9), m_keys))
   dev = (np.asarray(moved, np.float64) - _vec(params) - noiseless).reshape(-1)
   std = sigma * CLIP / M_DENOMINATOR
   n = dev.size

@@ -3,13 +3,15 @@
 The stacked round (`vmap`) is the reference: every algorithm with an
 `aggregator=` gives the same state under `sequential` and `chunked:3` (4
 clients: one chunk of 3 and a remainder of 1), with the mean and the
-weighted mean, including a client whose update is NaN and a client with no
-data. Then: the loop really streams (the stacked `aggregate` is never
+weighted mean (algorithms × (aggregator, loop mode): the diagonal in the
+default tier, every cell in the slow tier), including a client whose update is NaN and a
+client with no data. Then: the loop really streams (the stacked `aggregate` is never
 called), and a streaming round's compiled memory does not grow with C.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -18,6 +20,7 @@ import numpy as np
 import optax
 import pytest
 from algorithm_examples import EXAMPLES, N, example_inputs, loss_fn
+from conftest import diagonal
 
 import fedjax_opt as fo
 from fedjax_opt.core import client_map as cm
@@ -30,12 +33,16 @@ WITH_AGGREGATOR = sorted(name for name in EXAMPLES
 def _batches(name):
   """Client 1's data holds a NaN, client 2 has no example this round (it takes no step)."""
   params, batches = example_inputs(name, poisoned=1)
-  mask = batches.mask.at[2].set(False)
-  return params, batches.replace(mask=mask)
+  mask = np.asarray(batches.mask).copy()
+  mask[2] = False
+  return params, batches.replace(mask=jnp.asarray(mask))
 
 
+@functools.cache
 def _run(name, mode, aggregator, rounds=2):
-  algo = EXAMPLES[name](aggregator=aggregator, client_map=mode)
+  """The state after `rounds` rounds of `EXAMPLES[name]` with `fo.aggregators.<aggregator>()` and client map
+  `mode` on `_batches(name)`; cached, so the slow tier's cells share their stacked reference."""
+  algo = EXAMPLES[name](aggregator=getattr(A, aggregator)(), client_map=mode)
   params, batches = _batches(name)
   state = algo.init(params, jax.random.key(0))
   step = jax.jit(algo.step)
@@ -48,19 +55,24 @@ def test_every_algorithm_with_an_aggregator_is_covered():
   assert {"fedavg", "fedprox", "scaffold", "fednova", "feddyn", "ditto", "pfedme"} <= set(WITH_AGGREGATOR)
 
 
-@pytest.mark.parametrize("aggregator", ["mean", "weighted_mean"])
-@pytest.mark.parametrize("name", WITH_AGGREGATOR)
-def test_loop_modes_stream_to_the_same_state_as_the_stacked_round(name, aggregator):
-  make = getattr(A, aggregator)
-  want = _run(name, "vmap", make())
+# (aggregator, loop mode): every pair, against the stacked round with the same aggregator.
+LOOPS = [("mean", "sequential"), ("weighted_mean", "chunked:3"), ("weighted_mean", "sequential"), ("mean", "chunked:3")]
+
+
+# algorithms × (aggregator, loop mode): the diagonal (each algorithm streams in one loop mode with one aggregator,
+# each pair is taken by several algorithms) in the default tier, every cell in the slow tier.
+@pytest.mark.parametrize("name,loop", diagonal(WITH_AGGREGATOR, LOOPS),
+                         ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
+def test_loop_modes_stream_to_the_same_state_as_the_stacked_round(name, loop):
+  aggregator, mode = loop
+  want = _run(name, "vmap", aggregator)
   assert int(want.metrics["num_nonfinite"]) == 1 and int(want.metrics["num_clients"]) == N - 2
-  for mode in ("sequential", "chunked:3"):
-    got = _run(name, mode, make())
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-      if jnp.issubdtype(jnp.asarray(a).dtype, jax.dtypes.prng_key):
-        continue
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6,
-                                 err_msg=f"{name} {mode} {jax.tree_util.keystr(path)}")
+  got = _run(name, mode, aggregator)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    if jnp.issubdtype(jnp.asarray(a).dtype, jax.dtypes.prng_key):
+      continue
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6,
+                               err_msg=f"{name} {mode} {jax.tree_util.keystr(path)}")
 
 
 def _forbidden_stacked(streaming_of):
@@ -73,15 +85,16 @@ def _forbidden_stacked(streaming_of):
 
 
 def test_loop_modes_never_stack_and_vmap_does():
+  """Which form runs is decided while the step is traced: `jax.eval_shape` traces it (and compiles nothing)."""
   params, batches = _batches("fedavg")
   for mode in ("sequential", "chunked:2", "chunked:3"):
     algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.01), aggregator=_forbidden_stacked(A.mean()),
                                 client_map=mode)
-    jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)  # no AssertionError
+    jax.eval_shape(algo.step, algo.init(params, jax.random.key(0)), batches)  # no AssertionError
   algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.01), aggregator=_forbidden_stacked(A.mean()),
                               client_map="vmap")
   with pytest.raises(AssertionError, match="the stacked aggregate ran"):
-    jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+    jax.eval_shape(algo.step, algo.init(params, jax.random.key(0)), batches)
   # A rule without a streaming form (it needs every update) keeps the stacked form in a loop mode.
   assert A.marginal_median().streaming is None
   assert cm.loop_chunk("chunked:2", lambda s, c: c, None, jnp.zeros((4, 1))) is not None
@@ -93,8 +106,10 @@ def test_map_clients_and_sum_against_numpy():
   """Stacked outputs in client order and the sum over clients, for chunk sizes that do and do not divide C."""
   x = np.random.default_rng(0).normal(size=(7, 3)).astype(np.float32)
   fn = lambda s, row: ({"double": 2 * row, "first": row[0]}, s * row)
-  for k in (1, 2, 3, 7 - 1):
-    stacked, total = cm.map_clients_and_sum((cm.Chunked(k), k), fn, jnp.float32(1.5), jnp.asarray(x))
+  chunk_sizes = (1, 2, 3, 7 - 1)
+  # Every chunk size in one program (eagerly, each size's loop would compile on its own).
+  every_k = jax.jit(lambda s, xs: [cm.map_clients_and_sum((cm.Chunked(k), k), fn, s, xs) for k in chunk_sizes])
+  for stacked, total in every_k(np.float32(1.5), x):
     np.testing.assert_allclose(stacked["double"], 2 * x, rtol=1e-6)
     np.testing.assert_allclose(stacked["first"], x[:, 0], rtol=1e-6)
     np.testing.assert_allclose(total, 1.5 * x.astype(np.float64).sum(0), rtol=1e-5, atol=1e-6)
@@ -106,13 +121,17 @@ def _wide_loss(params, batch):
 
 
 def _round_temp_bytes(c, aggregator, d=10, m=2_000):
-  """XLA's temporary buffers for one FedAvg round of C clients, P = d·m parameters, sequential client map."""
-  params = {"w": jnp.zeros((d, m), jnp.float32)}
-  batches = fo.ClientBatches(data={"x": jnp.zeros((c, 2, 3, d), jnp.float32), "y": jnp.zeros((c, 2, 3))},
-                             mask=jnp.ones((c, 2, 3), bool), weight=jnp.ones(c), client_id=jnp.arange(c))
+  """XLA's temporary buffers for one FedAvg round of C clients, P = d·m parameters, sequential client map.
+
+  Compiled from shapes alone (`jax.ShapeDtypeStruct`s, the state's from `jax.eval_shape`): nothing runs.
+  """
+  shape = lambda *dims, dtype=jnp.float32: jax.ShapeDtypeStruct(dims, dtype)
+  params = {"w": shape(d, m)}
+  batches = fo.ClientBatches(data={"x": shape(c, 2, 3, d), "y": shape(c, 2, 3)}, mask=shape(c, 2, 3, dtype=bool),
+                             weight=shape(c), client_id=shape(c, dtype=jnp.int32))
   algo = fo.algorithms.fedavg(_wide_loss, client_optimizer=optax.sgd(0.01), aggregator=aggregator,
                               client_map="sequential")
-  state = algo.init(params, jax.random.key(0))
+  state = jax.eval_shape(algo.init, params, jax.random.key(0))
   return jax.jit(algo.step).lower(state, batches).compile().memory_analysis().temp_size_in_bytes
 
 
