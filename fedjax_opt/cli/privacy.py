@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["PrivacyError", "build", "check", "describe", "enabled", "report", "sampling", "train_kwargs"]
@@ -130,8 +132,11 @@ def sampling(config: dict[str, Any], num_clients: int):
   return privacy.Sampling.poisson(num_clients, m / num_clients)
 
 
-def build(config: dict[str, Any], num_clients: int):
-  """(aggregator, sampling) of a DP run; solves σ for --dp-epsilon (into `config["dp_noise_multiplier"]`)."""
+def build(config: dict[str, Any], num_clients: int, say: Callable[..., None] = print):
+  """(aggregator, sampling) of a DP run; solves σ for --dp-epsilon (into `config["dp_noise_multiplier"]`, which
+  `config.json` keeps: a resumed run reuses it), saying so first (the solve takes seconds)."""
+  import time
+
   from fedjax_opt import privacy
 
   plan = sampling(config, num_clients)
@@ -143,9 +148,14 @@ def build(config: dict[str, Any], num_clients: int):
                        f"accounts: use --dp-accountant pld") from None
   try:
     if config["dp_noise_multiplier"] is None:
+      say(f"solving the noise multiplier for ε = {config['dp_epsilon']:g} after {config['rounds']} rounds "
+          f"({config['dp_accountant'].upper()} accountant, {plan.describe()}) ...")
+      sys.stdout.flush()
+      start = time.perf_counter()
       config["dp_noise_multiplier"] = privacy.noise_multiplier_for(
           config["dp_epsilon"], config["rounds"], delta=config["dp_delta"], sampling=plan,
           accountant=config["dp_accountant"])
+      say(f"  noise multiplier {config['dp_noise_multiplier']:.4f} ({time.perf_counter() - start:.1f} s)")
     adaptive = None
     if config["dp_quantile"] is not None:
       adaptive = privacy.AdaptiveClipping(config["dp_quantile"], config["dp_clip_lr"] or DEFAULT_CLIP_LR,

@@ -273,7 +273,7 @@ def cluster_recovery(state, groups, size: int) -> dict[str, Any]:
   return {**out, "ari": float(np.mean(ari)), "ari_per_seed": ari, "num_clusters": used}
 
 
-def _prepared(config: dict[str, Any]):
+def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
   """(dataset, model, [(name, spec, hyper, algorithm)], planted groups or None): built and checked before running."""
   dataset, groups = load_dataset_and_groups(config)
   if config["num_clients"] is not None and config["clients_per_round"] > dataset.num_clients:
@@ -286,7 +286,7 @@ def _prepared(config: dict[str, Any]):
     raise UsageError(str(e)) from None
   if privacy.enabled(config):
     try:
-      aggregator, _ = privacy.build(config, dataset.num_clients)
+      aggregator, _ = privacy.build(config, dataset.num_clients, say)
     except privacy.PrivacyError as e:
       raise UsageError(str(e)) from None
   try:
@@ -450,7 +450,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   use_cpu_devices(config["devices"])
   train_lib = _train_module()
   say: Callable[..., None] = (lambda *a: None) if config["quiet"] else print
-  dataset, model, built, groups = _prepared(config)
+  dataset, model, built, groups = _prepared(config, say)
   if overwrite and not resume:
     config_lib.clear_previous(out)
   created = not os.path.exists(out)
