@@ -58,6 +58,15 @@ its index), and may only leave it at a later split. Use full participation
 (C = N, every client once) for the paper's algorithm; with sampling, a split
 is only as good as the sample of that round.
 
+No compression. An aggregator with a client stage
+(`fo.aggregators.chain(fo.compression.compress(...), ...)`) is refused: the
+split decision reads the exact Δθ_i (their cosine similarities and largest
+norm, the quantities of the separation theorem), and the similarities of
+compressed updates are those of their compression: two top-k messages
+whose supports do not overlap have α = 0 whatever the clients' risks. IFCA
+(`fedjax_opt.algorithms.ifca`), whose cluster choice is made by each client
+on the models it receives, takes compression.
+
 Non-finite clients follow the library's rule (docs/architecture.md, "The
 round"), applied per cluster by `fedjax_opt.core.clusters`; here such a
 client is also left out of the split decision and the bipartition (it stays
@@ -176,8 +185,9 @@ def clustered_fl(
   server_optimizer = check_optimizer(optax.sgd(1.0) if server_optimizer is None else server_optimizer,
                                      "server_optimizer")
   aggregator = check_aggregator(aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean))
-  refuse_client_stage(aggregator, "clustered_fl", "its rule runs once per cluster on the clients' deltas "
-                      "(core.clusters), outside the round's client stage.")
+  refuse_client_stage(aggregator, "clustered_fl", "its split is decided on the clients' exact updates (the "
+                      "cosine similarities α_ij and max_i ‖Δθ_i‖ of the separation theorem); compressed updates "
+                      "(top-k supports that barely overlap, signs) would split on the compression error.")
   mode = client_map_lib.resolve(client_map)
   k = max_clusters
 

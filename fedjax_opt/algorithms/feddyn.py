@@ -27,6 +27,15 @@ h = (1/m) Σ_k g_k for the stored values. The round is
 taking part and writing rows (docs/architecture.md, "The round"). The average
 of the θ_k − θ^{t−1} goes through the aggregator seam (default: the paper's
 uniform mean).
+
+No compression. An aggregator with a client stage
+(`fo.aggregators.chain(fo.compression.compress(...), ...)`) is refused: the
+server's h and the clients' g_k must change by the same exact θ_k − θ^{t−1}.
+With C(θ_k − θ^{t−1}) on the server and g_k = ∇L_k(θ_k) on the client,
+h ≠ (1/m) Σ_k g_k after the first round, and the argument above (a fixed
+point is the global stationary point) no longer holds; updating g_k by the
+compressed difference instead keeps the identity but breaks g_k = ∇L_k(θ_k),
+with the same consequence.
 """
 
 from __future__ import annotations
@@ -122,8 +131,9 @@ def feddyn(
   check_optimizer(client_optimizer, "client_optimizer")
   num_clients = check_num_clients(num_clients)
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
-  refuse_client_stage(aggregator, "feddyn", "its server keeps h = (1/m) Σ_k g_k from the exact θ_k − θ^{t−1}, which a "
-                      "server that receives only the stage's messages does not have.")
+  refuse_client_stage(aggregator, "feddyn", "its h must move by the exact θ_k − θ^{t−1} that moves each g_k = "
+                      "∇L_k(θ_k), so that h = (1/m) Σ_k g_k (what makes the fixed point stationary); a server that "
+                      "receives compressed messages drifts from it every round. Use FedAvg or SCAFFOLD to compress.")
   mode = client_map_lib.resolve(client_map)
 
   def client_update(x, data, mask, g_k):

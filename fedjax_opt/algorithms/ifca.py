@@ -45,6 +45,18 @@ cluster of `cluster_of` (ties: the lowest index; cluster 0 before any
 choice), the one model a driver that evaluates `state.params` sees; a
 client's own model is its cluster's, `fo.core.clusters.client_models(state, i)`.
 
+Compression. `aggregator=fo.aggregators.chain(fo.compression.compress(C, ...),
+rule)` sends C(Δ_i) (option I: C(−g_i)) in place of Δ_i, compressed on the
+client before the average of its cluster; the server applies
+θ_j ← θ_j + ServerOpt(−Δ̄_j) to the average of what it received. The cluster
+choice ĵ_i needs no exact upload: the client makes it itself, on the K
+models it receives. ĵ_i is sent as it is (⌈log₂ K⌉ bits, not counted in
+`bits_up`, with or without compression). With error feedback a client keeps
+one residual per cluster (`core.clusters.init_aggregator_state`, a table
+`[N, K, ...]`): e_ij ← Δ_i + e_ij − C(Δ_i + e_ij) for its chosen j only, so
+what it did not send to cluster j reaches cluster j later, never another
+cluster's model.
+
 Non-finite clients follow the library's rule (docs/architecture.md, "The
 round"), applied per cluster by `fedjax_opt.core.clusters`; here a client
 whose every loss is non-finite counts as non-finite too. The averages are
@@ -66,7 +78,7 @@ from fedjax_opt.core import clusters
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
-from fedjax_opt.core.server import check_aggregator, initial_round_metrics, refuse_client_stage, round_metrics
+from fedjax_opt.core.server import check_aggregator, initial_round_metrics, round_metrics
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_int, check_key, check_loss_fn,
                                         check_num_clients, check_optimizer, check_positive)
@@ -85,7 +97,8 @@ class IFCAState:
     cluster_params: θ_1 … θ_K, a pytree like params with leaves `[K, ...]`.
     cluster_of: `[N]` int32, each client's last cluster choice ĵ (−1: never took part).
     server_opt_state: the server optimizer's state per cluster (leaves `[K, ...]`).
-    aggregator_state: the aggregator's state per cluster (leaves `[K, ...]`).
+    aggregator_state: the aggregator's state per cluster (leaves `[K, ...]`); with a client stage a
+      `core.types.StagedState` whose table has a row per client and cluster (`[N, K, ...]`).
     round: t, rounds applied, int32.
     key: PRNG key, split once per round (aggregator randomness).
     metrics: `core.server.ROUND_METRICS` (update_norm: of the K averages together) plus
@@ -149,7 +162,9 @@ def ifca(
       docstring; FedEM's rule and name; may be traced).
     initial_models: None, or the K initial models (leaves `[K, ...]`), replacing the perturbation.
     aggregator: the average within a cluster; default `aggregators.weighted_mean()` (by n_i);
-      `aggregators.mean()` for the paper's uniform 1/|S_j|. Any aggregator is run once per cluster.
+      `aggregators.mean()` for the paper's uniform 1/|S_j|. Any aggregator is run once per cluster; one
+      chained after a client stage (`fo.aggregators.chain(fo.compression.compress(...), rule)`) averages
+      the compressed updates (module docstring).
     client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
@@ -173,8 +188,6 @@ def ifca(
       raise TypeError("ifca: averaging='gradient' needs server_optimizer (e.g. optax.sgd(γ)).")
   check_optimizer(server_optimizer, "server_optimizer")
   aggregator = check_aggregator(aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean))
-  refuse_client_stage(aggregator, "ifca", "its rule runs once per cluster on the clients' deltas (core.clusters), "
-                      "outside the round's client stage.")
   mode = client_map_lib.resolve(client_map)
   one_gradient = optax.sgd(1.0)
 
@@ -186,7 +199,7 @@ def ifca(
       result = local_train(loss_fn, client_optimizer, theta, data, mask)
     else:
       result = local_train(loss_fn, one_gradient, theta, *as_single_step(data, mask))  # Δ_i = −∇F_i(θ_ĵ)
-    return ClientOutput(result, extras=j)
+    return ClientOutput(result, extras=j, slot=j)
 
   def init(params: PyTree, key: jax.Array) -> IFCAState:
     check_key(key)
@@ -196,7 +209,7 @@ def ifca(
         cluster_params=cluster_params,
         cluster_of=jnp.full((num_clients,), -1, jnp.int32),
         server_opt_state=jax.vmap(server_optimizer.init)(cluster_params),
-        aggregator_state=jax.vmap(aggregator.init)(cluster_params),
+        aggregator_state=clusters.init_aggregator_state(aggregator, cluster_params),
         round=jnp.zeros((), jnp.int32),
         key=key,
         metrics={**initial_round_metrics(), "cluster_counts": jnp.zeros((num_clusters,), jnp.int32)},
@@ -205,10 +218,15 @@ def ifca(
   def step(state: IFCAState, batches: ClientBatches) -> IFCAState:
     check_client_batches(batches)
     key, agg_key = jax.random.split(state.key)
-    out = client_round(mode, client_update, state.cluster_params, batches)
+
+    def per_cluster(updates, weights, agg_state, agg_key, chosen):
+      return clusters.round_aggregated(clusters.aggregate_per_cluster(aggregator, updates, weights, chosen,
+                                                                      num_clusters, agg_state, agg_key))
+
+    out = client_round(mode, client_update, state.cluster_params, batches, aggregator=aggregator,
+                       aggregator_state=state.aggregator_state, key=agg_key, aggregate=per_cluster)
     chosen = out.extras
-    agg = clusters.aggregate_per_cluster(aggregator, out.results.delta, out.weights, chosen, num_clusters,
-                                         state.aggregator_state, agg_key)
+    agg = out.agg.detail
     delta = agg.update
     if averaging == "gradient":  # θ_j − γ Σ_{S_j} w_i g_i / Σ_{M_t} w_i
       delta = jax.tree.map(lambda d: d * agg.share.reshape((-1,) + (1,) * (d.ndim - 1)).astype(d.dtype), delta)
@@ -223,7 +241,7 @@ def ifca(
         cluster_params=cluster_params,
         cluster_of=cluster_of,
         server_opt_state=server_opt_state,
-        aggregator_state=agg.state,
+        aggregator_state=out.agg.state,
         round=state.round + 1,
         key=key,
         metrics={**metrics, "cluster_counts": agg.counts},

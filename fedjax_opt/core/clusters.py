@@ -20,6 +20,15 @@ stacked `[K, ...]` too. The average is taken over the stacked `[C, ...]`
 updates (CFL needs them all for its similarity matrix), so these rounds do
 not stream.
 
+A client stage (compression, `fo.aggregators.chain`) runs on each client
+inside the round, before the per-cluster average
+(`core.rounds.client_round(..., aggregate=...)`); its table keeps a row per
+client *and cluster* (`init_aggregator_state`, leaves `[N, K, ...]`), and a
+client's message touches the entry of the cluster it is sent to
+(`ClientOutput.slot`): error feedback delays what a client did not send to
+cluster j into its next update to cluster j, never into another cluster's
+model.
+
 Also here: the loss of every cluster model on a client's data (IFCA's cluster
 choice), the cosine-similarity matrix of the clients' updates and the exact
 minimax bipartition of it (CFL's split), and `client_models`, each client's
@@ -36,13 +45,13 @@ import optax
 
 from fedjax_opt.core.local import as_single_step, masked_mean_loss
 from fedjax_opt.core.server import Aggregated, aggregate_updates, apply_server_update
-from fedjax_opt.core.types import Aggregator, LossFn, PyTree
+from fedjax_opt.core.types import Aggregator, LossFn, PyTree, StagedState
 
 __all__ = [
     "adjusted_rand_index", "assignment",
     "ClusterAggregated", "Bipartition", "select", "stack", "perturbed", "cluster_losses", "lowest_loss",
     "aggregate_per_cluster", "apply_per_cluster", "cluster_counts", "most_populated", "client_models",
-    "cosine_similarity", "minimax_bipartition", "round_aggregated",
+    "cosine_similarity", "minimax_bipartition", "round_aggregated", "init_aggregator_state",
 ]
 
 
@@ -138,6 +147,16 @@ def aggregate_per_cluster(aggregator: Aggregator, updates: PyTree, weights: jax.
   return ClusterAggregated(update=agg.update, state=agg.state, finite=finite,
                            num_nonfinite=jnp.sum(agg.num_nonfinite, dtype=jnp.int32), accepted=agg.accepted,
                            used=used, counts=counts, share=share)
+
+
+def init_aggregator_state(aggregator: Aggregator, cluster_params: PyTree) -> Any:
+  """The aggregator state of a clustered algorithm: `aggregator.init` per cluster (leaves `[K, ...]`), or, with
+  a client stage, `StagedState(rows=(stage.init(cluster_params),), server=...)`: one stage row per client and
+  cluster (leaves `[N, K, ...]`; module docstring)."""
+  server = jax.vmap(aggregator.init)(cluster_params)
+  if aggregator.client is None:
+    return server
+  return StagedState(rows=(aggregator.client.init(cluster_params),), server=server)
 
 
 def apply_per_cluster(server_optimizer: optax.GradientTransformation, cluster_params: PyTree, opt_states: Any,
@@ -273,9 +292,10 @@ def minimax_bipartition(similarity: jax.Array, members: jax.Array) -> Bipartitio
 
 def round_aggregated(agg: ClusterAggregated) -> Aggregated:
   """`agg` as the `core.server.Aggregated` that `core.server.round_metrics` reads: the used clients count as
-  the finite ones (a client of a rejected cluster is not aggregated), `update` is the `[K, ...]` stack."""
+  the finite ones (a client of a rejected cluster is not aggregated), `update` is the `[K, ...]` stack, and
+  `detail` is `agg` itself (what `core.rounds.client_round(..., aggregate=...)` hands back)."""
   return Aggregated(update=agg.update, state=agg.state, finite=agg.used, num_nonfinite=agg.num_nonfinite,
-                    accepted=jnp.any(agg.accepted))
+                    accepted=jnp.any(agg.accepted), detail=agg)
 
 
 def adjusted_rand_index(labels_true: Any, labels_pred: Any) -> float:

@@ -62,14 +62,23 @@ The rules, the same for every algorithm:
   None for a stage that keeps none) and key_k = fold_in(fold_in(key,
   MESSAGE_STREAMS[j]), client_id_k) for the j-th kind of message, `key` the
   aggregator's key: the aggregator's key is left as it is, so a round without
-  a stage draws exactly what it drew before. The update's row is written when
-  the client took part, its update was aggregated, the round was accepted and
-  the new row is finite. A further upload is *received* (`Round.received`)
+  a stage draws exactly what it drew before. A client whose messages belong
+  to one of K slots (IFCA's cluster choice, `ClientOutput.slot`) keeps a
+  row per slot (a table made from stacked `[K, ...]` parameters): r_k is
+  then entry slot_k of its row, and only that entry is replaced. The
+  update's row is written when the client took part, its update was
+  aggregated, the round was accepted and the new row is finite. A further upload is *received* (`Round.received`)
   from a client that took part in an accepted round with its update
   aggregated, its own rows finite and its own condition holding, when the
   message is finite; its row is written when it was received and the new row
   is finite. The stage's tables come back in `Round.agg.state`, a
   `StagedState` (`init_aggregator_state` makes the first one).
+* An aggregation of the algorithm's own (`aggregate=`: IFCA's per-cluster
+  means, `core.clusters`) replaces the guarded aggregation of all the
+  stacked updates. It returns a `core.server.Aggregated` whose `finite`
+  marks the clients it aggregated and whose `accepted` is the round's;
+  everything else (the client stage, its tables, the rows, the bits) is as
+  above. Such a round does not stream.
 * Bits. `Round.bits_up` `[C]` is what each client sent, summed over its
   messages: the stage's count, or, without a stage, every bit of the message
   (32 P for a float32 model of P entries; SCAFFOLD's Δy_k and Δc_k are two).
@@ -114,6 +123,9 @@ class ClientOutput(NamedTuple):
     uploads: further messages the client sends beside its update (SCAFFOLD's
       Δc_i), each a pytree: they pass the aggregator's client stage as the
       update does but not the aggregator, and come back in `Round.uploads`.
+    slot: optional scalar int, the slot its messages belong to (IFCA's cluster
+      choice), for a client stage whose rows are `[K, ...]` (module docstring);
+      None: each row is shaped like its message.
   """
 
   result: LocalResult
@@ -122,6 +134,7 @@ class ClientOutput(NamedTuple):
   extras: Any = None
   writes: jax.Array | None = None
   uploads: tuple = ()
+  slot: jax.Array | None = None
 
 
 class Round(NamedTuple):
@@ -186,6 +199,7 @@ def client_round(
     aggregator_state: Any = None,
     key: jax.Array | None = None,
     rows_follow_round: bool = True,
+    aggregate: Callable[[PyTree, jax.Array, Any, jax.Array, Any], Aggregated] | None = None,
 ) -> Round:
   """Runs the round's clients with their per-client rows and aggregates what they send (module docstring).
 
@@ -202,11 +216,16 @@ def client_round(
       client stage the state is a `StagedState` (`init_aggregator_state`).
     rows_follow_round: False when the rows are the client's own and are written
       whether or not its update was aggregated (module docstring).
+    aggregate: None (the guarded `core.server.aggregate_updates(aggregator, ...)`), or
+      `aggregate(updates [C, ...], weights [C], server state, key, extras) -> core.server.Aggregated`,
+      an aggregation of the algorithm's own (module docstring); needs `aggregator`.
 
   Returns:
     A `Round`.
   """
   stage = None if aggregator is None else aggregator.client
+  if aggregate is not None and aggregator is None:
+    raise ValueError("client_round: aggregate= replaces the aggregation of an aggregator; give aggregator= too.")
   server_state = aggregator_state
   if stage is not None:
     _check_staged(aggregator_state, key)
@@ -225,9 +244,10 @@ def client_round(
   # The loop decision is the one the materialized data would get (the same footprint, the same `auto` choice).
   inputs = ((jax.eval_shape(data.materialize) if deferred else data), batches.mask) + rows
   loop = None
-  if deferred or (aggregator is not None and aggregator.streaming is not None):
+  can_stream = aggregator is not None and aggregator.streaming is not None and aggregate is None
+  if deferred or can_stream:
     loop = client_map_lib.loop_chunk(mode, fn, shared, inputs)
-  streams = loop is not None and aggregator is not None and aggregator.streaming is not None
+  streams = loop is not None and can_stream
   if loop is not None and deferred:  # gather each chunk's examples inside the loop
     fn = lambda s, client: client_update(s[0], data.take(s[1], client[0]), *client[1:])
     shared = (shared, data.source)
@@ -254,7 +274,10 @@ def client_round(
   elif aggregator is not None:
     update = results.delta if out.update is None else out.update
     one_update = jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape[1:], u.dtype), update)
-    agg = aggregate_updates(aggregator, update, weights, server_state, key)
+    if aggregate is None:
+      agg = aggregate_updates(aggregator, update, weights, server_state, key)
+    else:
+      agg = aggregate(update, weights, server_state, key, out.extras)
     round_ok = agg.finite & agg.accepted
   else:
     one_update = jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape[1:], u.dtype), results.delta)
@@ -324,12 +347,21 @@ def _staged(client_update: Callable[..., ClientOutput], stage: ClientStage, key:
       raise ValueError(f"client_round: each client sends {len(messages)} kind(s) of message but the aggregator "
                        f"state has {num_tables} table(s) for the client stage {stage.name}: make it with "
                        f"core.rounds.init_aggregator_state(aggregator, params, messages={len(messages)}).")
-    sent, new_rows, bits = zip(*(stage.apply(jax.random.fold_in(stream, client_id), message, row)
+    sent, new_rows, bits = zip(*(_apply_in_slot(stage, jax.random.fold_in(stream, client_id), message, row, out.slot)
                                  for stream, message, row in zip(streams, messages, stage_rows)))
     total_bits = sum(bits[1:], bits[0])
     return out._replace(update=sent[0], uploads=tuple(sent[1:]), extras=(out.extras, tuple(new_rows), total_bits))
 
   return staged
+
+
+def _apply_in_slot(stage: ClientStage, key: jax.Array, message: PyTree, row: PyTree,
+                   slot: jax.Array | None) -> tuple[PyTree, PyTree, jax.Array]:
+  """`stage.apply(key, message, row)`; with a `slot`, on entry `slot` of the client's `[K, ...]` row alone."""
+  if slot is None or row is None:
+    return stage.apply(key, message, row)
+  sent, new, bits = stage.apply(key, message, jax.tree.map(lambda r: r[slot], row))
+  return sent, jax.tree.map(lambda r, n: r.at[slot].set(n.astype(r.dtype)), row, new), bits
 
 
 def _streamed(loop: tuple, fn: Callable[..., ClientOutput], shared: PyTree, inputs: tuple, weight: jax.Array,

@@ -37,6 +37,8 @@ class Aggregated(NamedTuple):
     num_nonfinite: scalar int32, clients taking part whose update was dropped.
     accepted: scalar bool, False when no client with a finite update took part (unless the
       aggregator `always_releases`) or the aggregate is not finite.
+    detail: None, or what an aggregation of the algorithm's own hands back beside these fields
+      (a clustered round's `core.clusters.ClusterAggregated`: `core.rounds.client_round(..., aggregate=...)`).
   """
 
   update: PyTree
@@ -44,6 +46,7 @@ class Aggregated(NamedTuple):
   finite: jax.Array
   num_nonfinite: jax.Array
   accepted: jax.Array
+  detail: Any = None
 
 
 def client_is_finite(updates: PyTree) -> jax.Array:
