@@ -92,13 +92,15 @@ def _model(name: str):
   return fo.models.mlp_2nn(10, hidden=64)
 
 
-def _train(algo, model, dataset, rounds: int, eval_every: int, **kwargs) -> tuple[dict, list[dict], float]:
+def _train(algo, model, dataset, rounds: int, eval_every: int, accounting=None,
+           **kwargs) -> tuple[dict, list[dict], float]:
   """`fo.train` from the seeded initial model; `kwargs` are the fields of its `fo.Sampling`."""
   state = algo.init(model.init(jax.random.key(SEED)), jax.random.key(SEED + 1))
   start = time.perf_counter()
   state, history = fo.train(algo, state, dataset, rounds, fo.Sampling(**kwargs),
                             evaluation=fo.Evaluation(every=eval_every, metric_fns={"accuracy": model.accuracy_fn}),
-                            seed=SEED, progress=False, divergence_factor=None, check_memory=False)
+                            seed=SEED, progress=False, divergence_factor=None, check_memory=False,
+                            accounting=accounting)
   return ({k: np.asarray(v) for k, v in history.round_metrics.items()}, history.evals,
           time.perf_counter() - start)
 
@@ -155,6 +157,7 @@ def run_dp(settings: dict, log) -> dict:
       aggregator = fo.privacy.dp_mean(s["clip"], sigma, expected_clients=sampling.expected_clients)
       algo = fo.algorithms.fedavg(model.loss_fn, client_optimizer=optax.sgd(s["client_lr"]), aggregator=aggregator)
       _, evals, seconds = _train(algo, model, dataset, settings["dp_rounds"], settings["eval_every"],
+                                 fo.Accounting(sigma, s["delta"], sampling=sampling),
                                  local_steps=s["local_steps"], batch_size=s["batch_size"], **sampling.train_kwargs())
       rounds = [int(e["round"]) for e in evals]
       if sigma > 0:

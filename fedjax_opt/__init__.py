@@ -24,7 +24,7 @@ __getattr__, __dir__, __all__ = _lazy.attach(
         ".core.types": ("ClientBatches", "FederatedAlgorithm"),
         ".core": ("client_map",),
         ".core.per_client": ("personalized_params",),
-        ".train": ("Checkpointing", "Evaluation", "History", "Sampling", "train"),
+        ".train": ("Accounting", "Checkpointing", "Evaluation", "History", "Sampling", "train"),
     })
 
 if TYPE_CHECKING:
@@ -33,4 +33,4 @@ if TYPE_CHECKING:
   from fedjax_opt.core import client_map
   from fedjax_opt.core.per_client import personalized_params
   from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm
-  from fedjax_opt.train import Checkpointing, Evaluation, History, Sampling, train
+  from fedjax_opt.train import Accounting, Checkpointing, Evaluation, History, Sampling, train

@@ -189,3 +189,56 @@ def test_bad_arguments(rng):
   batches = pack(make_clients(rng, [4, 4, 4], D), 2, 2)  # client ids 0, 1, 2
   with pytest.raises(ValueError, match=r"client_id holds id 2 but the per-client state has num_clients=2"):
     algo.step(algo.init(_tree(np.zeros(D + 1, np.float32)), jax.random.key(0)), batches)
+
+
+def _refusal(aggregator):
+  with pytest.raises(ValueError) as raised:
+    scaffold(lsq_loss, 0.1, 1.0, num_clients=N, aggregator=aggregator)
+  message = str(raised.value)
+  assert "\n" not in message and message.startswith("scaffold: ")
+  return message
+
+
+def test_dp_mean_is_refused_directly_chained_and_inside_secure_aggregation():
+  """c ← c + (1/N) Σ Δc_i adds each Δc_i unclipped and un-noised, and under option II Δc_i = −c − Δy_i/(K η_l) is
+  the client's update itself: DP of the Δy_i alone would not be DP of the run."""
+  dp = fo.privacy.dp_mean(1.0, 1.0, expected_clients=3)
+  stage = fo.compression.compress(fo.compression.top_k(k=1))
+  for aggregator in (dp, fo.aggregators.chain(stage, dp)):
+    message = _refusal(aggregator)
+    assert "dp_mean" in message and "unclipped" in message and "not be differentially private" in message
+    assert "use fo.algorithms.fedavg or fedprox" in message
+  for inner in (dp, fo.aggregators.mean()):  # the Δc_i would be sent in the clear beside a secure sum of the Δy_i
+    message = _refusal(fo.privacy.secure_aggregation(inner, bound=1.0))
+    assert "secure_aggregation" in message and "in the clear" in message and "use fo.algorithms.fedavg" in message
+
+
+ROBUST = {"marginal_median": lambda: fo.aggregators.marginal_median(),
+          "mean_around_median": lambda: fo.aggregators.mean_around_median(1),
+          "trimmed_mean": lambda: fo.aggregators.trimmed_mean(0.1),
+          "geometric_median": lambda: fo.aggregators.geometric_median(),
+          "krum": lambda: fo.aggregators.krum(1), "multi_krum": lambda: fo.aggregators.multi_krum(1),
+          "bulyan": lambda: fo.aggregators.bulyan(1), "centered_clipping": lambda: fo.aggregators.centered_clipping(1.0)}
+
+
+def test_robust_rules_and_simulated_attacks_are_refused():
+  """A robust rule protects x from the Δy_i, while c stays the plain sum (1/N) Σ Δc_i that one attacker moves
+  freely; `corrupt` replaces the Δy_i only, so its attackers would send honest Δc_i."""
+  stage = fo.compression.compress(fo.compression.top_k(k=1))
+  for name, rule in ROBUST.items():
+    for aggregator in (rule(), fo.aggregators.chain(stage, rule())):
+      message = _refusal(aggregator)
+      assert f"{name} is a robust rule" in message and "moves freely" in message, message
+      assert f"use fo.algorithms.fedavg with {name}" in message
+  for inner in (fo.aggregators.mean(), fo.aggregators.krum(1)):
+    message = _refusal(fo.attacks.corrupt(inner, fo.attacks.omniscient(1e4), attackers=0.25))
+    assert "corrupt" in message and "honest" in message and "fo.attacks.poison" in message
+
+
+def test_sum_form_aggregators_are_not_refused():
+  """The mean, the weighted mean and a compression stage in front of one (their rounds: tests/test_streaming.py,
+  tests/test_compression_composition.py)."""
+  stage = fo.compression.compress(fo.compression.top_k(k=1))
+  for aggregator in (fo.aggregators.mean(), fo.aggregators.weighted_mean(),
+                     fo.aggregators.chain(stage, fo.aggregators.mean())):
+    scaffold(lsq_loss, 0.1, 1.0, num_clients=N, aggregator=aggregator)

@@ -49,6 +49,29 @@ the *stored* c_i (after rounding to `storage_dtype`), so
 the bits of Δy_i plus those of Δc_i. Δc_i is compressed too because under
 option II it is −c − Δy_i / (K η_l): sent in full it would hand the server
 Δy_i exactly.
+
+What the aggregator cannot cover, it refuses (`scaffold` raises one line
+saying why). The server adds the Δc_i to c as the plain sum
+(1/N) Σ_{i∈S} Δ̂c_i, whatever the aggregator does to the Δy_i, so a piece
+that protects the Δy_i would leave the Δc_i unprotected:
+
+* `fo.privacy.dp_mean` (directly, chained behind a stage, or inside another
+  piece): the Δc_i would reach c unclipped and un-noised, and under option II
+  Δc_i = −c − Δy_i / (K η_l) is the client's update itself, so the run would
+  not be differentially private. Clipping and noising Δc_i as a second
+  release would change c from the mean of the c_i into a noisy estimate and
+  cost a second Gaussian mechanism per round; use FedAvg or FedProx with
+  `dp_mean` instead.
+* `fo.privacy.secure_aggregation`: the server would see every Δc_i in the
+  clear, hence every Δy_i.
+* A robust rule (`fo.aggregators.krum`, the medians, ...): one attacker moves
+  c freely through its Δc_i, and c corrects every client's local steps.
+* `fo.attacks.corrupt`: it replaces the Δy_i the server receives but not the
+  Δc_i, so the simulated attackers would send honest control variates; attack
+  the clients' data with `fo.attacks.poison` instead.
+
+The pieces are recognised by the module that defines their `aggregate` (a
+wrapper keeps the outermost piece's, a chain its aggregator's).
 """
 
 from __future__ import annotations
@@ -61,6 +84,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
+from fedjax_opt import attacks as attacks_lib
+from fedjax_opt.aggregators import robust as robust_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
@@ -70,6 +95,8 @@ from fedjax_opt.core.server import apply_server_update, client_is_finite
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_loss_fn, check_num_clients, check_positive
+from fedjax_opt.privacy import dp as dp_lib
+from fedjax_opt.privacy import secure as secure_lib
 
 __all__ = ["ScaffoldState", "scaffold"]
 
@@ -116,6 +143,31 @@ def _option_ii(c_i: PyTree, c: PyTree, delta: PyTree, num_steps: jax.Array, eta_
                       c_i, c, delta)
 
 
+def _refuse_uncovered_control_variates(aggregator: aggregators_lib.Aggregator) -> None:
+  """Raises ValueError when `aggregator` protects the Δy_i and would leave the plain sum of the Δc_i unprotected."""
+  module = getattr(aggregator.aggregate, "__module__", None)
+  name = getattr(aggregator.aggregate, "__qualname__", "aggregator").split(".")[0]
+  why = {
+      dp_lib.__name__: (
+          f"{name} clips and noises the Δy_i, but c adds each Δc_i unclipped and un-noised (under option II "
+          f"Δc_i = −c − Δy_i/(K η_l) reveals Δy_i), so the run would not be differentially private; use "
+          f"fo.algorithms.fedavg or fedprox with {name}."),
+      secure_lib.__name__: (
+          f"{name} hides each Δy_i, but c adds the Δc_i sent in the clear (under option II "
+          f"Δc_i = −c − Δy_i/(K η_l) reveals Δy_i); use fo.algorithms.fedavg or fedprox with {name}."),
+      robust_lib.__name__: (
+          f"{name} is a robust rule for the Δy_i, but c is the plain sum (1/N) Σ Δc_i, which one attacker moves "
+          f"freely (and c corrects every client's local steps); use fo.algorithms.fedavg with {name}, or SCAFFOLD "
+          f"with fo.aggregators.mean()."),
+      attacks_lib.__name__: (
+          f"{name} replaces the Δy_i the server receives but not the Δc_i, so its attackers would send honest "
+          f"control variates; attack the clients' data with fo.attacks.poison, or use fo.algorithms.fedavg with "
+          f"{name}."),
+  }.get(module)
+  if why is not None:
+    raise ValueError(f"scaffold: {why}")
+
+
 def scaffold(
     loss_fn: LossFn,
     eta_l: Any,
@@ -145,13 +197,18 @@ def scaffold(
     aggregator: how the Δy_i are averaged; default `aggregators.mean()`, the
       paper's uniform (1/|S|) Σ. `aggregators.weighted_mean()` weights by n_k.
       A client stage chained in front of it (compression) acts on both uploads
-      (module docstring); one that keeps rows needs N of them.
+      (module docstring); one that keeps rows needs N of them. `dp_mean`,
+      `secure_aggregation`, robust rules and `corrupt` are refused: c is the
+      plain sum of the Δc_i, which they would leave unprotected (module docstring).
     client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
     storage_dtype: dtype of the stored c_i (e.g. `jnp.bfloat16` to halve the
       table's memory); None keeps the model's dtype.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `ScaffoldState`.
+
+  Raises:
+    ValueError: a bad argument, or an aggregator that leaves the Δc_i unprotected (module docstring).
   """
   check_loss_fn(loss_fn)
   check_positive(eta_l, "eta_l")
@@ -159,6 +216,7 @@ def scaffold(
   num_clients = check_num_clients(num_clients)
   check_choice(control_update, "control_update", CONTROL_UPDATES)
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
+  _refuse_uncovered_control_variates(aggregator)
   stage = aggregator.client
   if stage is not None and stage.num_clients not in (None, num_clients):
     raise ValueError(f"scaffold: the client stage {stage.name} has a table of num_clients={stage.num_clients} "

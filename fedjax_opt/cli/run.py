@@ -499,7 +499,7 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
           checkpointing=train_lib.Checkpointing(os.path.join(out, "checkpoints", name),
                                                 every=config["checkpoint_every"], resume=resume),
           seed=data_seed, progress=not config["quiet"],
-          label=name if per_round == 1 else f"{name} (server events)")
+          label=name if per_round == 1 else f"{name} (server events)", accounting=_accounting(config, dataset))
     except KeyboardInterrupt:
       raise report.Interrupted(name) from None
     except tuple(_train_errors()) as e:
@@ -565,6 +565,14 @@ def _json_default(value: Any) -> Any:
   if isinstance(value, np.generic):
     return value.item()
   raise TypeError(f"not JSON-serializable: {type(value).__name__}")
+
+
+def _accounting(config: dict[str, Any], dataset) -> Any:
+  """`fo.train`'s `accounting` of a DP run (None without DP): σ, δ, the accountant and the sampling ε is reported for."""
+  if not privacy.enabled(config):
+    return None
+  return _train_module().Accounting(config["dp_noise_multiplier"], config["dp_delta"], config["dp_accountant"],
+                                    sampling=privacy.sampling(config, dataset.num_clients))
 
 
 def _train_errors() -> list[type]:

@@ -1,4 +1,4 @@
-"""What `train` is told, in three small frozen records: how rounds are sampled, evaluated and checkpointed.
+"""What `train` is told, in small frozen records: how rounds are sampled, evaluated, checkpointed and accounted.
 
     sampling = fo.Sampling(clients_per_round=10, batch_size=20, local_steps=5)
     evaluation = fo.Evaluation(every=10, metric_fns={"loss": model.loss_fn, "accuracy": model.accuracy_fn})
@@ -7,20 +7,24 @@
 
 Each record checks its own fields when it is made; what needs the dataset
 (`clients_per_round` against the dataset's clients, test examples for
-`metric_fns`) is checked by `train`.
+`metric_fns`) or the state (`Accounting` against a `dp_mean` aggregator) is
+checked by `train`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import numpy as np
 
 from fedjax_opt.core.validation import check_int
+from fedjax_opt.privacy import accounting as accounting_lib
 
-__all__ = ["Checkpointing", "Evaluation", "Sampling"]
+__all__ = ["Accounting", "Checkpointing", "Evaluation", "Sampling"]
 
 PyTree = Any
 
@@ -145,3 +149,54 @@ class Checkpointing:
     if self.resume and self.directory is None:
       raise ValueError("resume=True needs checkpoint_dir, the directory to resume from: "
                        "Checkpointing(directory, resume=True).")
+
+
+@dataclasses.dataclass(frozen=True)
+class Accounting:
+  """The privacy accounting of a run whose aggregator is a `fo.privacy.dp_mean`: `train` records ε(δ) in its history.
+
+      fo.train(algo, state, dataset, 300, fo.Sampling(clients_per_round=10, ...),
+               accounting=fo.Accounting(noise_multiplier=1.0, delta=1e-5))
+      history.eval_series("dp_epsilon")   # ε after each evaluated round, for the clients the run drew
+
+  `train` requires it whenever the state holds a `dp_mean` (directly, behind
+  a client stage, or inside `secure_aggregation` / `corrupt`), and refuses it
+  otherwise, so that every reported ε is the ε of the run's own client
+  sampling (`fedjax_opt.train.accounting`; docs/privacy.md).
+
+  Attributes:
+    noise_multiplier: σ, as given to `dp_mean` (with adaptive clipping too); a
+      sequence of K values for a sweep whose members differ in σ.
+    delta: δ ∈ (0, 1).
+    accountant: "rdp" or "pld" (`fo.privacy.epsilons`).
+    sampling: the `fo.privacy.Sampling` the ε was planned for (e.g. the one σ
+      was solved with by `fo.privacy.noise_multiplier_for`): `train` refuses
+      a run whose `fo.Sampling` draws clients otherwise
+      (`fo.privacy.SamplingMismatchError`, naming both). None: the run's own
+      draw, whatever it is.
+  """
+
+  noise_multiplier: float | Sequence[float]
+  delta: float
+  accountant: str = "rdp"
+  sampling: accounting_lib.Sampling | None = None
+
+  def __post_init__(self):
+    sigmas = self.noise_multipliers
+    if not sigmas or any(isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating))
+                         or not math.isfinite(s) or s < 0 for s in sigmas):
+      raise ValueError(f"Accounting.noise_multiplier must be a finite number >= 0 (or a sequence of them, one per "
+                       f"sweep member); got {self.noise_multiplier!r}.")
+    if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not 0 < self.delta < 1:
+      raise ValueError(f"Accounting.delta must be in (0, 1); got {self.delta!r}.")
+    if self.accountant not in accounting_lib.ACCOUNTANTS:
+      raise ValueError(f"Accounting.accountant must be one of {accounting_lib.ACCOUNTANTS}; got {self.accountant!r}.")
+    if self.sampling is not None and not isinstance(self.sampling, accounting_lib.Sampling):
+      raise TypeError(f"Accounting.sampling must be None or a fo.privacy.Sampling (Sampling.fixed(N, m) or "
+                      f"Sampling.poisson(N, q)); got {type(self.sampling).__name__}.")
+
+  @property
+  def noise_multipliers(self) -> tuple[float, ...]:
+    """σ as a tuple: one value, or one per sweep member."""
+    value = self.noise_multiplier
+    return tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else (value,)

@@ -42,6 +42,11 @@
   examples, which is never drawn), and every aggregator — the default
   `weighted_mean()` included — averages the draws uniformly, a client drawn
   twice counting twice (`proportional_weights`).
+* Privacy accounting (`accounting`): a state that holds a
+  `fo.privacy.dp_mean` needs `accounting=fo.Accounting(σ, δ, ...)`; the
+  sampling it declares must be the run's own draw (refused otherwise, before
+  anything is compiled), and every evaluation point records `dp_epsilon`, the
+  ε(δ) of the clients the run drew, computed on the host at the end of the run.
 * Host-driven algorithms (`is_host_driven`: `init` and `run`, FedMA) run
   under the same driver, their rounds a Python loop
   (`fedjax_opt.algorithms.matched_averaging.host_loop`, which says what differs).
@@ -68,8 +73,9 @@ from fedjax_opt.core.validation import check_int
 from fedjax_opt.data.dataset import FederatedDataset
 from fedjax_opt.data.sampling import sample_round
 from fedjax_opt.sweep import SweptAlgorithm
+from fedjax_opt.train import accounting as accounting_lib
 from fedjax_opt.train.checkpoint import Checkpointer, current_round
-from fedjax_opt.train.config import Checkpointing, Evaluation, Sampling
+from fedjax_opt.train.config import Accounting, Checkpointing, Evaluation, Sampling
 from fedjax_opt.train.evaluation import EvalProgram, evaluate
 from fedjax_opt.train.history import History
 from fedjax_opt.train.progress import Progress, format_point, host_value
@@ -232,6 +238,7 @@ def train(
     label: str = "train",
     divergence_factor: float | None = 1e3,
     check_memory: bool = True,
+    accounting: Accounting | None = None,
 ) -> tuple[PyTree, History]:
   """Runs `algorithm` from `state` until `state.round == rounds` (or until it diverges).
 
@@ -267,6 +274,13 @@ def train(
     check_memory: before running the first chunk, estimate its memory from the
       compiled program and raise `RoundTooLargeError` if it exceeds what the
       device has.
+    accounting: required when the state holds a `fo.privacy.dp_mean`
+      aggregator (and refused otherwise): σ and δ (`Accounting`), and
+      optionally the `fo.privacy.Sampling` they were planned for, which must
+      be the run's own draw (`fo.privacy.SamplingMismatchError` otherwise).
+      Every evaluation point then records `dp_epsilon`, the ε(δ) of the
+      clients this run draws after that round, and `History.privacy` what
+      was accounted (`fedjax_opt.train.accounting`).
 
   A KeyboardInterrupt (Ctrl-C) checkpoints the last completed chunk (when
   checkpointing) and is raised again.
@@ -277,6 +291,7 @@ def train(
   _check_args(algorithm, dataset, rounds, sampling, evaluation, checkpointing)
   seed = _check_seed(seed, algorithm)
   swept = isinstance(algorithm, SweptAlgorithm)
+  privacy = accounting_lib.plan(accounting, state, sampling, dataset.num_clients, algorithm.size if swept else None)
   host = is_host_driven(algorithm)
   checkpointing = checkpointing or Checkpointing()
   checkpointer = (Checkpointer(checkpointing.directory, saved_shapes=host)
@@ -342,12 +357,14 @@ def train(
                             length, divergence_factor, swept)
         if reason is not None:
           new_history.diverged_at_round, new_history.diverged_reason = current_round(new_state), reason
+      finished = current_round(new_state) >= rounds or new_history.diverged_at_round is not None
+      if finished and privacy is not None:
+        new_history = privacy.recorded(new_history)
       committed = (new_state, new_history)
       state, history = committed
       bar.update(current_round(state), format_point(point, length / max(elapsed, 1e-9)))
       chunks_done += 1
-      if checkpointer is not None and (chunks_done % checkpointing.every == 0 or current_round(state) >= rounds
-                                       or history.diverged_at_round is not None):
+      if checkpointer is not None and (chunks_done % checkpointing.every == 0 or finished):
         checkpointer.save(state, history)
   except KeyboardInterrupt:
     state, history = committed
@@ -356,4 +373,6 @@ def train(
     raise
   finally:
     bar.close()
+  if privacy is not None:  # a resumed run with no round left to train: its restored points
+    history = privacy.recorded(history)
   return state, history

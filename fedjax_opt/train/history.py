@@ -29,6 +29,10 @@ class History:
     diverged_reason: one line saying why.
     initial_loss: the initial model's `test_loss` (a list for a sweep), the
       baseline of the divergence rule; None when not evaluated.
+    privacy: for a run with a `fo.privacy.dp_mean` aggregator, what its
+      evaluation points' `dp_epsilon` are the ε(δ) of: noise multiplier, δ,
+      accountant, the clients the run drew, the accountant's event
+      (`fedjax_opt.train.accounting`); None otherwise.
   """
 
   round_metrics: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -39,6 +43,7 @@ class History:
   diverged_at_round: int | None = None
   diverged_reason: str | None = None
   initial_loss: float | list[float] | None = None
+  privacy: dict[str, Any] | None = None
 
   @property
   def num_rounds(self) -> int:
@@ -88,6 +93,7 @@ class History:
         "diverged_at_round": self.diverged_at_round,
         "diverged_reason": self.diverged_reason,
         "initial_loss": self.initial_loss,
+        "privacy": self.privacy,
     }
 
   @classmethod
@@ -101,6 +107,7 @@ class History:
         diverged_at_round=d.get("diverged_at_round"),
         diverged_reason=d.get("diverged_reason"),
         initial_loss=d.get("initial_loss"),
+        privacy=d.get("privacy"),
     )
 
   def save_json(self, path: str) -> None:
