@@ -154,15 +154,38 @@ def test_a_sweep_over_sigma_records_one_epsilon_per_member():
   state holding a DPMeanState, applied to a history of two points)."""
   from fedjax_opt.train import accounting as train_accounting
 
-  state = _dp().init(_params())
-  plan = train_accounting.plan(fo.Accounting((0.8, 1.6), DELTA), state, UNIFORM, N, sweep_size=2)
-  history = plan.recorded(fo.History(evals=[{"round": 3}, {"round": 6}], sweep_size=2))
-  rounds, eps = history.eval_series("dp_epsilon")  # [K, E]
+  state = jax.vmap(lambda sigma: P.dp_mean(1.0, sigma, expected_clients=M).init(_params()))(np.array([0.8, 1.6]))
   relation = dp_accounting.NeighboringRelation.REPLACE_ONE
-  for member, sigma in enumerate((0.8, 1.6)):
-    want = _direct(dp_accounting.SampledWithoutReplacementDpEvent(N, M, dp_accounting.GaussianDpEvent(sigma / 2)),
-                   relation, rounds)
-    np.testing.assert_allclose(eps[member], want, rtol=1e-9)
+  evals = fo.History(evals=[{"round": 3}, {"round": 6}], sweep_size=2)
+  # σ given (each member's, as built), or read from the members' states (the float32 σ the noise is drawn with).
+  for accounting, sigmas in ((fo.Accounting((0.8, 1.6), DELTA), (0.8, 1.6)),
+                             (fo.Accounting(delta=DELTA), tuple(float(np.float32(v)) for v in (0.8, 1.6)))):
+    plan = train_accounting.plan(accounting, state, UNIFORM, N, sweep_size=2)
+    rounds, eps = plan.recorded(evals).eval_series("dp_epsilon")  # [K, E]
+    for member, sigma in enumerate(sigmas):
+      want = _direct(dp_accounting.SampledWithoutReplacementDpEvent(N, M, dp_accounting.GaussianDpEvent(sigma / 2)),
+                     relation, rounds)
+      np.testing.assert_allclose(eps[member], want, rtol=1e-7)  # RDP composed k times vs scaled by k
   with pytest.raises(ValueError) as raised:
     train_accounting.plan(fo.Accounting((0.8, 1.6, 2.0), DELTA), state, UNIFORM, N, sweep_size=2)
   assert "holds 3 values: give one, or one per sweep member (2)" in _one_line(raised)
+  with pytest.raises(ValueError) as raised:  # the members' σ in the other order
+    train_accounting.plan(fo.Accounting((1.6, 0.8), DELTA), state, UNIFORM, N, sweep_size=2)
+  assert "Accounting.noise_multiplier is [0.8, 1.6] but the dp_mean adds noise with σ = [0.8, 1.6]" in _one_line(
+      raised)
+
+
+def test_the_accounted_sigma_and_m_are_the_dp_means_own():
+  """σ left out is read from the dp_mean's state; a σ or an m other than the dp_mean's is refused in one line."""
+  _, given = _train(_dp(), UNIFORM, rounds=2, accounting=fo.Accounting(SIGMA, DELTA))
+  _, read = _train(_dp(), UNIFORM, rounds=2, accounting=fo.Accounting(delta=DELTA))
+  assert read.eval_series("dp_epsilon")[1].tolist() == given.eval_series("dp_epsilon")[1].tolist()
+  assert read.privacy == given.privacy
+  with pytest.raises(ValueError) as raised:
+    _train(_dp(), UNIFORM, accounting=fo.Accounting(2 * SIGMA, DELTA))
+  assert "Accounting.noise_multiplier is 2 but the dp_mean adds noise with σ = 1" in _one_line(raised)
+  with pytest.raises(P.SamplingMismatchError) as raised:
+    _train(P.dp_mean(1.0, SIGMA, expected_clients=M / 2), UNIFORM, accounting=fo.Accounting(delta=DELTA))
+  assert "dp_mean divides by expected_clients = 5, but the run draws fixed-size, m=10" in _one_line(raised)
+  with pytest.raises(ValueError, match="Accounting needs delta="):
+    fo.Accounting(SIGMA)

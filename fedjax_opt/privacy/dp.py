@@ -103,11 +103,16 @@ class DPMeanState:
     noisy_fraction: b̄ of the last round, the noisy fraction of clients
       whose update norm was ≤ the clip norm (NaN without adaptive clipping,
       and before the first round).
+    noise_multiplier: σ as given to `dp_mean`, float32 (the value the
+      accountant is given; constant): `fo.train` accounts the run with it.
+    expected_clients: m, the fixed denominator, float32 (constant).
   """
 
   clip_norm: jax.Array
   last_clip_norm: jax.Array
   noisy_fraction: jax.Array
+  noise_multiplier: jax.Array
+  expected_clients: jax.Array
 
 
 def _check_nonnegative(value: Any, name: str, *, positive: bool = False) -> None:
@@ -230,7 +235,9 @@ def dp_mean(
   def init(params: PyTree) -> DPMeanState:
     del params
     c = jnp.asarray(clip_norm, jnp.float32)
-    return DPMeanState(clip_norm=c, last_clip_norm=c, noisy_fraction=jnp.full((), jnp.nan, jnp.float32))
+    return DPMeanState(clip_norm=c, last_clip_norm=c, noisy_fraction=jnp.full((), jnp.nan, jnp.float32),
+                       noise_multiplier=jnp.asarray(noise_multiplier, jnp.float32),
+                       expected_clients=jnp.asarray(expected_clients, jnp.float32))
 
   def term(update: PyTree, weight: jax.Array, state: DPMeanState) -> tuple[PyTree, jax.Array]:
     part = (weight > 0).astype(jnp.float32)
@@ -250,7 +257,7 @@ def dp_mean(
       return out, state.replace(last_clip_norm=state.clip_norm)
     noisy = (centred_count + sigma_b * jax.random.normal(count_key, (), jnp.float32)) / m + 0.5
     new_clip = state.clip_norm * jnp.exp(-adaptive.learning_rate * (noisy - adaptive.target_quantile))
-    return out, DPMeanState(clip_norm=new_clip, last_clip_norm=state.clip_norm, noisy_fraction=noisy)
+    return out, state.replace(clip_norm=new_clip, last_clip_norm=state.clip_norm, noisy_fraction=noisy)
 
   def aggregate(updates: PyTree, weights: jax.Array, state: DPMeanState,
                 key: jax.Array) -> tuple[PyTree, DPMeanState]:

@@ -10,7 +10,7 @@ two together:
 * Whenever the state holds a `dp_mean` (a `fo.privacy.DPMeanState` anywhere
   in it: the aggregator itself, behind a client stage, inside
   `secure_aggregation` or `corrupt`, for every member of a sweep), `train`
-  needs `accounting=fo.Accounting(noise_multiplier=σ, delta=δ, ...)`, and
+  needs `accounting=fo.Accounting(delta=δ, ...)`, and
   refuses to run without one; given without a `dp_mean`, it is refused too
   (there would be no noise to account).
 * The run's draw, in the accountant's terms (`run_sampling`):
@@ -31,9 +31,12 @@ two together:
   sampling, the event). ε is a function of (σ, δ, the sampling, the rounds)
   only, so it is computed on the host once, for every point at a time.
 
-σ is the user's to give: `dp_mean` does not expose it, so `Accounting`'s σ must
-be the one given to `dp_mean` (and `dp_mean`'s `expected_clients` the draw's
-`Sampling.expected_clients`).
+* σ is the `dp_mean`'s own: its state keeps σ and m (`DPMeanState.noise_multiplier`,
+  `.expected_clients`; one per member of a sweep). `Accounting.noise_multiplier`
+  may be left out (None: the state's σ is accounted); when given it must be
+  the state's σ (to float32 rounding), or the run is refused, so the
+  accounted σ is the σ of the noise added. m must be the draw's
+  `Sampling.expected_clients` (C for a fixed-size draw, qN for Poisson).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import functools
 from typing import Any
 
 import jax
+import numpy as np
 
 from fedjax_opt.privacy import accounting as accounting_lib
 from fedjax_opt.privacy.dp import DPMeanState
@@ -52,10 +56,26 @@ from fedjax_opt.train.history import History
 __all__ = ["Plan", "holds_dp_mean", "plan", "run_sampling"]
 
 
+def dp_mean_states(state: Any) -> list[DPMeanState]:
+  """Every `DPMeanState` (the state of `fo.privacy.dp_mean`) in `state`."""
+  is_dp = lambda x: isinstance(x, DPMeanState)
+  return [x for x in jax.tree.leaves(state, is_leaf=is_dp) if is_dp(x)]
+
+
 def holds_dp_mean(state: Any) -> bool:
   """True when a `DPMeanState` (the state of `fo.privacy.dp_mean`) is anywhere in `state`."""
-  is_dp = lambda x: isinstance(x, DPMeanState)
-  return any(is_dp(x) for x in jax.tree.leaves(state, is_leaf=is_dp))
+  return bool(dp_mean_states(state))
+
+
+def _per_member(states: list[DPMeanState], field: str, size: int) -> np.ndarray:
+  """`field` of the dp_mean states as float64 `[size]` (one per sweep member; size 1 without a sweep); refuses
+  dp_means that disagree."""
+  values = [np.broadcast_to(np.asarray(getattr(s, field), np.float64).reshape(-1), (size,)) for s in states]
+  for other in values[1:]:
+    if not np.allclose(other, values[0], rtol=1e-6):
+      raise ValueError(f"train: the state holds dp_means with different {field} ({values[0].tolist()} and "
+                       f"{other.tolist()}): one run is accounted with one σ and one m.")
+  return values[0]
 
 
 def run_sampling(sampling: Sampling, num_clients: int) -> accounting_lib.Sampling:
@@ -138,7 +158,7 @@ def plan(accounting: Accounting | None, state: Any, sampling: Sampling, num_clie
     SamplingMismatchError: `accounting.sampling` is not the run's draw.
   """
   if accounting is not None and not isinstance(accounting, Accounting):
-    raise TypeError(f"accounting must be None or a fedjax_opt.Accounting(noise_multiplier=σ, delta=δ); "
+    raise TypeError(f"accounting must be None or a fedjax_opt.Accounting(delta=δ); "
                     f"got {type(accounting).__name__}.")
   has_dp = holds_dp_mean(state)
   if not has_dp:
@@ -148,7 +168,7 @@ def plan(accounting: Accounting | None, state: Any, sampling: Sampling, num_clie
     return None
   if accounting is None:
     raise ValueError("train: the aggregator is a fo.privacy.dp_mean: give accounting=fo.Accounting("
-                     "noise_multiplier=σ, delta=δ), so that the history records the ε of the clients this run "
+                     "delta=δ), so that the history records the ε of the clients this run "
                      "draws (an ε computed for another sampling does not describe it).")
   if accounting.sampling is not None:
     try:
@@ -160,12 +180,37 @@ def plan(accounting: Accounting | None, state: Any, sampling: Sampling, num_clie
                                                  f"**sampling.train_kwargs()), or drop Accounting.sampling to "
                                                  f"account the run's own draw.") from None
   drawn = run_sampling(sampling, num_clients)
-  sigmas = accounting.noise_multipliers
-  if len(sigmas) > 1 and len(sigmas) != (sweep_size or 1):
-    raise ValueError(f"train: Accounting.noise_multiplier holds {len(sigmas)} values: give one, or one per sweep "
-                     f"member ({sweep_size or 1}).")
+  states = dp_mean_states(state)
+  size = sweep_size or 1
+  own_sigma = _per_member(states, "noise_multiplier", size)
+  own_m = _per_member(states, "expected_clients", size)
+  if accounting.noise_multiplier is None:
+    sigmas = tuple(float(v) for v in own_sigma)
+    sigmas = sigmas[:1] if len(set(sigmas)) == 1 else sigmas
+  else:
+    sigmas = accounting.noise_multipliers
+    if len(sigmas) > 1 and len(sigmas) != size:
+      raise ValueError(f"train: Accounting.noise_multiplier holds {len(sigmas)} values: give one, or one per sweep "
+                       f"member ({size}).")
+    given = np.broadcast_to(np.asarray(sigmas, np.float64), (size,))
+    if not np.allclose(given, own_sigma, rtol=1e-6, atol=0):
+      raise ValueError(f"train: Accounting.noise_multiplier is {_values(given)} but the dp_mean adds noise with "
+                       f"σ = {_values(own_sigma)}: ε would not describe the noise; leave noise_multiplier out "
+                       f"(the dp_mean's σ is accounted) or give the same σ.")
+  if not np.allclose(own_m, drawn.expected_clients, rtol=1e-6, atol=0):
+    raise accounting_lib.SamplingMismatchError(
+        f"train: dp_mean divides by expected_clients = {_values(own_m)}, but the run draws "
+        f"{drawn.describe()}, {drawn.expected_clients:g} clients per round on average: build "
+        f"dp_mean(..., expected_clients={drawn.expected_clients:g}).")
+  accounting = dataclasses.replace(accounting, noise_multiplier=sigmas if len(sigmas) > 1 else sigmas[0])
   try:
     accounting_lib.round_event(sigmas[0], drawn, accounting.accountant)
   except accounting_lib.UnsupportedAccountingError as e:
     raise accounting_lib.UnsupportedAccountingError(f"train: {e}") from None
   return Plan(accounting, drawn, sweep_size)
+
+
+def _values(values: np.ndarray) -> str:
+  """One value, or the distinct values of a sweep, for a message."""
+  distinct = sorted(set(float(v) for v in np.ravel(values)))
+  return f"{distinct[0]:.6g}" if len(distinct) == 1 else "[" + ", ".join(f"{v:.6g}" for v in distinct) + "]"

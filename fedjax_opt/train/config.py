@@ -156,7 +156,7 @@ class Accounting:
   """The privacy accounting of a run whose aggregator is a `fo.privacy.dp_mean`: `train` records ε(δ) in its history.
 
       fo.train(algo, state, dataset, 300, fo.Sampling(clients_per_round=10, ...),
-               accounting=fo.Accounting(noise_multiplier=1.0, delta=1e-5))
+               accounting=fo.Accounting(delta=1e-5))
       history.eval_series("dp_epsilon")   # ε after each evaluated round, for the clients the run drew
 
   `train` requires it whenever the state holds a `dp_mean` (directly, behind
@@ -165,9 +165,12 @@ class Accounting:
   sampling (`fedjax_opt.train.accounting`; docs/privacy.md).
 
   Attributes:
-    noise_multiplier: σ, as given to `dp_mean` (with adaptive clipping too); a
-      sequence of K values for a sweep whose members differ in σ.
-    delta: δ ∈ (0, 1).
+    noise_multiplier: None (the default): the σ the `dp_mean` in the state was
+      built with (`DPMeanState.noise_multiplier`, one per sweep member).
+      Given (a number, or K values for a sweep whose members differ in σ), it
+      must be that σ: `train` refuses a run whose noise is not the accounted
+      one.
+    delta: δ ∈ (0, 1), required.
     accountant: "rdp" or "pld" (`fo.privacy.epsilons`).
     sampling: the `fo.privacy.Sampling` the ε was planned for (e.g. the one σ
       was solved with by `fo.privacy.noise_multiplier_for`): `train` refuses
@@ -176,15 +179,17 @@ class Accounting:
       draw, whatever it is.
   """
 
-  noise_multiplier: float | Sequence[float]
-  delta: float
+  noise_multiplier: float | Sequence[float] | None = None
+  delta: float | None = None
   accountant: str = "rdp"
   sampling: accounting_lib.Sampling | None = None
 
   def __post_init__(self):
+    if self.delta is None:
+      raise ValueError("Accounting needs delta=δ, the δ of the (ε, δ) guarantee (e.g. 1e-5, below 1/N).")
     sigmas = self.noise_multipliers
-    if not sigmas or any(isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating))
-                         or not math.isfinite(s) or s < 0 for s in sigmas):
+    if self.noise_multiplier is not None and (not sigmas or any(isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating))
+                         or not math.isfinite(s) or s < 0 for s in sigmas)):
       raise ValueError(f"Accounting.noise_multiplier must be a finite number >= 0 (or a sequence of them, one per "
                        f"sweep member); got {self.noise_multiplier!r}.")
     if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not 0 < self.delta < 1:
@@ -197,6 +202,8 @@ class Accounting:
 
   @property
   def noise_multipliers(self) -> tuple[float, ...]:
-    """σ as a tuple: one value, or one per sweep member."""
+    """σ as a tuple: one value, or one per sweep member; () when left to the dp_mean's state."""
     value = self.noise_multiplier
+    if value is None:
+      return ()
     return tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else (value,)

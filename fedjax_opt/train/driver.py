@@ -43,7 +43,7 @@
   `weighted_mean()` included — averages the draws uniformly, a client drawn
   twice counting twice (`proportional_weights`).
 * Privacy accounting (`accounting`): a state that holds a
-  `fo.privacy.dp_mean` needs `accounting=fo.Accounting(σ, δ, ...)`; the
+  `fo.privacy.dp_mean` needs `accounting=fo.Accounting(delta=δ, ...)`; the
   sampling it declares must be the run's own draw (refused otherwise, before
   anything is compiled), and every evaluation point records `dp_epsilon`, the
   ε(δ) of the clients the run drew, computed on the host at the end of the run.
