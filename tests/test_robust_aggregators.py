@@ -310,6 +310,22 @@ def test_no_client_taking_part_gives_zeros(name):
   np.testing.assert_array_equal(_run(name, x, np.zeros(C)), np.zeros(10))
 
 
+def test_mean_around_median_breaks_distance_ties_toward_the_smaller_value():
+  """On a grid of small integers the values tie in distance to the median all the time: the n − q kept are the
+  closest, equal distances going to the smaller value (the NumPy reference's lexsort). By hand, one column of the
+  n = 9 values {−2, −1, −1, 0, 0, 0, 1, 1, 2} with q = 4 keeps 0, 0, 0 and then two of ±1 (a tie): −1 and −1."""
+  rng = np.random.default_rng(10)
+  for seed in range(3):
+    x, w = data(seed)
+    x[w > 0] = rng.integers(-3, 4, size=(int(np.sum(w > 0)), 10))
+    for q in (0, 2, 4):
+      np.testing.assert_allclose(aggregate(MEAMED[q], x, w)[0], np_mean_around_median(x[w > 0], q), rtol=1e-12,
+                                 atol=1e-12)
+  x, w = data(0)
+  x[w > 0, 0] = [1, -1, 0, 2, 0, -1, 0, -2, 1]
+  assert aggregate(MEAMED[4], x, w)[0][0] == -2 / 5
+
+
 # ---- arguments ---------------------------------------------------------------------------------------------
 
 

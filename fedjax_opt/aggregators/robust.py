@@ -150,28 +150,34 @@ def _median_of_sorted(s: jax.Array, n: jax.Array) -> jax.Array:
 def _mean_closest(s: jax.Array, n: jax.Array, center: jax.Array, keep: jax.Array) -> jax.Array:
   """Per coordinate, the mean of the `keep` values among the first n rows of the sorted `s` closest to `center`.
 
-  Closeness is the key (|v − center|, v): equal distances go to the smaller
-  value, so the set does not depend on the order of the clients. The
-  `keep` closest values are a window [a, a + keep) of the sorted values,
-  and it is the window whose farthest end (by that key) is nearest, so no
-  second sort is needed: O(d C) after the sort.
+  Closeness is the key k(v) = (|v − center|, v): equal distances go to the
+  smaller value, so the kept values do not depend on the order of the
+  clients. With k* the keep-th smallest key and v* its value, they are
+  every value with a key below k* and keep − #{k(v) < k*} copies of v*.
+  Any `keep` consecutive sorted values hold a key ≥ k*, and the keep
+  closest are such a window, so k* is the least, over the windows
+  [a, a + keep), of the larger key of the window's two ends: O(d C) after
+  the sort, no second sort. (The window itself is not used: with repeated
+  values two windows can share that key and only one holds the closest.)
   """
   c = s.shape[0]
   pos = row_positions(s)
   padded = jnp.concatenate([s, jnp.full_like(s, jnp.inf)])
   left, right = s, lax.dynamic_slice_in_dim(padded, keep - 1, c, axis=0)  # the window's two ends, per start a
   d_left, d_right = jnp.abs(left - center), jnp.abs(right - center)
-  right_farther = d_right >= d_left
+  right_farther = d_right >= d_left  # equal distances: the larger value has the larger key
   far_dist = jnp.where(right_farther, d_right, d_left)
   far_value = jnp.where(right_farther, right, left)
   valid = pos <= n - keep
   far_dist = jnp.where(valid, far_dist, jnp.inf)
-  best = valid & (far_dist == jnp.min(far_dist, axis=0, keepdims=True))
-  far_value = jnp.where(best, far_value, jnp.inf)
-  best &= far_value == jnp.min(far_value, axis=0, keepdims=True)
-  start = jnp.min(jnp.where(best, pos, c), axis=0, keepdims=True)
-  taken = jnp.where((pos >= start) & (pos < start + keep), s, jnp.zeros_like(s))
-  return jnp.sum(taken, axis=0) / jnp.maximum(keep, 1).astype(s.dtype)
+  best_dist = jnp.min(far_dist, axis=0)
+  best_value = jnp.min(jnp.where(valid & (far_dist == best_dist), far_value, jnp.inf), axis=0)
+  dist = jnp.abs(s - center)
+  below = (pos < n) & ((dist < best_dist) | ((dist == best_dist) & (s < best_value)))
+  count = jnp.sum(below, axis=0, dtype=jnp.int32)
+  total = jnp.sum(jnp.where(below, s, jnp.zeros_like(s)), axis=0)
+  ties = (keep - count).astype(s.dtype)
+  return (total + jnp.where(ties > 0, ties * best_value, 0)) / jnp.maximum(keep, 1).astype(s.dtype)
 
 
 def marginal_median() -> Aggregator:
@@ -205,11 +211,16 @@ def mean_around_median(num_byzantine: int) -> Aggregator:
       μ_j = median_i (v_i)_j,   ρ_j = (1 / (n − q)) Σ_{i ∈ top-(n−q) closest to μ_j} (v_i)_j.
 
   With q ≥ the number of corrupted values in every coordinate and q < n/2,
-  every value kept lies within the range of the correct values, so ρ_j is
-  dimensional-Byzantine resilient, and it averages n − q values where the
-  median uses one or two (lower variance: faster convergence under attack).
-  Ties in distance are broken by value, so the result does not depend on
-  the order of the clients. Cost: one sort over the C rows per coordinate,
+  μ_j lies within the range of the correct values, and, as at least n − q
+  values are correct, no kept value is farther from μ_j than the farthest
+  correct value: ρ_j stays within [μ_j − r_j, μ_j + r_j], r_j = max over
+  the correct i of |(v_i)_j − μ_j|, so it is dimensional-Byzantine
+  resilient. A kept value may lie outside the range of the correct values
+  (of {−10, 0, 0, 1, 2} with 2 corrupted, q = 1 keeps 2), never farther out
+  than that. It averages n − q values where the median uses one or two
+  (lower variance: faster convergence under attack). Ties in distance go
+  to the smaller value, so the result does not depend on the order of the
+  clients. Cost: one sort over the C rows per coordinate,
   O(d C log² C) work (the n − q closest values are a window of the sorted
   ones, found in O(d C)), O(d C) memory.
 
