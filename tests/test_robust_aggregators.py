@@ -310,6 +310,21 @@ def test_no_client_taking_part_gives_zeros(name):
   np.testing.assert_array_equal(_run(name, x, np.zeros(C)), np.zeros(10))
 
 
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_a_nonfinite_row_taking_part_counts_as_absent(name):
+  """Called directly, with NaN or ±inf in rows that take part, every rule gives its result over the finite rows:
+  the same as with those rows at weight 0 (in a round the guard drops them first and counts them)."""
+  x, w = data(9)
+  bad = x.copy()
+  bad[0, 4], bad[7, 0] = np.inf, -np.inf
+  bad[5] = np.nan
+  dropped = w.copy()
+  dropped[[0, 5, 7]] = 0
+  got = _run(name, bad, w)
+  assert np.all(np.isfinite(got))
+  np.testing.assert_array_equal(got, _run(name, x, dropped))
+
+
 def test_mean_around_median_breaks_distance_ties_toward_the_smaller_value():
   """On a grid of small integers the values tie in distance to the median all the time: the n − q kept are the
   closest, equal distances going to the smaller value (the NumPy reference's lexsort). By hand, one column of the

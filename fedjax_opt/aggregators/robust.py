@@ -29,7 +29,11 @@ can be corrupted somewhere.
 Clients that take no part (weight 0: padding, not sampled, or excluded by
 the round's rules, docs/architecture.md "The round") never count as votes;
 their rows may hold anything (huge values, NaN) without changing the
-result. Shapes stay static: rows are sorted with +inf in the
+result. A row that takes part but holds a NaN or ±inf is no vote either:
+every rule gives its result over the finite rows, as if that row had
+weight 0. In a round the non-finite guard (`core.server.aggregate_updates`)
+drops such rows before the rule sees them and counts them in
+`num_nonfinite`; called directly, the rules drop them the same way. Shapes stay static: rows are sorted with +inf in the
 absent rows' places and indexed with the number n of clients taking part,
 a traced count, so the same compiled round serves any n. Every rule
 returns zeros when no client takes part (the guard then rejects the
@@ -59,6 +63,7 @@ from jax import lax
 from fedjax_opt.aggregators.base import stateless_init
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.ordering import row_positions, sort_rows
+from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.types import Aggregator
 from fedjax_opt.core.validation import check_int
 
@@ -83,6 +88,11 @@ def _num_rows(updates: PyTree, weights: jax.Array) -> int:
       raise ValueError(f"every leaf of updates must be stacked [C, ...] with C = {c} (the length of weights); "
                        f"got a leaf of shape {tuple(jnp.shape(leaf))}.")
   return c
+
+
+def _voters(updates: PyTree, weights: jax.Array) -> jax.Array:
+  """`[C]` bool: the rows that vote, those taking part (weight > 0) whose update is finite (module docstring)."""
+  return (weights > 0) & client_is_finite(updates)
 
 
 def _present(updates: PyTree, mask: jax.Array) -> PyTree:
@@ -197,7 +207,7 @@ def marginal_median() -> Aggregator:
   def aggregate(updates, weights, state, key):
     del key
     _num_rows(updates, weights)
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     out = jax.tree.map(lambda u: _median_of_sorted(_sorted(u, mask), n), updates)
     return _zeros_if_none(n, out), state
@@ -239,7 +249,7 @@ def mean_around_median(num_byzantine: int) -> Aggregator:
     if q >= c:
       raise ValueError(f"mean_around_median: num_byzantine = {q} must be smaller than the number of clients in the "
                        f"round, C = {c}; lower num_byzantine or aggregate more clients.")
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     keep = jnp.maximum(n - q, 1)
 
@@ -279,7 +289,7 @@ def trimmed_mean(beta: float) -> Aggregator:
   def aggregate(updates, weights, state, key):
     del key
     c = _num_rows(updates, weights)
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     b = _trim_counts(beta, c)[n]
 
@@ -346,7 +356,7 @@ def geometric_median(tol: float = 1e-6, max_iterations: int = 100, smoothing: fl
   def aggregate(updates, weights, state, key):
     del key
     _num_rows(updates, weights)
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
     dtype = _float_dtype(x)
@@ -443,7 +453,7 @@ def krum(num_byzantine: int) -> Aggregator:
     del key
     c = _num_rows(updates, weights)
     _check_krum_rows("krum", f, c, 2 * f + 3, "n > 2·num_byzantine + 2")
-    mask = weights > 0
+    mask = _voters(updates, weights)
     x = _present(updates, mask)
     best = _krum_order(_pairwise_sq_distances(x, mask, jnp.sum(mask)), mask, f)[0]
     out = jax.tree.map(lambda u: _index(u, best), x)
@@ -478,7 +488,7 @@ def multi_krum(num_byzantine: int, m: int | None = None) -> Aggregator:
     _check_krum_rows("multi_krum", f, c, 2 * f + 3, "n > 2·num_byzantine + 2")
     if m is not None and m > c:
       raise ValueError(f"multi_krum: m = {m} must be at most the number of clients in the round, C = {c}.")
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
     order = _krum_order(_pairwise_sq_distances(x, mask, n), mask, f)
@@ -521,7 +531,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
     del key
     c = _num_rows(updates, weights)
     _check_krum_rows("bulyan", f, c, 4 * f + 3, "n ≥ 4·num_byzantine + 3")
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
     sq_dist = _pairwise_sq_distances(x, mask, n)
@@ -593,7 +603,7 @@ def centered_clipping(tau: float, iterations: int = 1, momentum: float = 0.0) ->
   def aggregate(updates, weights, state, key):
     del key
     _num_rows(updates, weights)
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
     share = mask.astype(_float_dtype(x)) / jnp.maximum(n, 1)
