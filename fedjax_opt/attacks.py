@@ -7,8 +7,12 @@ Two seams, so an attack composes with any aggregator and any algorithm:
   returns an `Aggregator` whose `aggregate` first replaces the attackers'
   rows of the stacked updates `[C, ...]` and then calls `aggregator`; pass it
   as `aggregator=` to any averaging algorithm, and the attack runs inside the
-  same jitted round, after the non-finite guard (an attacker's values reach
-  the rule as sent):
+  same jitted round, between two passes of the non-finite guard
+  (`core.server.Received`): the attackers read the updates the guard let
+  through, and the server judges what they send as it judges any client. A
+  row an attack makes non-finite (`omniscient(1e40)` overflows float32) is
+  dropped before the rule sees it and counted in `metrics["num_nonfinite"]`;
+  a round with no finite row left is rejected:
 
       agg = fo.attacks.corrupt(fo.aggregators.marginal_median(), fo.attacks.omniscient(1e4), attackers=0.2)
       algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.1), aggregator=agg)
@@ -59,7 +63,7 @@ from jax import lax
 
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.ordering import row_positions, sort_rows
-from fedjax_opt.core.server import check_aggregator, refuse_client_stage
+from fedjax_opt.core.server import Received, check_aggregator, refuse_client_stage, zero_nonfinite
 from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, FederatedAlgorithm
 
 PyTree = Any
@@ -393,10 +397,14 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
             per_round: bool = False) -> Aggregator:
   """`aggregator` behind an attack: the attackers' rows of the stacked updates are replaced, then aggregated.
 
-      ṽ = attack(v, weights, A, key),   (Δ, state) = aggregator.aggregate(ṽ, weights, state, key'),
+      ṽ = attack(v, w, A, key),   (Δ, state) = aggregator.aggregate(ṽ', w', state, key'),
 
-  with A ⊆ {rows taking part} the round's attackers (module docstring). The
-  wrapped aggregator sees the corrupted updates and the original weights.
+  with A ⊆ {rows taking part} the round's attackers (module docstring), v
+  and w the rows and weights the non-finite guard let through, and (ṽ', w')
+  the corrupted rows judged by the same guard (`core.server.Received`): an
+  attacker whose row is non-finite takes no part in the rule and counts in
+  `metrics["num_nonfinite"]`. Wrapping a `corrupt` aggregator runs both
+  attacks, the outer first, before the guard judges the rows.
 
   Args:
     aggregator: any `Aggregator` (mean, a robust rule, ...) without a client
@@ -431,14 +439,26 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
     return CorruptState(aggregator=aggregator.init(params), key=jax.random.key(seed),
                         num_attackers=jnp.zeros((), jnp.int32))
 
-  def aggregate(updates, weights, state, key):
+  nested = aggregator.aggregate if isinstance(aggregator.aggregate, Received) else None
+
+  def receive(updates, weights, state, key):
     draw_key, attack_key, inner_key = jax.random.split(key, 3)
     rows = _attacker_rows(who, weights, draw_key if per_round else state.key)
     corrupted = attack.apply(updates, weights, rows, attack_key)
-    update, inner = aggregator.aggregate(corrupted, weights, state.aggregator, inner_key)
-    return update, CorruptState(aggregator=inner, key=state.key, num_attackers=jnp.sum(rows, dtype=jnp.int32))
+    inner = state.aggregator
+    if nested is not None:  # the wrapped aggregator's attack, on the rows this one left finite
+      clean, w, finite = zero_nonfinite(corrupted, weights)
+      received, inner = nested.receive(clean, w, inner, inner_key)
+      corrupted = jax.tree.map(lambda r, c: jnp.where(_rows(finite, r), r, c), received, corrupted)
+    return corrupted, CorruptState(aggregator=inner, key=state.key, num_attackers=jnp.sum(rows, dtype=jnp.int32))
 
-  return Aggregator(init, aggregate, always_releases=aggregator.always_releases)
+  def aggregate(updates, weights, state, key):
+    inner_key = jax.random.split(key, 3)[2]
+    rule = aggregator.aggregate if nested is None else nested.aggregate
+    update, inner = rule(updates, weights, state.aggregator, inner_key)
+    return update, state._replace(aggregator=inner)
+
+  return Aggregator(init, Received(receive, aggregate, name="corrupt"), always_releases=aggregator.always_releases)
 
 
 # ---- data poisoning ----------------------------------------------------------------------------------------

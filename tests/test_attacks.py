@@ -1,5 +1,6 @@
 """Attacks on the stacked client updates and data poisoning, against NumPy transcriptions of the papers' formulas."""
 
+import functools
 import math
 
 import jax
@@ -171,6 +172,85 @@ def test_corrupt_composes_with_an_aggregator():
   y = x.copy()
   y[[0, 3]] *= -1
   np.testing.assert_allclose(out["p"], w @ y / w.sum(), rtol=1e-12)
+
+
+# ---- what the server receives passes the non-finite guard --------------------------------------------------
+
+_GUARDED = {}
+
+
+def guarded(agg, x, w):
+  """`core.aggregate_updates` (the round's non-finite guard around `agg`) on float32 rows x [C, D], jitted once per
+  aggregator: the `Aggregated` result."""
+  fn = _GUARDED.setdefault(agg, jax.jit(functools.partial(fo.core.aggregate_updates, agg)))
+  return fn({"p": jnp.asarray(x, jnp.float32)}, jnp.asarray(w, jnp.float32), agg.init({"p": jnp.zeros(D)}), KEY)
+
+
+OVERFLOW = attacks.omniscient(1e40)  # −1e40 × the honest sum: ±inf (NaN where the sum is 0) in float32
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+def test_attackers_nonfinite_rows_are_dropped_and_counted_by_the_guard():
+  """omniscient(1e40) overflows float32, so rows 0 and 3 arrive as ±inf: the guard judges them as it judges any
+  client (counted in num_nonfinite, excluded), and the rule aggregates the five finite rows (float64 NumPy: the
+  weighted mean, the coordinate-wise median)."""
+  x, w = setup()
+  x = x.astype(np.float32).astype(np.float64)
+  honest = honest_rows(w)
+  for rule, want in ((A.weighted_mean(), w[honest] @ x[honest] / w[honest].sum()),
+                     (A.marginal_median(), np.median(x[honest], 0))):
+    out = guarded(attacks.corrupt(rule, OVERFLOW, attackers=[0, 3]), x, w)
+    assert int(out.num_nonfinite) == 2 and bool(out.accepted)
+    np.testing.assert_array_equal(np.asarray(out.finite), ~np.isin(np.arange(C), [0, 3]))
+    np.testing.assert_allclose(out.update["p"], want, rtol=1e-5, atol=1e-6)
+    assert int(out.state.num_attackers) == 2
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+def test_a_round_whose_every_row_overflows_is_rejected():
+  """Every client taking part attacks with a non-finite value: no finite client is left, so the round is rejected
+  (update 0, the aggregator state kept), as a round of broken clients is."""
+  x, w = setup()
+  agg = attacks.corrupt(A.marginal_median(), attacks.gaussian(1e39), attackers=1.0)  # 1e39 · N(0, 1): ±inf
+  out = guarded(agg, x, w)
+  assert int(out.num_nonfinite) == 7 and not bool(out.accepted)
+  np.testing.assert_array_equal(out.update["p"], np.zeros(D))
+  assert int(out.state.num_attackers) == 0  # the state before the round
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+def test_nested_attacks_each_reach_the_guard():
+  """corrupt(corrupt(mean, sign_flip, rows [3]), omniscient(1e40), rows [0]): the outer attack runs first, then the
+  inner one; the overflowing row 0 is dropped and counted, row 3 arrives negated (float64 NumPy mean)."""
+  x, w = setup()
+  x = x.astype(np.float32).astype(np.float64)
+  inner = attacks.corrupt(A.weighted_mean(), attacks.sign_flip(), attackers=[3])
+  out = guarded(attacks.corrupt(inner, OVERFLOW, attackers=[0]), x, w)
+  y, v = x.copy(), w.copy()
+  y[3] *= -1
+  v[0] = 0
+  assert int(out.num_nonfinite) == 1 and bool(out.accepted)
+  np.testing.assert_allclose(out.update["p"], v @ y / v.sum(), rtol=1e-5, atol=1e-6)
+  assert int(out.state.num_attackers) == 1 and int(out.state.aggregator.num_attackers) == 1
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+def test_per_cluster_aggregation_counts_each_clusters_dropped_attackers():
+  """Clustered rounds guard each cluster's rows: an overflowing attacker in cluster 1 is counted, not used, and
+  does not count in cluster 0 (where it takes no part)."""
+  x, w = setup()
+  x = x.astype(np.float32).astype(np.float64)
+  cluster = np.array([0, 0, 0, 1, 1, 1, 1, 0, 1])
+  agg = attacks.corrupt(A.weighted_mean(), OVERFLOW, attackers=[3])  # row 3: in cluster 1
+  states = jax.tree.map(lambda s: jnp.stack([s, s]), agg.init({"p": jnp.zeros(D)}))
+  out = jax.jit(lambda u, v, c, s: fo.core.clusters.aggregate_per_cluster(agg, u, v, c, 2, s, KEY))(
+      {"p": jnp.asarray(x, jnp.float32)}, jnp.asarray(w, jnp.float32), jnp.asarray(cluster), states)
+  assert int(out.num_nonfinite) == 1
+  used = (w > 0) & (np.arange(C) != 3)
+  np.testing.assert_array_equal(np.asarray(out.used), used)
+  for j in (0, 1):
+    member = used & (cluster == j)
+    np.testing.assert_allclose(out.update["p"][j], w[member] @ x[member] / w[member].sum(), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_arguments_raise_clear_errors():

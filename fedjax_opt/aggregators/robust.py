@@ -32,7 +32,8 @@ their rows may hold anything (huge values, NaN) without changing the
 result. A row that takes part but holds a NaN or ±inf is no vote either:
 every rule gives its result over the finite rows, as if that row had
 weight 0. In a round the non-finite guard (`core.server.aggregate_updates`)
-drops such rows before the rule sees them and counts them in
+drops such rows before the rule sees them, an attacker's as received
+included (`fedjax_opt.attacks.corrupt`), and counts them in
 `num_nonfinite`; called directly, the rules drop them the same way. Shapes stay static: rows are sorted with +inf in the
 absent rows' places and indexed with the number n of clients taking part,
 a traced count, so the same compiled round serves any n. Every rule
