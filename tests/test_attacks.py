@@ -132,6 +132,28 @@ def test_generalized_byzantine_corrupts_at_most_the_fraction_per_coordinate():
   np.testing.assert_array_equal(bad.sum(0), 2)
 
 
+def test_generalized_byzantine_values_come_from_every_participating_update():
+  """Every row an attacker (the paper's dimensional model): the value attack reads the n = 7 participating clients'
+  own updates, since each is honest on most coordinates. omniscient(1e4) puts −1e4 Σ_i v_i, ipm(0.5) −0.5 · their
+  mean, ALIE their mean − z · std with f = ⌊0.3 · 7⌋ = 2 corrupted per coordinate (float64 NumPy over the 7 rows)."""
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(C, 40)).astype(np.float32).astype(np.float64)
+  w = np.ones(C)
+  w[list(ZERO)] = 0
+  real = x[w > 0]
+  n, f = 7, 2
+  z = scipy.stats.norm.ppf((n - (math.floor(n / 2 + 1) - f)) / n)
+  cases = ((attacks.omniscient(1e4), -1e4 * real.sum(0)), (attacks.ipm(0.5), -0.5 * real.mean(0)),
+           (attacks.alie(), real.mean(0) - z * real.std(0, ddof=1)),
+           (attacks.alie(1.5), real.mean(0) - 1.5 * real.std(0, ddof=1)))
+  for attack, value in cases:
+    got, _ = attacked(attacks.generalized_byzantine(0.3, attack), x, w, 1.0, x64=False)
+    bad = got != x
+    np.testing.assert_array_equal(bad.sum(0), 2)
+    assert not bad[list(ZERO)].any()
+    np.testing.assert_allclose(got, np.where(bad, value[None, :], x), rtol=1e-5, atol=1e-5)
+
+
 def test_attacker_counts_from_a_fraction_or_a_count():
   x, w = setup()  # 7 clients take part
   for attackers, expected in ((0.0, 0), (0.3, 2), (0.5, 3), (1.0, 7), (2, 2), (20, 7)):
@@ -266,6 +288,8 @@ def test_bad_arguments_raise_clear_errors():
     attacks.corrupt(lambda u: u, attacks.sign_flip(), attackers=0.1)
   with pytest.raises(ValueError, match=r"generalized_byzantine: fraction must be a float in \(0, 1\]"):
     attacks.generalized_byzantine(0.0, 1.0)
+  with pytest.raises(ValueError, match="generalized_byzantine: values is an Attack without `sent`"):
+    attacks.generalized_byzantine(0.3, attacks.Attack(lambda updates, weights, rows, key: updates))
   with pytest.raises(ValueError, match="gaussian: scale must be a finite number > 0; got -1.0"):
     attacks.gaussian(-1.0)
   with pytest.raises(ValueError, match="omniscient: factor must be a finite number; got inf"):
