@@ -7,8 +7,12 @@ Two seams, so an attack composes with any aggregator and any algorithm:
   returns an `Aggregator` whose `aggregate` first replaces the attackers'
   rows of the stacked updates `[C, ...]` and then calls `aggregator`; pass it
   as `aggregator=` to any averaging algorithm, and the attack runs inside the
-  same jitted round, after the non-finite guard (an attacker's values reach
-  the rule as sent):
+  same jitted round, between two passes of the non-finite guard
+  (`core.server.Received`): the attackers read the updates the guard let
+  through, and the server judges what they send as it judges any client. A
+  row an attack makes non-finite (`omniscient(1e40)` overflows float32) is
+  dropped before the rule sees it and counted in `metrics["num_nonfinite"]`;
+  a round with no finite row left is rejected:
 
       agg = fo.attacks.corrupt(fo.aggregators.marginal_median(), fo.attacks.omniscient(1e4), attackers=0.2)
       algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.1), aggregator=agg)
@@ -41,8 +45,11 @@ identities (`batches.client_id`): its attackers are a fixed set of the
 dataset's clients.
 
 Statistics an attacker reads ("honest" below) are over the clients taking
-part that are not attackers, uniform (each one vote). Rows with weight 0
-are never attacked: they take no part, and a robust rule ignores them.
+part that are not attackers, uniform (each one vote), except inside
+`generalized_byzantine`, where every client is honest on most coordinates
+and the values are computed from every participating client's own update.
+Rows with weight 0 are never attacked: they take no part, and a robust rule
+ignores them.
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ from jax import lax
 
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.ordering import row_positions, sort_rows
-from fedjax_opt.core.server import check_aggregator, refuse_client_stage
+from fedjax_opt.core.server import Received, check_aggregator, refuse_client_stage, zero_nonfinite
 from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, FederatedAlgorithm
 
 PyTree = Any
@@ -76,9 +83,19 @@ class Attack(NamedTuple):
   Attributes:
     apply: `apply(updates [C, ...], weights [C], attackers [C] bool, key) -> updates`,
       pure and jittable; rows where `attackers` is False come back unchanged.
+    sent: what an attacker sends, from the updates it knows:
+      `sent(updates [C, ...], weights [C], known [C] bool, num_attackers, key) -> values`,
+      the statistics read over the rows of `known`, `num_attackers` the
+      count of attackers the attack presumes (ALIE's f); leaves `[C, ...]`
+      (row i: what attacker i sends) or `[...]` (the same for all). The
+      built-in attacks have one, and their `apply` puts these values in the
+      attackers' rows with `known` the honest rows; `generalized_byzantine`
+      calls it with every participating row known. None: an attack with
+      only `apply` (it cannot give `generalized_byzantine` its values).
   """
 
   apply: Callable[[PyTree, jax.Array, jax.Array, jax.Array], PyTree]
+  sent: Callable[[PyTree, jax.Array, jax.Array, jax.Array, jax.Array], PyTree] | None = None
 
 
 class DataAttack(NamedTuple):
@@ -122,10 +139,21 @@ def _honest(weights: jax.Array, attackers: jax.Array) -> jax.Array:
   return (weights > 0) & ~attackers
 
 
-def _honest_mean(updates: PyTree, honest: jax.Array) -> PyTree:
-  """Uniform mean of the honest rows (zeros if none), per leaf."""
-  count = jnp.maximum(jnp.sum(honest), 1)
-  return jax.tree.map(lambda u: jnp.sum(jnp.where(_rows(honest, u), u, 0), axis=0) / count.astype(u.dtype), updates)
+def _known_mean(updates: PyTree, known: jax.Array) -> PyTree:
+  """Uniform mean of the known rows (zeros if none), per leaf."""
+  count = jnp.maximum(jnp.sum(known), 1)
+  return jax.tree.map(lambda u: jnp.sum(jnp.where(_rows(known, u), u, 0), axis=0) / count.astype(u.dtype), updates)
+
+
+def _from_sent(sent: Callable[..., PyTree]) -> Attack:
+  """The `Attack` whose attackers send `sent(updates, weights, honest rows, number of attackers, key)`."""
+
+  def apply(updates, weights, attackers, key):
+    honest = _honest(weights, attackers)
+    values = sent(updates, weights, honest, jnp.sum(attackers & (weights > 0)), key)
+    return _replace_rows(updates, attackers, values)
+
+  return Attack(apply, sent)
 
 
 def _replace_rows(updates: PyTree, attackers: jax.Array, malicious: PyTree) -> PyTree:
@@ -150,13 +178,12 @@ def gaussian(scale: float) -> Attack:
   """
   _check_number(scale, "gaussian: scale", positive=True)
 
-  def apply(updates, weights, attackers, key):
-    del weights
-    noise = jax.tree.map(lambda u, k: scale * jax.random.normal(k, u.shape, u.dtype), updates,
-                         _leaf_keys(key, updates))
-    return _replace_rows(updates, attackers, noise)
+  def sent(updates, weights, known, num_attackers, key):
+    del weights, known, num_attackers
+    return jax.tree.map(lambda u, k: scale * jax.random.normal(k, u.shape, u.dtype), updates,
+                        _leaf_keys(key, updates))
 
-  return Attack(apply)
+  return _from_sent(sent)
 
 
 def omniscient(factor: float) -> Attack:
@@ -172,13 +199,11 @@ def omniscient(factor: float) -> Attack:
   """
   _check_number(factor, "omniscient: factor")
 
-  def apply(updates, weights, attackers, key):
-    del key
-    honest = _honest(weights, attackers)
-    total = jax.tree.map(lambda u: jnp.sum(jnp.where(_rows(honest, u), u, 0), axis=0), updates)
-    return _replace_rows(updates, attackers, jax.tree.map(lambda s: -factor * s, total))
+  def sent(updates, weights, known, num_attackers, key):
+    del weights, num_attackers, key
+    return jax.tree.map(lambda u: -factor * jnp.sum(jnp.where(_rows(known, u), u, 0), axis=0), updates)
 
-  return Attack(apply)
+  return _from_sent(sent)
 
 
 def sign_flip(scale: float = 1.0) -> Attack:
@@ -189,11 +214,11 @@ def sign_flip(scale: float = 1.0) -> Attack:
   """
   _check_number(scale, "sign_flip: scale")
 
-  def apply(updates, weights, attackers, key):
-    del weights, key
-    return _replace_rows(updates, attackers, jax.tree.map(lambda u: -scale * u, updates))
+  def sent(updates, weights, known, num_attackers, key):
+    del weights, known, num_attackers, key
+    return jax.tree.map(lambda u: -scale * u, updates)
 
-  return Attack(apply)
+  return _from_sent(sent)
 
 
 def ipm(epsilon: float) -> Attack:
@@ -208,12 +233,11 @@ def ipm(epsilon: float) -> Attack:
   """
   _check_number(epsilon, "ipm: epsilon", positive=True)
 
-  def apply(updates, weights, attackers, key):
-    del key
-    mean = _honest_mean(updates, _honest(weights, attackers))
-    return _replace_rows(updates, attackers, jax.tree.map(lambda m: -epsilon * m, mean))
+  def sent(updates, weights, known, num_attackers, key):
+    del weights, num_attackers, key
+    return jax.tree.map(lambda m: -epsilon * m, _known_mean(updates, known))
 
-  return Attack(apply)
+  return _from_sent(sent)
 
 
 def alie_z(n: jax.Array, f: jax.Array) -> jax.Array:
@@ -240,26 +264,26 @@ def alie(z: float | None = None) -> Attack:
   Args:
     z: how many standard deviations to shift; None (the default): the
       paper's z_max from the n clients taking part and the f attackers of
-      the round, s = ⌊n/2 + 1⌋ − f, z = Φ⁻¹((n − s)/n) (`alie_z`).
+      the round, s = ⌊n/2 + 1⌋ − f, z = Φ⁻¹((n − s)/n) (`alie_z`). Inside
+      `generalized_byzantine`, μ and σ are those of every participating
+      update and f is the number of clients corrupted per coordinate.
   """
   if z is not None:
     _check_number(z, "alie: z")
 
-  def apply(updates, weights, attackers, key):
+  def sent(updates, weights, known, num_attackers, key):
     del key
-    honest = _honest(weights, attackers)
-    count = jnp.sum(honest)
-    mean = _honest_mean(updates, honest)
+    count = jnp.sum(known)
+    mean = _known_mean(updates, known)
 
     def std(u, m):
-      sq = jnp.sum(jnp.where(_rows(honest, u), jnp.square(u - m), 0), axis=0)
+      sq = jnp.sum(jnp.where(_rows(known, u), jnp.square(u - m), 0), axis=0)
       return jnp.sqrt(sq / jnp.maximum(count - 1, 1).astype(u.dtype))
 
-    shift = alie_z(jnp.sum(weights > 0), jnp.sum(attackers & (weights > 0))) if z is None else z
-    sent = jax.tree.map(lambda u, m: m - jnp.asarray(shift, u.dtype) * std(u, m), updates, mean)
-    return _replace_rows(updates, attackers, sent)
+    shift = alie_z(jnp.sum(weights > 0), num_attackers) if z is None else z
+    return jax.tree.map(lambda u, m: m - jnp.asarray(shift, u.dtype) * std(u, m), updates, mean)
 
-  return Attack(apply)
+  return _from_sent(sent)
 
 
 def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
@@ -276,12 +300,20 @@ def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
   paper's generalized Byzantine model, which coordinate-wise medians
   survive and the geometric median does not.
 
+  An attack's values are computed from every participating client's own
+  update (`Attack.sent` with all n rows known): each client is honest on
+  most coordinates, and the omniscient adversary knows the updates. So
+  `omniscient(1e4)` puts −10⁴ Σ_i v_i, `ipm(ε)` −ε · the mean of the v_i,
+  and `alie()` their mean − z · std with z from n and f = ⌊fraction · n⌋
+  (the clients corrupted per coordinate); `sign_flip` and `gaussian` are
+  per row as ever.
+
   Args:
     fraction: the largest fraction of the n clients corrupted per coordinate,
       in (0, 1] (dimensional resilience needs < 1/2); a 0-d float array may
       be traced (a swept hyper-parameter; 0 then corrupts nothing).
     values: what a corrupted coordinate holds: a number (every corrupted
-      entry is set to it), or an `Attack` whose whole-vector values are used
+      entry is set to it), or an `Attack` with `sent` whose values are used
       at the corrupted coordinates (e.g. `gaussian(100.0)`, `omniscient(1e4)`).
   """
   if _is_array_fraction(fraction):
@@ -293,14 +325,18 @@ def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
     fraction = float(fraction)
   if not isinstance(values, Attack):
     _check_number(values, "generalized_byzantine: values (a number or an Attack)")
+  elif values.sent is None:
+    raise ValueError("generalized_byzantine: values is an Attack without `sent`: a corrupted coordinate's value is "
+                     "computed from every participating client's update, which needs Attack.sent (the built-in "
+                     "attacks have one); give a number or an Attack with sent.")
 
   def apply(updates, weights, attackers, key):
     value_key, choice_key = jax.random.split(key)
     eligible = attackers & (weights > 0)
-    n = jnp.sum(weights > 0)
-    per_coordinate = _count(fraction, n)
+    taking_part = weights > 0
+    per_coordinate = jnp.minimum(_count(fraction, jnp.sum(taking_part)), jnp.sum(eligible, dtype=jnp.int32))
     if isinstance(values, Attack):
-      sent = values.apply(updates, weights, attackers, value_key)
+      sent = values.sent(updates, weights, taking_part, per_coordinate, value_key)
     else:
       sent = jax.tree.map(lambda u: jnp.full_like(u, values), updates)
 
@@ -317,7 +353,7 @@ def generalized_byzantine(fraction: float, values: Attack | float) -> Attack:
       keys = jnp.where(_rows(eligible, u), keys, jnp.inf)
       kth = lax.dynamic_index_in_dim(sort_rows(keys), jnp.clip(per_coordinate - 1, 0, c - 1), keepdims=False)
       chosen = _rows(eligible, u) & (keys <= kth) & (per_coordinate > 0)
-      return jnp.where(chosen, s, u)
+      return jnp.where(chosen, jnp.asarray(s, u.dtype), u)
 
     return jax.tree.map(leaf, updates, sent, _leaf_keys(choice_key, updates))
 
@@ -393,10 +429,14 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
             per_round: bool = False) -> Aggregator:
   """`aggregator` behind an attack: the attackers' rows of the stacked updates are replaced, then aggregated.
 
-      ṽ = attack(v, weights, A, key),   (Δ, state) = aggregator.aggregate(ṽ, weights, state, key'),
+      ṽ = attack(v, w, A, key),   (Δ, state) = aggregator.aggregate(ṽ', w', state, key'),
 
-  with A ⊆ {rows taking part} the round's attackers (module docstring). The
-  wrapped aggregator sees the corrupted updates and the original weights.
+  with A ⊆ {rows taking part} the round's attackers (module docstring), v
+  and w the rows and weights the non-finite guard let through, and (ṽ', w')
+  the corrupted rows judged by the same guard (`core.server.Received`): an
+  attacker whose row is non-finite takes no part in the rule and counts in
+  `metrics["num_nonfinite"]`. Wrapping a `corrupt` aggregator runs both
+  attacks, the outer first, before the guard judges the rows.
 
   Args:
     aggregator: any `Aggregator` (mean, a robust rule, ...) without a client
@@ -431,14 +471,26 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
     return CorruptState(aggregator=aggregator.init(params), key=jax.random.key(seed),
                         num_attackers=jnp.zeros((), jnp.int32))
 
-  def aggregate(updates, weights, state, key):
+  nested = aggregator.aggregate if isinstance(aggregator.aggregate, Received) else None
+
+  def receive(updates, weights, state, key):
     draw_key, attack_key, inner_key = jax.random.split(key, 3)
     rows = _attacker_rows(who, weights, draw_key if per_round else state.key)
     corrupted = attack.apply(updates, weights, rows, attack_key)
-    update, inner = aggregator.aggregate(corrupted, weights, state.aggregator, inner_key)
-    return update, CorruptState(aggregator=inner, key=state.key, num_attackers=jnp.sum(rows, dtype=jnp.int32))
+    inner = state.aggregator
+    if nested is not None:  # the wrapped aggregator's attack, on the rows this one left finite
+      clean, w, finite = zero_nonfinite(corrupted, weights)
+      received, inner = nested.receive(clean, w, inner, inner_key)
+      corrupted = jax.tree.map(lambda r, c: jnp.where(_rows(finite, r), r, c), received, corrupted)
+    return corrupted, CorruptState(aggregator=inner, key=state.key, num_attackers=jnp.sum(rows, dtype=jnp.int32))
 
-  return Aggregator(init, aggregate, always_releases=aggregator.always_releases)
+  def aggregate(updates, weights, state, key):
+    inner_key = jax.random.split(key, 3)[2]
+    rule = aggregator.aggregate if nested is None else nested.aggregate
+    update, inner = rule(updates, weights, state.aggregator, inner_key)
+    return update, state._replace(aggregator=inner)
+
+  return Aggregator(init, Received(receive, aggregate, name="corrupt"), always_releases=aggregator.always_releases)
 
 
 # ---- data poisoning ----------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Attacks on the stacked client updates and data poisoning, against NumPy transcriptions of the papers' formulas."""
 
+import functools
 import math
 
 import jax
@@ -131,6 +132,28 @@ def test_generalized_byzantine_corrupts_at_most_the_fraction_per_coordinate():
   np.testing.assert_array_equal(bad.sum(0), 2)
 
 
+def test_generalized_byzantine_values_come_from_every_participating_update():
+  """Every row an attacker (the paper's dimensional model): the value attack reads the n = 7 participating clients'
+  own updates, since each is honest on most coordinates. omniscient(1e4) puts −1e4 Σ_i v_i, ipm(0.5) −0.5 · their
+  mean, ALIE their mean − z · std with f = ⌊0.3 · 7⌋ = 2 corrupted per coordinate (float64 NumPy over the 7 rows)."""
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(C, 40)).astype(np.float32).astype(np.float64)
+  w = np.ones(C)
+  w[list(ZERO)] = 0
+  real = x[w > 0]
+  n, f = 7, 2
+  z = scipy.stats.norm.ppf((n - (math.floor(n / 2 + 1) - f)) / n)
+  cases = ((attacks.omniscient(1e4), -1e4 * real.sum(0)), (attacks.ipm(0.5), -0.5 * real.mean(0)),
+           (attacks.alie(), real.mean(0) - z * real.std(0, ddof=1)),
+           (attacks.alie(1.5), real.mean(0) - 1.5 * real.std(0, ddof=1)))
+  for attack, value in cases:
+    got, _ = attacked(attacks.generalized_byzantine(0.3, attack), x, w, 1.0, x64=False)
+    bad = got != x
+    np.testing.assert_array_equal(bad.sum(0), 2)
+    assert not bad[list(ZERO)].any()
+    np.testing.assert_allclose(got, np.where(bad, value[None, :], x), rtol=1e-5, atol=1e-5)
+
+
 def test_attacker_counts_from_a_fraction_or_a_count():
   x, w = setup()  # 7 clients take part
   for attackers, expected in ((0.0, 0), (0.3, 2), (0.5, 3), (1.0, 7), (2, 2), (20, 7)):
@@ -173,6 +196,85 @@ def test_corrupt_composes_with_an_aggregator():
   np.testing.assert_allclose(out["p"], w @ y / w.sum(), rtol=1e-12)
 
 
+# ---- what the server receives passes the non-finite guard --------------------------------------------------
+
+_GUARDED = {}
+
+
+def guarded(agg, x, w):
+  """`core.aggregate_updates` (the round's non-finite guard around `agg`) on float32 rows x [C, D], jitted once per
+  aggregator: the `Aggregated` result."""
+  fn = _GUARDED.setdefault(agg, jax.jit(functools.partial(fo.core.aggregate_updates, agg)))
+  return fn({"p": jnp.asarray(x, jnp.float32)}, jnp.asarray(w, jnp.float32), agg.init({"p": jnp.zeros(D)}), KEY)
+
+
+OVERFLOW = attacks.omniscient(1e40)  # −1e40 × the honest sum: ±inf (NaN where the sum is 0) in float32
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+def test_attackers_nonfinite_rows_are_dropped_and_counted_by_the_guard():
+  """omniscient(1e40) overflows float32, so rows 0 and 3 arrive as ±inf: the guard judges them as it judges any
+  client (counted in num_nonfinite, excluded), and the rule aggregates the five finite rows (float64 NumPy: the
+  weighted mean, the coordinate-wise median)."""
+  x, w = setup()
+  x = x.astype(np.float32).astype(np.float64)
+  honest = honest_rows(w)
+  for rule, want in ((A.weighted_mean(), w[honest] @ x[honest] / w[honest].sum()),
+                     (A.marginal_median(), np.median(x[honest], 0))):
+    out = guarded(attacks.corrupt(rule, OVERFLOW, attackers=[0, 3]), x, w)
+    assert int(out.num_nonfinite) == 2 and bool(out.accepted)
+    np.testing.assert_array_equal(np.asarray(out.finite), ~np.isin(np.arange(C), [0, 3]))
+    np.testing.assert_allclose(out.update["p"], want, rtol=1e-5, atol=1e-6)
+    assert int(out.state.num_attackers) == 2
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+def test_a_round_whose_every_row_overflows_is_rejected():
+  """Every client taking part attacks with a non-finite value: no finite client is left, so the round is rejected
+  (update 0, the aggregator state kept), as a round of broken clients is."""
+  x, w = setup()
+  agg = attacks.corrupt(A.marginal_median(), attacks.gaussian(1e39), attackers=1.0)  # 1e39 · N(0, 1): ±inf
+  out = guarded(agg, x, w)
+  assert int(out.num_nonfinite) == 7 and not bool(out.accepted)
+  np.testing.assert_array_equal(out.update["p"], np.zeros(D))
+  assert int(out.state.num_attackers) == 0  # the state before the round
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+def test_nested_attacks_each_reach_the_guard():
+  """corrupt(corrupt(mean, sign_flip, rows [3]), omniscient(1e40), rows [0]): the outer attack runs first, then the
+  inner one; the overflowing row 0 is dropped and counted, row 3 arrives negated (float64 NumPy mean)."""
+  x, w = setup()
+  x = x.astype(np.float32).astype(np.float64)
+  inner = attacks.corrupt(A.weighted_mean(), attacks.sign_flip(), attackers=[3])
+  out = guarded(attacks.corrupt(inner, OVERFLOW, attackers=[0]), x, w)
+  y, v = x.copy(), w.copy()
+  y[3] *= -1
+  v[0] = 0
+  assert int(out.num_nonfinite) == 1 and bool(out.accepted)
+  np.testing.assert_allclose(out.update["p"], v @ y / v.sum(), rtol=1e-5, atol=1e-6)
+  assert int(out.state.num_attackers) == 1 and int(out.state.aggregator.num_attackers) == 1
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+def test_per_cluster_aggregation_counts_each_clusters_dropped_attackers():
+  """Clustered rounds guard each cluster's rows: an overflowing attacker in cluster 1 is counted, not used, and
+  does not count in cluster 0 (where it takes no part)."""
+  x, w = setup()
+  x = x.astype(np.float32).astype(np.float64)
+  cluster = np.array([0, 0, 0, 1, 1, 1, 1, 0, 1])
+  agg = attacks.corrupt(A.weighted_mean(), OVERFLOW, attackers=[3])  # row 3: in cluster 1
+  states = jax.tree.map(lambda s: jnp.stack([s, s]), agg.init({"p": jnp.zeros(D)}))
+  out = jax.jit(lambda u, v, c, s: fo.core.clusters.aggregate_per_cluster(agg, u, v, c, 2, s, KEY))(
+      {"p": jnp.asarray(x, jnp.float32)}, jnp.asarray(w, jnp.float32), jnp.asarray(cluster), states)
+  assert int(out.num_nonfinite) == 1
+  used = (w > 0) & (np.arange(C) != 3)
+  np.testing.assert_array_equal(np.asarray(out.used), used)
+  for j in (0, 1):
+    member = used & (cluster == j)
+    np.testing.assert_allclose(out.update["p"][j], w[member] @ x[member] / w[member].sum(), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_arguments_raise_clear_errors():
   with pytest.raises(ValueError, match=r"corrupt: attackers as a fraction must be in \[0, 1\]; got 1.5"):
     attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=1.5)
@@ -186,6 +288,8 @@ def test_bad_arguments_raise_clear_errors():
     attacks.corrupt(lambda u: u, attacks.sign_flip(), attackers=0.1)
   with pytest.raises(ValueError, match=r"generalized_byzantine: fraction must be a float in \(0, 1\]"):
     attacks.generalized_byzantine(0.0, 1.0)
+  with pytest.raises(ValueError, match="generalized_byzantine: values is an Attack without `sent`"):
+    attacks.generalized_byzantine(0.3, attacks.Attack(lambda updates, weights, rows, key: updates))
   with pytest.raises(ValueError, match="gaussian: scale must be a finite number > 0; got -1.0"):
     attacks.gaussian(-1.0)
   with pytest.raises(ValueError, match="omniscient: factor must be a finite number; got inf"):

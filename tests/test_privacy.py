@@ -202,6 +202,25 @@ def test_update_noise_is_raised_so_the_pair_costs_sigma():
   assert lo < float(np.mean(np.asarray(noise, np.float64) ** 2)) / sigma_delta ** 2 < hi
 
 
+@pytest.mark.parametrize("sigma,m,sigma_b", [(1.0, 10.0, 2.0), (0.1, 100.0, 5.0)])
+def test_default_count_noise_is_m_over_20_floored_at_two_sigma(sigma, m, sigma_b):
+  """count_noise_multiplier None: σ_b = max(m/20, 2σ): 2σ = 2 for σ = 1, m = 10 (the floor), m/20 = 5 for m = 100.
+  The round's draws are transcribed (count: b̄ = (Σ (b_k − ½) + σ_b z_b)/m + ½; update: σ_Δ C z/m with
+  σ_Δ = (σ⁻² − (2σ_b)⁻²)^(−1/2), within 4% of σ at the floor)."""
+  c, clip = 4, 0.5
+  agg = P.dp_mean(clip, sigma, expected_clients=m, adaptive=P.AdaptiveClipping(0.5, 0.2))
+  key = jax.random.key(21)
+  out, new = jax.jit(agg.aggregate)({"p": jnp.zeros((c, 6), jnp.float32)}, jnp.ones(c, jnp.float32),
+                                    agg.init(None), key)
+  update_key, count_key = jax.random.split(key)
+  z = np.asarray(jax.random.normal(jax.random.split(update_key, 1)[0], (6,), jnp.float32), np.float64)
+  z_b = float(jax.random.normal(count_key, (), jnp.float32))
+  np.testing.assert_allclose(new.noisy_fraction, (c * 0.5 + sigma_b * z_b) / m + 0.5, rtol=1e-5)
+  sigma_delta = (sigma ** -2 - (2 * sigma_b) ** -2) ** -0.5
+  np.testing.assert_allclose(out["p"], sigma_delta * clip * z / m, rtol=1e-5)
+  assert sigma_delta <= 1.04 * sigma
+
+
 def test_adaptive_clipping_converges_to_the_target_quantile():
   """Updates with norms drawn from a fixed log-normal: C_t approaches the γ-quantile of that distribution."""
   c, gamma = 200, 0.7

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 import scipy.optimize
-from conftest import lsq_loss, pack
+from conftest import lsq_grad_np, lsq_loss, pack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -310,6 +310,37 @@ def test_no_client_taking_part_gives_zeros(name):
   np.testing.assert_array_equal(_run(name, x, np.zeros(C)), np.zeros(10))
 
 
+@pytest.mark.parametrize("name", sorted(RULES))
+def test_a_nonfinite_row_taking_part_counts_as_absent(name):
+  """Called directly, with NaN or ±inf in rows that take part, every rule gives its result over the finite rows:
+  the same as with those rows at weight 0 (in a round the guard drops them first and counts them)."""
+  x, w = data(9)
+  bad = x.copy()
+  bad[0, 4], bad[7, 0] = np.inf, -np.inf
+  bad[5] = np.nan
+  dropped = w.copy()
+  dropped[[0, 5, 7]] = 0
+  got = _run(name, bad, w)
+  assert np.all(np.isfinite(got))
+  np.testing.assert_array_equal(got, _run(name, x, dropped))
+
+
+def test_mean_around_median_breaks_distance_ties_toward_the_smaller_value():
+  """On a grid of small integers the values tie in distance to the median all the time: the n − q kept are the
+  closest, equal distances going to the smaller value (the NumPy reference's lexsort). By hand, one column of the
+  n = 9 values {−2, −1, −1, 0, 0, 0, 1, 1, 2} with q = 4 keeps 0, 0, 0 and then two of ±1 (a tie): −1 and −1."""
+  rng = np.random.default_rng(10)
+  for seed in range(3):
+    x, w = data(seed)
+    x[w > 0] = rng.integers(-3, 4, size=(int(np.sum(w > 0)), 10))
+    for q in (0, 2, 4):
+      np.testing.assert_allclose(aggregate(MEAMED[q], x, w)[0], np_mean_around_median(x[w > 0], q), rtol=1e-12,
+                                 atol=1e-12)
+  x, w = data(0)
+  x[w > 0, 0] = [1, -1, 0, 2, 0, -1, 0, -2, 1]
+  assert aggregate(MEAMED[4], x, w)[0][0] == -2 / 5
+
+
 # ---- arguments ---------------------------------------------------------------------------------------------
 
 
@@ -474,6 +505,40 @@ def test_fedavg_with_each_rule(name, identical_clients_mean_run):
   state, losses = _fedavg_run(algo_and_step, batches, params)
   assert all(b < a for a, b in itertools.pairwise(losses)), losses
   assert bool(state.metrics["round_accepted"])
+
+
+def _local_deltas(batches, params, lr, steps):
+  """Each client's local SGD on the mean least-squares loss of each step's batch, in float64 NumPy: [C, d + 1]."""
+  x, y = np.asarray(batches.data["x"], np.float64), np.asarray(batches.data["y"], np.float64)
+  w0, b0 = np.asarray(params["w"], np.float64), float(params["b"])
+  deltas = []
+  for k in range(x.shape[0]):
+    w, b = w0.copy(), b0
+    for s in range(steps):
+      gw, gb = lsq_grad_np(w, b, x[k, s], y[k, s])
+      w, b = w - lr * gw, b - lr * gb
+    deltas.append(np.append(w - w0, b - b0))
+  return np.array(deltas)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e40 as float32: the point
+@pytest.mark.parametrize("name,reference", [("mean_around_median", lambda v: np_mean_around_median(v, 2)),
+                                            ("bulyan", lambda v: np_bulyan(v, 1))])
+def test_fedavg_round_drops_attackers_whose_values_overflow(name, reference):
+  """FedAvg + corrupt(rule, omniscient(1e40)) in float32: attackers 1 and 4 send ±inf. The round counts them in
+  num_nonfinite, aggregates the 5 finite clients with the rule, and the model moves by the rule over their deltas
+  (local SGD and the rule in float64 NumPy). Before, MeaMed kept a silent 0 and Bulyan an all-zero update."""
+  batches, params = _lsq_setup(identical=False)
+  aggregator = attacks.corrupt(FEDAVG_RULES[name](), attacks.omniscient(1e40), attackers=[1, 4])
+  algo, step = _fedavg_step(aggregator)
+  state = step(algo.init(params, jax.random.key(0)), batches)
+  assert int(state.metrics["num_nonfinite"]) == 2 and int(state.metrics["num_clients"]) == 5
+  assert bool(state.metrics["round_accepted"])
+  deltas = _local_deltas(batches, params, 0.05, 3)
+  honest = np.isin(np.arange(8), [0, 2, 3, 5, 6])
+  want = reference(deltas[honest])
+  got = np.append(np.asarray(state.params["w"]), float(state.params["b"]))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def _attacked_lsq(aggregator, attacked=True, rounds=30):

@@ -29,7 +29,12 @@ can be corrupted somewhere.
 Clients that take no part (weight 0: padding, not sampled, or excluded by
 the round's rules, docs/architecture.md "The round") never count as votes;
 their rows may hold anything (huge values, NaN) without changing the
-result. Shapes stay static: rows are sorted with +inf in the
+result. A row that takes part but holds a NaN or ±inf is no vote either:
+every rule gives its result over the finite rows, as if that row had
+weight 0. In a round the non-finite guard (`core.server.aggregate_updates`)
+drops such rows before the rule sees them, an attacker's as received
+included (`fedjax_opt.attacks.corrupt`), and counts them in
+`num_nonfinite`; called directly, the rules drop them the same way. Shapes stay static: rows are sorted with +inf in the
 absent rows' places and indexed with the number n of clients taking part,
 a traced count, so the same compiled round serves any n. Every rule
 returns zeros when no client takes part (the guard then rejects the
@@ -59,6 +64,7 @@ from jax import lax
 from fedjax_opt.aggregators.base import stateless_init
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.ordering import row_positions, sort_rows
+from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.types import Aggregator
 from fedjax_opt.core.validation import check_int
 
@@ -83,6 +89,11 @@ def _num_rows(updates: PyTree, weights: jax.Array) -> int:
       raise ValueError(f"every leaf of updates must be stacked [C, ...] with C = {c} (the length of weights); "
                        f"got a leaf of shape {tuple(jnp.shape(leaf))}.")
   return c
+
+
+def _voters(updates: PyTree, weights: jax.Array) -> jax.Array:
+  """`[C]` bool: the rows that vote, those taking part (weight > 0) whose update is finite (module docstring)."""
+  return (weights > 0) & client_is_finite(updates)
 
 
 def _present(updates: PyTree, mask: jax.Array) -> PyTree:
@@ -150,28 +161,34 @@ def _median_of_sorted(s: jax.Array, n: jax.Array) -> jax.Array:
 def _mean_closest(s: jax.Array, n: jax.Array, center: jax.Array, keep: jax.Array) -> jax.Array:
   """Per coordinate, the mean of the `keep` values among the first n rows of the sorted `s` closest to `center`.
 
-  Closeness is the key (|v − center|, v): equal distances go to the smaller
-  value, so the set does not depend on the order of the clients. The
-  `keep` closest values are a window [a, a + keep) of the sorted values,
-  and it is the window whose farthest end (by that key) is nearest, so no
-  second sort is needed: O(d C) after the sort.
+  Closeness is the key k(v) = (|v − center|, v): equal distances go to the
+  smaller value, so the kept values do not depend on the order of the
+  clients. With k* the keep-th smallest key and v* its value, they are
+  every value with a key below k* and keep − #{k(v) < k*} copies of v*.
+  Any `keep` consecutive sorted values hold a key ≥ k*, and the keep
+  closest are such a window, so k* is the least, over the windows
+  [a, a + keep), of the larger key of the window's two ends: O(d C) after
+  the sort, no second sort. (The window itself is not used: with repeated
+  values two windows can share that key and only one holds the closest.)
   """
   c = s.shape[0]
   pos = row_positions(s)
   padded = jnp.concatenate([s, jnp.full_like(s, jnp.inf)])
   left, right = s, lax.dynamic_slice_in_dim(padded, keep - 1, c, axis=0)  # the window's two ends, per start a
   d_left, d_right = jnp.abs(left - center), jnp.abs(right - center)
-  right_farther = d_right >= d_left
+  right_farther = d_right >= d_left  # equal distances: the larger value has the larger key
   far_dist = jnp.where(right_farther, d_right, d_left)
   far_value = jnp.where(right_farther, right, left)
   valid = pos <= n - keep
   far_dist = jnp.where(valid, far_dist, jnp.inf)
-  best = valid & (far_dist == jnp.min(far_dist, axis=0, keepdims=True))
-  far_value = jnp.where(best, far_value, jnp.inf)
-  best &= far_value == jnp.min(far_value, axis=0, keepdims=True)
-  start = jnp.min(jnp.where(best, pos, c), axis=0, keepdims=True)
-  taken = jnp.where((pos >= start) & (pos < start + keep), s, jnp.zeros_like(s))
-  return jnp.sum(taken, axis=0) / jnp.maximum(keep, 1).astype(s.dtype)
+  best_dist = jnp.min(far_dist, axis=0)
+  best_value = jnp.min(jnp.where(valid & (far_dist == best_dist), far_value, jnp.inf), axis=0)
+  dist = jnp.abs(s - center)
+  below = (pos < n) & ((dist < best_dist) | ((dist == best_dist) & (s < best_value)))
+  count = jnp.sum(below, axis=0, dtype=jnp.int32)
+  total = jnp.sum(jnp.where(below, s, jnp.zeros_like(s)), axis=0)
+  ties = (keep - count).astype(s.dtype)
+  return (total + jnp.where(ties > 0, ties * best_value, 0)) / jnp.maximum(keep, 1).astype(s.dtype)
 
 
 def marginal_median() -> Aggregator:
@@ -191,7 +208,7 @@ def marginal_median() -> Aggregator:
   def aggregate(updates, weights, state, key):
     del key
     _num_rows(updates, weights)
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     out = jax.tree.map(lambda u: _median_of_sorted(_sorted(u, mask), n), updates)
     return _zeros_if_none(n, out), state
@@ -205,11 +222,16 @@ def mean_around_median(num_byzantine: int) -> Aggregator:
       μ_j = median_i (v_i)_j,   ρ_j = (1 / (n − q)) Σ_{i ∈ top-(n−q) closest to μ_j} (v_i)_j.
 
   With q ≥ the number of corrupted values in every coordinate and q < n/2,
-  every value kept lies within the range of the correct values, so ρ_j is
-  dimensional-Byzantine resilient, and it averages n − q values where the
-  median uses one or two (lower variance: faster convergence under attack).
-  Ties in distance are broken by value, so the result does not depend on
-  the order of the clients. Cost: one sort over the C rows per coordinate,
+  μ_j lies within the range of the correct values, and, as at least n − q
+  values are correct, no kept value is farther from μ_j than the farthest
+  correct value: ρ_j stays within [μ_j − r_j, μ_j + r_j], r_j = max over
+  the correct i of |(v_i)_j − μ_j|, so it is dimensional-Byzantine
+  resilient. A kept value may lie outside the range of the correct values
+  (of {−10, 0, 0, 1, 2} with 2 corrupted, q = 1 keeps 2), never farther out
+  than that. It averages n − q values where the median uses one or two
+  (lower variance: faster convergence under attack). Ties in distance go
+  to the smaller value, so the result does not depend on the order of the
+  clients. Cost: one sort over the C rows per coordinate,
   O(d C log² C) work (the n − q closest values are a window of the sorted
   ones, found in O(d C)), O(d C) memory.
 
@@ -228,7 +250,7 @@ def mean_around_median(num_byzantine: int) -> Aggregator:
     if q >= c:
       raise ValueError(f"mean_around_median: num_byzantine = {q} must be smaller than the number of clients in the "
                        f"round, C = {c}; lower num_byzantine or aggregate more clients.")
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     keep = jnp.maximum(n - q, 1)
 
@@ -268,7 +290,7 @@ def trimmed_mean(beta: float) -> Aggregator:
   def aggregate(updates, weights, state, key):
     del key
     c = _num_rows(updates, weights)
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     b = _trim_counts(beta, c)[n]
 
@@ -335,7 +357,7 @@ def geometric_median(tol: float = 1e-6, max_iterations: int = 100, smoothing: fl
   def aggregate(updates, weights, state, key):
     del key
     _num_rows(updates, weights)
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
     dtype = _float_dtype(x)
@@ -432,7 +454,7 @@ def krum(num_byzantine: int) -> Aggregator:
     del key
     c = _num_rows(updates, weights)
     _check_krum_rows("krum", f, c, 2 * f + 3, "n > 2·num_byzantine + 2")
-    mask = weights > 0
+    mask = _voters(updates, weights)
     x = _present(updates, mask)
     best = _krum_order(_pairwise_sq_distances(x, mask, jnp.sum(mask)), mask, f)[0]
     out = jax.tree.map(lambda u: _index(u, best), x)
@@ -467,7 +489,7 @@ def multi_krum(num_byzantine: int, m: int | None = None) -> Aggregator:
     _check_krum_rows("multi_krum", f, c, 2 * f + 3, "n > 2·num_byzantine + 2")
     if m is not None and m > c:
       raise ValueError(f"multi_krum: m = {m} must be at most the number of clients in the round, C = {c}.")
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
     order = _krum_order(_pairwise_sq_distances(x, mask, n), mask, f)
@@ -510,7 +532,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
     del key
     c = _num_rows(updates, weights)
     _check_krum_rows("bulyan", f, c, 4 * f + 3, "n ≥ 4·num_byzantine + 3")
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
     sq_dist = _pairwise_sq_distances(x, mask, n)
@@ -582,7 +604,7 @@ def centered_clipping(tau: float, iterations: int = 1, momentum: float = 0.0) ->
   def aggregate(updates, weights, state, key):
     del key
     _num_rows(updates, weights)
-    mask = weights > 0
+    mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
     share = mask.astype(_float_dtype(x)) / jnp.maximum(n, 1)

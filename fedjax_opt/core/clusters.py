@@ -139,7 +139,7 @@ def aggregate_per_cluster(aggregator: Aggregator, updates: PyTree, weights: jax.
   w = jnp.where(member, weights[None, :], jnp.zeros_like(weights)[None, :])
   keys = jax.random.split(key, num_clusters)
   agg = jax.vmap(lambda wj, sj, kj: aggregate_updates(aggregator, updates, wj, sj, kj))(w, states, keys)
-  finite = agg.finite[0]
+  finite = jnp.all(agg.finite, axis=0)  # as sent, the same in every cluster; as received, judged in its own cluster
   used = (weights > 0) & finite & jnp.any(member & agg.accepted[:, None], axis=0)
   counts = jnp.sum(member & used[None, :], axis=1, dtype=jnp.int32)
   used_w = jnp.where(used, weights, jnp.zeros_like(weights)).astype(jnp.float32)

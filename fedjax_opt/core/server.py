@@ -5,6 +5,10 @@
   update to 0 before the aggregator sees it) and counted; a round where no
   client is left is rejected: the update is 0 and the aggregator state is
   kept. The model is never corrupted by one broken client.
+* `Received`: an aggregate function in two steps, what the server receives
+  (a simulated attack, `fedjax_opt.attacks.corrupt`) and then the rule. The
+  guard judges the rows as received: a row the first step makes non-finite
+  is dropped and counted like any non-finite client, before the rule sees it.
 * `apply_server_update`: feeds the pseudo-gradient −Δ to an optax server
   optimizer, x ← x + u with u = ServerOpt(−Δ); a rejected round leaves both
   the model and the optimizer state unchanged.
@@ -12,7 +16,8 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +26,9 @@ import optax
 from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
 from fedjax_opt.core.types import Aggregator, ClientStage
 
-__all__ = ["Aggregated", "ROUND_METRICS", "aggregate_updates", "apply_server_update", "check_aggregator",
-           "client_is_finite", "finish_aggregation", "initial_round_metrics", "round_metrics", "zero_nonfinite"]
+__all__ = ["Aggregated", "ROUND_METRICS", "Received", "aggregate_updates", "apply_server_update", "check_aggregator",
+           "client_is_finite", "finish_aggregation", "guarded_aggregate", "initial_round_metrics", "round_metrics",
+           "zero_nonfinite"]
 
 PyTree = Any
 
@@ -100,10 +106,61 @@ def finish_aggregation(update: PyTree, new_state: Any, state: Any, used_weights:
   )
 
 
-def aggregate_updates(aggregator: Aggregator, updates: PyTree, weights: jax.Array, state: Any, key: jax.Array) -> Aggregated:
-  """Aggregates stacked client updates `[C, ...]` with the non-finite guard."""
+@dataclasses.dataclass(frozen=True)
+class Received:
+  """An `Aggregator.aggregate` in two steps: what the server receives, then the rule.
+
+      (ṽ, state') = receive(v, w, state, key)      the rows as the server receives them (a simulated attack)
+      (Δ, state'') = aggregate(ṽ', w', state', key)
+
+  where (ṽ', w') are ṽ and w after the non-finite guard (`zero_nonfinite`).
+  Called as a function it runs `guarded_aggregate`; `aggregate_updates` (the
+  round's guard) runs it too, so a row that `receive` makes non-finite is
+  dropped and counted in `num_nonfinite` like any non-finite client, and a
+  round left without a finite client is rejected. `receive` sees the rows
+  after the guard (non-finite clients already at weight 0), may change only
+  rows that take part, and returns the rows in their dtypes. It needs the
+  stacked rows, so an aggregator built on it has no streaming form.
+
+  Attributes:
+    receive: `receive(updates [C, ...], weights [C], state, key) -> (updates, state)`.
+    aggregate: `aggregate(updates, weights, state, key) -> (update, state)`, the rule on the received rows.
+    name: a label (the factory that built it), for messages.
+  """
+
+  receive: Callable[[PyTree, jax.Array, Any, jax.Array], tuple[PyTree, Any]]
+  aggregate: Callable[[PyTree, jax.Array, Any, jax.Array], tuple[PyTree, Any]]
+  name: str = "received"
+
+  def __post_init__(self):
+    object.__setattr__(self, "__name__", self.name)  # as a function's: jit and error messages name the factory
+    object.__setattr__(self, "__qualname__", self.name)
+
+  def __call__(self, updates: PyTree, weights: jax.Array, state: Any, key: jax.Array) -> tuple[PyTree, Any]:
+    update, new_state, _, _ = guarded_aggregate(self, updates, weights, state, key)
+    return update, new_state
+
+
+def guarded_aggregate(aggregate: Callable[..., tuple[PyTree, Any]], updates: PyTree, weights: jax.Array, state: Any,
+                      key: jax.Array) -> tuple[PyTree, Any, jax.Array, jax.Array]:
+  """`aggregate` (an `Aggregator.aggregate`) on the rows the non-finite guard lets through.
+
+  Returns `(update, new_state, used_weights, finite)`: `used_weights` `[C]` are the weights with every dropped
+  row at 0, `finite` `[C]` is False for a row that was non-finite as sent or, for a `Received`, as received.
+  """
   clean, w, finite = zero_nonfinite(updates, weights)
-  update, new_state = aggregator.aggregate(clean, w, state, key)
+  if isinstance(aggregate, Received):
+    received, state = aggregate.receive(clean, w, state, key)
+    clean, w, finite_received = zero_nonfinite(received, w)
+    finite = finite & finite_received
+    aggregate = aggregate.aggregate
+  update, new_state = aggregate(clean, w, state, key)
+  return update, new_state, w, finite
+
+
+def aggregate_updates(aggregator: Aggregator, updates: PyTree, weights: jax.Array, state: Any, key: jax.Array) -> Aggregated:
+  """Aggregates stacked client updates `[C, ...]` with the non-finite guard (of the rows as received: `Received`)."""
+  update, new_state, w, finite = guarded_aggregate(aggregator.aggregate, updates, weights, state, key)
   return finish_aggregation(update, new_state, state, w, weights, finite, aggregator.always_releases)
 
 
