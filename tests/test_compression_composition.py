@@ -457,6 +457,46 @@ def test_marginal_median_of_compressed_updates_matches_numpy():
   np.testing.assert_allclose(_rows(C.residuals(state.aggregator_state)), res, rtol=1e-5, atol=1e-7)
 
 
+def _omniscient_row(sent, attacker, factor=1e4):
+  """The omniscient attacker's row: −factor × the sum of the other (honest) clients' rows, float64."""
+  return -factor * np.delete(sent, attacker, axis=0).sum(0)
+
+
+def test_an_attack_after_compression_reaches_the_median_as_the_server_receives_it():
+  """The triple robust rule + attack + compression: `chain(compress(top-2, feedback), corrupt(median, omniscient))`.
+  The clients compress (residuals as without the attack), the attacker's row is replaced by −10⁴ × the sum of the
+  honest compressed messages (the attacker is not held to the compressor's budget), the median ranks what the
+  server receives (NumPy)."""
+  params, batches = example_inputs("fedavg")
+  xs, ys = _data(batches)
+  sent, res = _numpy_fedavg_messages(_vec(params), xs, ys, 0.05, _np_top_k(2))
+  received = sent.copy()
+  received[1] = _omniscient_row(sent, 1)
+  attacked = fo.attacks.corrupt(fo.aggregators.marginal_median(), fo.attacks.omniscient(1e4), attackers=[1])
+  algo = _fedavg(attacked, C.compress(C.top_k(k=2), error_feedback=True, num_clients=4))
+  state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+  np.testing.assert_allclose(_vec(state.params), _vec(params) + np.median(received, axis=0), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(_rows(C.residuals(state.aggregator_state)), res, rtol=1e-5, atol=1e-7)
+  assert int(state.aggregator_state.server.num_attackers) == 1
+
+
+def test_dp_mean_clips_an_attackers_row_like_any_other():
+  """`corrupt(dp_mean)`: the attack acts on what the server receives and dp_mean clips it to C like every row, so
+  the attacker moves the mean by at most C/m (σ = 0; NumPy: replace, clip each row, sum, divide by m)."""
+  params, batches = example_inputs("fedavg")
+  xs, ys = _data(batches)
+  sent, _ = _numpy_fedavg_messages(_vec(params), xs, ys, 0.05, lambda v: v)
+  received = sent.copy()
+  received[2] = _omniscient_row(sent, 2)
+  clipped = received * np.minimum(1.0, CLIP / np.linalg.norm(received, axis=1))[:, None]
+  attacked = fo.attacks.corrupt(fo.privacy.dp_mean(CLIP, 0.0, expected_clients=M_DENOMINATOR),
+                                fo.attacks.omniscient(1e4), attackers=[2])
+  state = jax.jit(_fedavg(attacked, None).step)(_fedavg(attacked, None).init(params, jax.random.key(0)), batches)
+  moved = _vec(state.params) - _vec(params)
+  np.testing.assert_allclose(moved, clipped.sum(0) / M_DENOMINATOR, rtol=1e-5, atol=1e-7)
+  assert np.linalg.norm(clipped[2]) == pytest.approx(CLIP)
+
+
 # ----------------------------------------------------------------------------- secure summation after compression
 
 
