@@ -126,7 +126,8 @@ def test_each_masked_upload_looks_uniform_and_the_uploads_unmask_to_exactly_the_
   assert bool(result.ok) and int(result.num_dropped) == 0
   # The pairwise masks alone cancel exactly in the ring; the self masks do not (the server removes them).
   sk = jnp.asarray(np.random.default_rng(1).integers(1, PRIME - 1, c), jnp.uint32)
-  masks = S._pair_masks(jax.random.key(2), sk, S._pow_mod(jnp.uint32(7), sk), jnp.ones(c, bool), 64)
+  nonce = jnp.asarray([12345, 678], jnp.uint32)
+  masks, _ = S._masks(nonce, sk, S._pow_mod(jnp.uint32(7), sk), jnp.ones(c, bool), 64)  # pair masks only
   np.testing.assert_array_equal(_ring_sum(masks), np.zeros(64, np.uint64))
   assert np.all(np.asarray(masks) != 0)
   assert not np.array_equal(_ring_sum(result.uploads), _ring_sum(encoded))
@@ -322,3 +323,4 @@ def test_the_benchmark_quick_mode_runs_and_writes_its_table(tmp_path):
   for r in rows:
     assert r["secure_s"] > 0 and r["mean_s"] > 0 and r["exact"]
     assert r["upload_bits"] == 32 * (r["parameters"] + 1) + 64 + 96 * (r["clients"] - 1)
+

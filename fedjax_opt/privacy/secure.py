@@ -95,6 +95,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.random import threefry_2x32
 
 from fedjax_opt.core.server import refuse_client_stage
 from fedjax_opt.core.tree import select_tree
@@ -170,9 +171,14 @@ def _fold_mod(x: jax.Array, op: Callable, identity: int) -> jax.Array:
 
 # --- Shamir secret sharing over F_p ---------------------------------------------------------------------------
 
-def _random_field(key: jax.Array, shape: tuple[int, ...], low: int = 0, high: int = PRIME) -> jax.Array:
-  """Uniform integers in [low, high) as uint32."""
-  return jax.random.randint(key, shape, low, high, jnp.int32).astype(jnp.uint32)
+def _field_from_words(words: jax.Array) -> jax.Array:
+  """`[..., 2]` uniform uint32 words (hi, lo) -> (2³² hi + lo) mod p = (2 hi + lo) mod p: within 2^−33 of uniform on F_p."""
+  return _add_mod(_mul_mod(_reduce(words[..., 0]), jnp.uint32(2)), _reduce(words[..., 1]))
+
+
+def _random_field(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Uniform elements of F_p (integers in [0, p)) as uint32, from one draw of random bits."""
+  return _field_from_words(jax.random.bits(key, shape + (2,), jnp.uint32))
 
 
 def _evaluate(secrets: jax.Array, coefficients: jax.Array, xs: jax.Array) -> jax.Array:
@@ -276,8 +282,16 @@ class SecureSum(NamedTuple):
   num_dropped: jax.Array
 
 
-def _pair_key(nonce: jax.Array, low: jax.Array, high: jax.Array, agreed: jax.Array) -> jax.Array:
-  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(nonce, low), high), agreed)
+def _mask_keys(nonce: jax.Array, secrets: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
+  """The PRG key of each mask, s = threefry_(n₀ ⊕ a, n₁ ⊕ a)(i, j): `[K]` secrets a, `[K]` pairs i ≤ j -> `[K]` keys.
+
+  a is a pair's agreed key a_{ij} (i < j) or a member's self-mask seed b_i (i = j), so no pair's key is a self
+  mask's; (n₀, n₁) is the round's nonce.
+  """
+  # Both key words depend on the nonce and a alike: under vmap, threefry's CPU lowering needs them batched alike.
+  words = threefry_2x32((nonce[0] ^ secrets, nonce[1] ^ secrets),
+                        jnp.concatenate([low, high]).astype(jnp.uint32))  # the K pairs (i, j), hashed side by side
+  return jax.random.wrap_key_data(words.reshape(2, -1).T, impl="threefry2x32")
 
 
 def _expand(keys: jax.Array, length: int) -> jax.Array:
@@ -285,34 +299,60 @@ def _expand(keys: jax.Array, length: int) -> jax.Array:
   return jax.vmap(lambda k: jax.random.bits(k, (length,), jnp.uint32))(keys)
 
 
-def _pair_masks(nonce: jax.Array, sk: jax.Array, pk: jax.Array, member: jax.Array, length: int) -> jax.Array:
-  """Σ_{c' > c} PRG(s_{cc'}) − Σ_{c' < c} PRG(s_{cc'}) for every member c, `[C, length]`.
+def _masks(nonce: jax.Array, sk: jax.Array, pk: jax.Array, member: jax.Array, length: int, *,
+           seeds: jax.Array | None = None, removal: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+  """Every mask of a round, C masks of `length` words per step of one loop: (the members' rows, the server's part).
 
-  The pairs are walked by offset k = 1 … ⌊C/2⌋: (c, c + k mod C) for every c
-  (at k = C/2 for even C, only c < C/2), so each pair is expanded once and
-  added to one client's row and subtracted from the other's.
+  Steps 1 … ⌊C/2⌋, the pair masks: at offset k the pairs (c, c + k mod C) (at k = C/2 for even C, only
+  c < C/2), so that each pair's mask, from a_{cc'} = pk_{c'}^{sk_c}, is expanded once and added to one member's
+  row and subtracted from the other's: row c holds Σ_{c' > c} PRG(s_{cc'}) − Σ_{c' < c} PRG(s_{cc'}) over the
+  other members c'. With `seeds` (b_c), one step adds each member's self mask PRG(b_c) to its row. With
+  `removal = (survivors, recovered, dropped, num_dropped)`, what the server subtracts from the survivors' sum:
+  one step for the survivors' self masks PRG(b_u) (b_u = recovered[u]), then one per dropped member d =
+  dropped[r], r < num_dropped, for the masks Σ_u ±PRG(s_{ud}) it left in the survivors' uploads, from
+  a_{ud} = pk_u^{sk_d} (sk_d = recovered[d]).
+
+  One loop body holds the key agreement, the key derivation and the expansion (threefry, a large program) once,
+  so they are compiled once for every kind of mask.
+
+  Returns:
+    (`[C, length]` uint32 rows, `[length]` uint32 to add to Σ_{survivors} y_u: zeros without `removal`).
   """
   c = sk.shape[0]
   index = jnp.arange(c)
+  pair_steps = c // 2
+  self_step = pair_steps if seeds is not None else -1  # -1: no such step
+  row_steps = pair_steps + (seeds is not None)
+  if removal is None:
+    survivors, recovered, dropped, num_dropped = member, sk, index, 0
+    recover_step, num_steps = -1, row_steps
+  else:
+    survivors, recovered, dropped, num_dropped = removal
+    recover_step = row_steps
+    num_steps = row_steps + 1 + num_dropped
+  seeds = recovered if seeds is None else seeds
 
-  def step(acc, k):
+  def body(step, carry):
+    rows, server = carry
+    is_pair, is_drop = step < pair_steps, (recover_step >= 0) & (step > recover_step)
+    k = step + 1
     other = (index + k) % c
-    agreed = _pow_mod(pk[other], sk)  # client c's side of the key agreement
-    keys = jax.vmap(_pair_key, in_axes=(None, 0, 0, 0))(nonce, jnp.minimum(index, other),
-                                                         jnp.maximum(index, other), agreed)
+    d = dropped[jnp.clip(step - recover_step - 1, 0, c - 1)]
+    agreed = _pow_mod(jnp.where(is_pair, pk[other], pk), jnp.where(is_pair, sk, recovered[d]))
+    partner = jnp.where(is_pair, other, jnp.where(is_drop, d, index))
+    secret = jnp.where(is_pair | is_drop, agreed, jnp.where(step == self_step, seeds, recovered))
+    g = _expand(_mask_keys(nonce, secret, jnp.minimum(index, partner), jnp.maximum(index, partner)), length)
     live = member & member[other] & ~((2 * k == c) & (index >= c // 2))
-    g = _expand(keys, length)
-    signed = jnp.where((live & (index < other))[:, None], g, jnp.where(live[:, None], jnp.uint32(0) - g, 0))
-    return acc + signed - jnp.roll(signed, k, axis=0), None
+    plus = jnp.where(is_pair, live & (index < other),
+                     jnp.where(step == self_step, member, survivors & (~is_drop | (index < d))))
+    minus = jnp.where(is_pair, live & (index > other), is_drop & survivors & (index > d))
+    signed = jnp.where(plus[:, None], g, jnp.where(minus[:, None], jnp.uint32(0) - g, jnp.uint32(0)))
+    return lax.cond(step < row_steps,
+                    lambda: (rows + signed - jnp.where(is_pair, jnp.roll(signed, k, axis=0), jnp.uint32(0)), server),
+                    lambda: (rows, server - jnp.sum(signed, axis=0, dtype=jnp.uint32)))
 
-  acc = jnp.zeros((c, length), jnp.uint32)
-  return lax.scan(step, acc, jnp.arange(1, c // 2 + 1))[0]
-
-
-def _self_masks(nonce: jax.Array, clients: jax.Array, seeds: jax.Array, length: int) -> jax.Array:
-  """PRG(b_c) for each (client index, seed b_c): `[K]`, `[K]` -> `[K, length]`."""
-  keys = jax.vmap(lambda i, b: jax.random.fold_in(jax.random.fold_in(nonce, i), b))(clients, seeds)
-  return _expand(keys, length)
+  init = (jnp.zeros((c, length), jnp.uint32), jnp.zeros((length,), jnp.uint32))
+  return lax.fori_loop(0, num_steps, body, init)
 
 
 def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: jax.Array, *,
@@ -335,19 +375,19 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
   member = jnp.asarray(member, bool)
   dropped = jnp.asarray(dropped, bool) & member
   survivors = member & ~dropped
-  k_secrets, k_pair, k_self = jax.random.split(key, 3)
   index = jnp.arange(c)
 
-  # Round 0-1: keys and shares (made by the clients). One draw per client: sk_c, b_c and the t − 1
-  # non-constant coefficients of each of their two sharing polynomials.
-  drawn = _random_field(k_secrets, (c, 2 * threshold))
+  # Round 0-1: keys and shares (made by the clients). One draw for everything: each client's sk_c, b_c and the
+  # t − 1 non-constant coefficients of each of its two sharing polynomials, and the round's PRG nonce.
+  words = jax.random.bits(key, (c * 2 * threshold + 1, 2), jnp.uint32)
+  drawn, nonce = _field_from_words(words[:-1]).reshape(c, 2 * threshold), words[-1]
   sk = drawn[:, 0] % (PRIME - 2) + 1  # in [1, p − 2]
   seeds = drawn[:, 1]
   coefficients_sk, coefficients_b = drawn[:, 2:threshold + 1], drawn[:, threshold + 1:]
   pk = _pow_mod(jnp.uint32(GENERATOR), sk)
 
-  # Round 3, the server's reconstruction (written before round 2 so that both rounds' self masks are one
-  # expansion): it collects the shares of the first t survivors and interpolates.
+  # Round 3, the server's reconstruction (written before round 2 so that every mask is made in one loop): it
+  # collects the shares of the first t survivors and interpolates.
   num_survivors = jnp.sum(survivors, dtype=jnp.int32)
   ok = num_survivors >= threshold
   holders = jnp.argsort(~survivors, stable=True)[:threshold]  # the first t survivors
@@ -357,28 +397,15 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
   coefficients = jnp.where(dropped[:, None], coefficients_sk, coefficients_b)
   recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs)
 
-  # Round 2: the uploads; round 3: the server sums those that arrived and removes the self masks, made again
-  # from the reconstructed seeds, and then the dropped members' pair masks.
-  masks = _self_masks(k_self, jnp.concatenate([index, index]), jnp.concatenate([seeds, recovered]), length)
-  uploads = encoded + masks[:c] + _pair_masks(k_pair, sk, pk, member, length)
-  uploads = jnp.where(member[:, None], uploads, jnp.uint32(0))
-  total = jnp.sum(jnp.where(survivors[:, None], uploads - masks[c:], jnp.uint32(0)), axis=0, dtype=jnp.uint32)
-
+  # Round 2, the uploads, and round 3: the server sums those that arrived and removes the survivors' self masks,
+  # made again from the reconstructed seeds, and the dropped members' pair masks.
   num_dropped = jnp.sum(dropped, dtype=jnp.int32)
   order = jnp.argsort(~dropped, stable=True)
-
-  def remove(i, acc):
-    d = order[i]
-    agreed = _pow_mod(pk, recovered[d])  # pk_u^{sk_d}: the server's side of each agreement with d
-    keys = jax.vmap(_pair_key, in_axes=(None, 0, 0, 0))(k_pair, jnp.minimum(index, d), jnp.maximum(index, d), agreed)
-    g = _expand(keys, length)
-    # Survivor u's upload holds +PRG(s_ud) when d > u and −PRG(s_ud) when d < u.
-    plus = jnp.sum(jnp.where((survivors & (index < d))[:, None], g, jnp.uint32(0)), axis=0, dtype=jnp.uint32)
-    minus = jnp.sum(jnp.where((survivors & (index > d))[:, None], g, jnp.uint32(0)), axis=0, dtype=jnp.uint32)
-    return acc + plus - minus
-
-  leftover = lax.fori_loop(0, jnp.where(ok, num_dropped, 0), remove, jnp.zeros((length,), jnp.uint32))
-  total = jnp.where(ok, total - leftover, jnp.uint32(0))
+  rows, removed = _masks(nonce, sk, pk, member, length, seeds=seeds,
+                         removal=(survivors, recovered, order, jnp.where(ok, num_dropped, 0)))
+  uploads = jnp.where(member[:, None], encoded + rows, jnp.uint32(0))
+  total = jnp.sum(jnp.where(survivors[:, None], uploads, jnp.uint32(0)), axis=0, dtype=jnp.uint32) + removed
+  total = jnp.where(ok, total, jnp.uint32(0))
   return SecureSum(uploads=uploads, total=total, ok=ok, num_survivors=num_survivors, num_dropped=num_dropped)
 
 
