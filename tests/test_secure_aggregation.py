@@ -324,3 +324,51 @@ def test_the_benchmark_quick_mode_runs_and_writes_its_table(tmp_path):
     assert r["secure_s"] > 0 and r["mean_s"] > 0 and r["exact"]
     assert r["upload_bits"] == 32 * (r["parameters"] + 1) + 64 + 96 * (r["clients"] - 1)
 
+
+# --------------------------------------------------------------------------- the default threshold follows the members
+
+@jax.jit
+def _default_threshold_rounds(updates, weights, drops):
+  """`secure_aggregation(mean())` with the default threshold, one case per row of `weights` / `drops` `[G, C]`:
+  the members are the slots with weight > 0, `drops` those that drop (a traced input, so one program serves every
+  case)."""
+
+  def one(w, d):
+    agg = P.secure_aggregation(A.mean(), frac_bits=16, bound=1.0, dropout=lambda key, weights: d)
+    return agg.aggregate(updates, w, agg.init(None), jax.random.key(0))
+
+  return jax.vmap(one)(weights, drops)
+
+
+def test_the_default_threshold_is_a_majority_of_the_members_present_not_of_the_slots():
+  """Bonawitz et al. set t as a fraction of the users taking part: with m members among C slots (the rest padding)
+  and d of them dropping, the default t = ⌊m/2⌋ + 1 accepts the round exactly when m − d ≥ ⌊m/2⌋ + 1. A threshold
+  counted over the C slots (⌊C/2⌋ + 1) would reject every round with m ≤ C/2 members, as Poisson sampling's padded
+  rounds mostly are."""
+  c, f = 10, 16
+  u = _updates(c, seed=5)
+  rng = np.random.default_rng(8)
+  cases = [(m, d) for m in range(1, c + 1) for d in range(m + 1)]
+  weights, drops = np.zeros((len(cases), c), np.float32), np.zeros((len(cases), c), bool)
+  for g, (m, d) in enumerate(cases):
+    slots = rng.permutation(c)[:m]  # members anywhere among the slots; the others are padding (weight 0)
+    weights[g, slots] = rng.integers(1, 50, m)
+    drops[g, slots[:d]] = True
+    padding = rng.permutation(c)[:2]
+    drops[g, padding] |= weights[g, padding] == 0  # a padding slot marked as dropping changes nothing
+  out, state = _default_threshold_rounds(u, jnp.asarray(weights), jnp.asarray(drops))
+  flat_u = {name: np.asarray(v, np.float64).reshape(c, -1) for name, v in u.items()}
+  for g, (m, d) in enumerate(cases):
+    accepted = m - d >= m // 2 + 1
+    assert bool(state.num_survivors[g] == m - d) and bool(state.num_dropped[g] == d), (m, d)
+    survivors = (weights[g] > 0) & ~drops[g]
+    for name in u:
+      got = np.asarray(out[name][g], np.float64).reshape(-1)
+      if accepted:  # the mean over the survivors (a float64 NumPy mean), within the fixed-point rounding
+        np.testing.assert_allclose(got, flat_u[name][survivors].mean(0), atol=2.0**-f + 1e-6, rtol=0,
+                                   err_msg=str((m, d)))
+      else:
+        assert np.all(np.isnan(got)), (m, d)
+  np.testing.assert_array_equal(state.threshold, [m // 2 + 1 for m, _ in cases])
+  assert sum(m - d >= m // 2 + 1 for m, d in cases if 2 * m <= c) == 9  # m ≤ 5 of 10 slots: rejected before
+

@@ -34,10 +34,15 @@ wraps an aggregator that is a sum over clients (one with a `StreamingSum`:
    the ring; it is decoded and handed to inner's `finalize` (for `dp_mean`:
    the Gaussian noise is added to the securely summed clipped updates).
 
-Fewer than t survivors: nothing can be unmasked; the aggregate is NaN and the
-inner state is unchanged, so the non-finite guard (`core.server.aggregate_updates`)
+The threshold t counts members, not slots: by default t = ⌊m/2⌋ + 1 for the
+round's m members, a majority of the users who take part, as Bonawitz et al.
+fix t as a fraction of the n users of a round (a padded round, such as Poisson
+sampling's, has m < C). A fixed t can be given instead. Fewer than t
+survivors: nothing can be unmasked; the aggregate is NaN and the inner state
+is unchanged, so the non-finite guard (`core.server.aggregate_updates`)
 rejects the round: model, server optimizer and aggregator state stay as they
-were, and `metrics["round_accepted"]` is False.
+were, and `metrics["round_accepted"]` is False. With the default, that is
+when ⌈m/2⌉ or more of the m members drop (and a round without members).
 
 Encoding. x ↦ ⌊x̄ 2^f⌋ + Bernoulli(frac(x̄ 2^f)) with x̄ = clip(x, −B, B): stochastic
 rounding, unbiased for |x| ≤ B, error < 2^−f per client and coordinate;
@@ -72,9 +77,11 @@ output per round, inherent to the protocol (each pair's mask is expanded once
 here, where both clients expand it in a deployment). Recovery adds one
 expansion per (dropped, survivor) pair, O(|D|·C·P), and the self masks O(C·P).
 The sharing is O(C·t²) field multiplications (every client's polynomial at
-the t holders' points) plus O(t²) for the Lagrange coefficients. The stacked
-form is used in every client map: the masks need each client's index and the
-round key, which a `StreamingSum.term` does not receive.
+the t holders' points; with the default threshold, whose t is traced, at
+⌊C/2⌋ + 1 points with the coefficients past t − 1 zero) plus O(t²) for the
+Lagrange coefficients. The stacked form is used in every client map: the
+masks need each client's index and the round key, which a
+`StreamingSum.term` does not receive.
 
 Bits per client (`SecureAggregationState.upload_bits`), for n members:
 32·(P + 1) for the masked contribution (P coordinates and the scalar), plus
@@ -172,7 +179,7 @@ def _fold_mod(x: jax.Array, op: Callable, identity: int) -> jax.Array:
 # --- Shamir secret sharing over F_p ---------------------------------------------------------------------------
 
 def _field_from_words(words: jax.Array) -> jax.Array:
-  """`[..., 2]` uniform uint32 words (hi, lo) -> (2³² hi + lo) mod p = (2 hi + lo) mod p: within 2^−33 of uniform on F_p."""
+  """`[..., 2]` uniform uint32 words (hi, lo) -> (2³² hi + lo) mod p = (2 hi + lo) mod p, within 2^−33 of uniform."""
   return _add_mod(_mul_mod(_reduce(words[..., 0]), jnp.uint32(2)), _reduce(words[..., 1]))
 
 
@@ -211,26 +218,32 @@ def shamir_share(key: jax.Array, secrets: jax.Array, threshold: int, xs: jax.Arr
   return _evaluate(secrets, coefficients, xs)
 
 
-def _lagrange_at_zero(xs: jax.Array) -> jax.Array:
-  """λ_i = Π_{j≠i} x_j / (x_j − x_i) mod p, so that f(0) = Σ_i λ_i f(x_i) for deg f < len(xs)."""
+def _lagrange_at_zero(xs: jax.Array, used: jax.Array | None = None) -> jax.Array:
+  """λ_i = Π_{j≠i, j used} x_j / (x_j − x_i) mod p for the used points (0 for the others), so that
+  f(0) = Σ_{i used} λ_i f(x_i) for deg f < the number of used points."""
   xs = jnp.asarray(xs, jnp.uint32)
-  eye = jnp.eye(xs.shape[0], dtype=bool)
-  numerator = _fold_mod(jnp.where(eye, jnp.uint32(1), xs[None, :]), _mul_mod, 1)
-  denominator = _fold_mod(jnp.where(eye, jnp.uint32(1), _sub_mod(xs[None, :], xs[:, None])), _mul_mod, 1)
-  return _mul_mod(numerator, _pow_mod(denominator, PRIME - 2))  # Fermat: d^(p−2) = d⁻¹
+  skip = jnp.eye(xs.shape[0], dtype=bool)
+  if used is not None:
+    skip = skip | ~jnp.asarray(used, bool)[None, :]
+  numerator = _fold_mod(jnp.where(skip, jnp.uint32(1), xs[None, :]), _mul_mod, 1)
+  denominator = _fold_mod(jnp.where(skip, jnp.uint32(1), _sub_mod(xs[None, :], xs[:, None])), _mul_mod, 1)
+  weights = _mul_mod(numerator, _pow_mod(denominator, PRIME - 2))  # Fermat: d^(p−2) = d⁻¹
+  return weights if used is None else jnp.where(used, weights, jnp.uint32(0))
 
 
-def shamir_reconstruct(shares: jax.Array, xs: jax.Array) -> jax.Array:
+def shamir_reconstruct(shares: jax.Array, xs: jax.Array, used: jax.Array | None = None) -> jax.Array:
   """The secrets f(0) = Σ_i λ_i f(x_i) mod p from t shares per secret (Lagrange interpolation at 0).
 
   Args:
-    shares: `[S, t]` shares in [0, p), column i taken at point x_i.
-    xs: `[t]` distinct points in [1, p).
+    shares: `[S, n]` shares in [0, p), column i taken at point x_i.
+    xs: `[n]` distinct points in [1, p).
+    used: None (all n shares), or `[n]` bool: interpolate through the used shares only (t of them, which may
+      be traced), ignoring the others.
 
   Returns:
     `[S]` uint32: the secrets, when t is at least the sharing threshold.
   """
-  weights = _lagrange_at_zero(xs)
+  weights = _lagrange_at_zero(xs, used)
   return _fold_mod(_mul_mod(jnp.asarray(shares, jnp.uint32), weights[None, :]), _add_mod, 0)
 
 
@@ -273,6 +286,7 @@ class SecureSum(NamedTuple):
     ok: bool, at least t survivors: the sum could be unmasked.
     num_survivors: int32, members that did not drop.
     num_dropped: int32, members that dropped after the key exchange.
+    threshold: int32, the round's t.
   """
 
   uploads: jax.Array
@@ -280,6 +294,7 @@ class SecureSum(NamedTuple):
   ok: jax.Array
   num_survivors: jax.Array
   num_dropped: jax.Array
+  threshold: jax.Array
 
 
 def _mask_keys(nonce: jax.Array, secrets: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
@@ -356,7 +371,7 @@ def _masks(nonce: jax.Array, sk: jax.Array, pk: jax.Array, member: jax.Array, le
 
 
 def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: jax.Array, *,
-               threshold: int) -> SecureSum:
+               threshold: int | None) -> SecureSum:
   """The protocol of the module docstring on ring elements: masks, uploads, dropout recovery, the unmasked sum.
 
   Args:
@@ -364,38 +379,45 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
     member: `[C]` bool, the clients taking part in the key exchange.
     dropped: `[C]` bool, members that drop after it (their uploads never arrive).
     key: PRNG key: every party's secrets, polynomials and the PRG nonces.
-    threshold: t, 1 ≤ t ≤ C (static): shares needed to reconstruct a secret.
+    threshold: t, the shares needed to reconstruct a secret: an int in [1, C] (static), or None: a majority of
+      the round's m members, t = ⌊m/2⌋ + 1 (traced; the sharing polynomials then have degree t − 1 ≤ ⌊C/2⌋).
 
   Returns:
     A `SecureSum`; `total` equals Σ_{member, not dropped} encoded mod 2³² when `ok`.
   """
   c, length = encoded.shape
-  if not 1 <= threshold <= c:
-    raise ValueError(f"secure_sum: threshold must be in [1, C = {c}]; got {threshold}.")
+  if threshold is not None and not 1 <= threshold <= c:
+    raise ValueError(f"secure_sum: threshold must be None or in [1, C = {c}]; got {threshold}.")
   member = jnp.asarray(member, bool)
   dropped = jnp.asarray(dropped, bool) & member
   survivors = member & ~dropped
+  # `cap` bounds t: the polynomials' t − 1 non-constant coefficients and the t share holders fit `cap` (static);
+  # those past t are zero and unused.
+  cap = c // 2 + 1 if threshold is None else threshold
+  t = jnp.sum(member, dtype=jnp.int32) // 2 + 1 if threshold is None else jnp.int32(threshold)
   index = jnp.arange(c)
 
   # Round 0-1: keys and shares (made by the clients). One draw for everything: each client's sk_c, b_c and the
   # t − 1 non-constant coefficients of each of its two sharing polynomials, and the round's PRG nonce.
-  words = jax.random.bits(key, (c * 2 * threshold + 1, 2), jnp.uint32)
-  drawn, nonce = _field_from_words(words[:-1]).reshape(c, 2 * threshold), words[-1]
+  words = jax.random.bits(key, (c * 2 * cap + 1, 2), jnp.uint32)
+  drawn, nonce = _field_from_words(words[:-1]).reshape(c, 2 * cap), words[-1]
   sk = drawn[:, 0] % (PRIME - 2) + 1  # in [1, p − 2]
   seeds = drawn[:, 1]
-  coefficients_sk, coefficients_b = drawn[:, 2:threshold + 1], drawn[:, threshold + 1:]
+  degree = jnp.arange(1, cap) < t  # the coefficients of x¹ … x^(t−1); those of higher powers are 0
+  coefficients_sk = jnp.where(degree, drawn[:, 2:cap + 1], jnp.uint32(0))
+  coefficients_b = jnp.where(degree, drawn[:, cap + 1:], jnp.uint32(0))
   pk = _pow_mod(jnp.uint32(GENERATOR), sk)
 
   # Round 3, the server's reconstruction (written before round 2 so that every mask is made in one loop): it
   # collects the shares of the first t survivors and interpolates.
   num_survivors = jnp.sum(survivors, dtype=jnp.int32)
-  ok = num_survivors >= threshold
-  holders = jnp.argsort(~survivors, stable=True)[:threshold]  # the first t survivors
+  ok = num_survivors >= t
+  holders = jnp.argsort(~survivors, stable=True)[:cap]  # the survivors first: the first t of them hold shares
   xs = (holders + 1).astype(jnp.uint32)
   # A survivor reveals its share of b_u, never of sk_u; of a dropped member, of sk_d, never of b_d.
   shared = jnp.where(dropped, sk, seeds)
   coefficients = jnp.where(dropped[:, None], coefficients_sk, coefficients_b)
-  recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs)
+  recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs, jnp.arange(cap) < t)
 
   # Round 2, the uploads, and round 3: the server sums those that arrived and removes the survivors' self masks,
   # made again from the reconstructed seeds, and the dropped members' pair masks.
@@ -406,7 +428,8 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
   uploads = jnp.where(member[:, None], encoded + rows, jnp.uint32(0))
   total = jnp.sum(jnp.where(survivors[:, None], uploads, jnp.uint32(0)), axis=0, dtype=jnp.uint32) + removed
   total = jnp.where(ok, total, jnp.uint32(0))
-  return SecureSum(uploads=uploads, total=total, ok=ok, num_survivors=num_survivors, num_dropped=num_dropped)
+  return SecureSum(uploads=uploads, total=total, ok=ok, num_survivors=num_survivors, num_dropped=num_dropped,
+                   threshold=t)
 
 
 def upload_bits(num_parameters: int, members: jax.Array) -> jax.Array:
@@ -431,6 +454,7 @@ class SecureAggregationState:
     recovered: bool, dropped members' masks were reconstructed and removed.
     num_clipped: int32, coordinates outside [−B, B] clipped by the encoding (all members).
     upload_bits: float32, bits uploaded by one member (`upload_bits`).
+    threshold: int32, the round's Shamir threshold t (survivors needed).
   """
 
   inner: Any
@@ -439,6 +463,7 @@ class SecureAggregationState:
   recovered: jax.Array
   num_clipped: jax.Array
   upload_bits: jax.Array
+  threshold: jax.Array
 
 
 def _check(frac_bits: Any, bound: Any, threshold: Any, dropout: Any) -> None:
@@ -485,7 +510,10 @@ def secure_aggregation(
       Needs C·(⌈B 2^f⌉ + 1) < 2³¹ (checked at trace time). For `weighted_mean`,
       B must cover n_k and n_k·|Δ_k|; for `dp_mean`, B ≥ its clip norm loses nothing.
     threshold: t, the Shamir threshold: shares needed to reconstruct a secret,
-      so a round needs t survivors. None: ⌊C/2⌋ + 1 of the C slots.
+      so a round needs t survivors. None: ⌊m/2⌋ + 1 for the round's m members
+      (weight > 0; padding slots do not count), a majority of the users who
+      take part (`state.threshold` records it). An int: the same t in every
+      round, so a round with fewer than t members is rejected.
     dropout: q ∈ [0, 1], the probability that each member drops after the key
       exchange (drawn from the round key), or a callable
       `dropout(key, weights [C]) -> [C] bool` (True: drops).
@@ -514,14 +542,13 @@ def secure_aggregation(
     zero = jnp.zeros((), jnp.int32)
     return SecureAggregationState(inner=inner.init(params), num_dropped=zero, num_survivors=zero,
                                   recovered=jnp.zeros((), bool), num_clipped=zero,
-                                  upload_bits=jnp.zeros((), jnp.float32))
+                                  upload_bits=jnp.zeros((), jnp.float32), threshold=zero)
 
   def aggregate(updates: PyTree, weights: jax.Array, state: SecureAggregationState,
                 key: jax.Array) -> tuple[PyTree, SecureAggregationState]:
     c = weights.shape[0]
-    t = c // 2 + 1 if threshold is None else threshold
-    if t > c:
-      raise ValueError(f"secure_aggregation: threshold t = {t} exceeds the round's C = {c} clients.")
+    if threshold is not None and threshold > c:
+      raise ValueError(f"secure_aggregation: threshold t = {threshold} exceeds the round's C = {c} client slots.")
     largest = math.ceil(bound * 2**frac_bits) + 1
     if c * largest >= 2**31:
       raise ValueError(f"secure_aggregation: the ring Z_(2^32) cannot hold the sum of C = {c} contributions of up to "
@@ -539,7 +566,7 @@ def secure_aggregation(
     flat = jnp.concatenate([col.astype(jnp.result_type(*columns)) for col in columns], axis=1)
     encoded, num_clipped = fixed_point_encode(jnp.where(member[:, None], flat, 0), k_round, frac_bits=frac_bits,
                                               bound=bound)
-    result = secure_sum(encoded, member, dropped, k_protocol, threshold=t)
+    result = secure_sum(encoded, member, dropped, k_protocol, threshold=threshold)
 
     total_flat = fixed_point_decode(result.total, frac_bits=frac_bits, dtype=flat.dtype)
     parts = jnp.split(total_flat, np.cumsum([col.shape[1] for col in columns])[:-1])
@@ -554,6 +581,7 @@ def secure_aggregation(
         recovered=result.ok & (result.num_dropped > 0),
         num_clipped=num_clipped,
         upload_bits=upload_bits(int(sum(col.shape[1] for col in columns[:-1])), jnp.sum(member)),
+        threshold=result.threshold,
     )
     return out, new_state
 
