@@ -230,20 +230,38 @@ def test_fewer_than_t_survivors_reject_the_round_and_change_nothing():
     np.testing.assert_array_equal(a, b)
 
 
-def test_with_dp_mean_the_same_key_gives_dp_mean_alone_up_to_quantization():
-  c, f, m = 10, 16, 10.0
+def test_with_dp_mean_the_same_key_gives_dp_mean_alone_with_room_left_for_the_rounding():
+  """The same noise as `dp_mean` alone (same key), added to the securely summed updates clipped to C − √P·2^−f
+  (a float64 transcription) up to the fixed-point rounding; the adaptive clip norm's count is `dp_mean`'s own."""
+  c, f, m, clip = 10, 16, 10.0, 0.5
   u = _updates(c, seed=2)
   weights = jnp.ones(c).at[4].set(0.0)
-  dp = P.dp_mean(0.5, 1.0, expected_clients=m, adaptive=P.AdaptiveClipping(0.5, 0.2, 3.0))
+  dp = P.dp_mean(clip, 1.0, expected_clients=m, adaptive=P.AdaptiveClipping(0.5, 0.2, 3.0))
   agg = P.secure_aggregation(dp, frac_bits=f, bound=0.5)
   assert agg.always_releases
   key = jax.random.key(3)
   got, state = jax.jit(agg.aggregate)(u, weights, agg.init(None), key)
-  want, want_state = jax.jit(dp.aggregate)(u, weights, dp.init(None), key)
-  for name in u:  # the same noise; the sum differs by at most C·2^−f before dividing by m
-    np.testing.assert_allclose(got[name], want[name], atol=c * 2.0**-f / m + 1e-6, rtol=0)
-  np.testing.assert_allclose(state.inner.noisy_fraction, want_state.noisy_fraction, atol=c * 2.0**-f / m)
-  np.testing.assert_allclose(state.inner.clip_norm, want_state.clip_norm, rtol=1e-4)
+  dp_aggregate = jax.jit(dp.aggregate)
+  want, want_state = dp_aggregate(u, weights, dp.init(None), key)
+  noise, _ = dp_aggregate(jax.tree.map(jnp.zeros_like, u), weights, dp.init(None), key)  # N(0, (σ_Δ C)²) / m alone
+  flat = np.concatenate([np.asarray(u[name], np.float64).reshape(c, -1) for name in u], axis=1)  # [C, P = 15]
+  norms = np.linalg.norm(flat, axis=1, keepdims=True)
+  taking_part = np.asarray(weights)[:, None] > 0
+  room = clip - np.sqrt(flat.shape[1]) * 2.0**-f
+  assert np.sum(norms[taking_part[:, 0]] > clip) == 8  # 8 of the 9 members are clipped
+  secure_sum_ = np.sum(np.where(taking_part, flat * np.minimum(1, room / norms), 0), axis=0)
+  plain_sum = np.sum(np.where(taking_part, flat * np.minimum(1, clip / norms), 0), axis=0)
+  got_flat = np.concatenate([np.asarray(got[name], np.float64).reshape(-1) for name in u])
+  want_flat = np.concatenate([np.asarray(want[name], np.float64).reshape(-1) for name in u])
+  noise_flat = np.concatenate([np.asarray(noise[name], np.float64).reshape(-1) for name in u])
+  np.testing.assert_allclose(want_flat - noise_flat, plain_sum / m, atol=1e-6, rtol=0)  # the same noise draw
+  # The sum of 9 encodings is within 9·2^−f of the clipped sum before dividing by m.
+  np.testing.assert_allclose(got_flat - noise_flat, secure_sum_ / m, atol=c * 2.0**-f / m + 1e-6, rtol=0)
+  # Clipping to C itself is farther away (in L2: the rounding errors are independent, the room is not).
+  off = np.linalg.norm(got_flat - noise_flat - secure_sum_ / m)
+  assert 2 * off < np.linalg.norm(got_flat - noise_flat - plain_sum / m)  # 5.5e-6 against 1.4e-5
+  np.testing.assert_allclose(state.inner.noisy_fraction, want_state.noisy_fraction, atol=1e-6)
+  np.testing.assert_allclose(state.inner.clip_norm, want_state.clip_norm, rtol=1e-6)
 
 
 def _loss(params, batch):
@@ -370,5 +388,55 @@ def test_the_default_threshold_is_a_majority_of_the_members_present_not_of_the_s
       else:
         assert np.all(np.isnan(got)), (m, d)
   np.testing.assert_array_equal(state.threshold, [m // 2 + 1 for m, _ in cases])
-  assert sum(m - d >= m // 2 + 1 for m, d in cases if 2 * m <= c) == 9  # m ≤ 5 of 10 slots: rejected before
+  assert sum(m - d >= m // 2 + 1 for m, d in cases if 2 * m <= c) == 9  # 1 ≤ m ≤ 5 of 10: rejected before
 
+
+# ------------------------------------------------------------------------ dp_mean's sensitivity survives the rounding
+
+@functools.cache
+def _one_client_secure_dp(frac_bits):
+  """`vmap` over (update [1, P], key) of `secure_aggregation(dp_mean(C = 1, σ = 0, m = 1))` with one slot: the
+  aggregate is that client's decoded contribution q·2^−f itself (one survivor, no noise, m = 1)."""
+  agg = P.secure_aggregation(P.dp_mean(1.0, 0.0, expected_clients=1.0), frac_bits=frac_bits, bound=1.0)
+
+  def one(update, key):
+    return agg.aggregate({"w": update}, jnp.ones(1), agg.init({"w": update[0]}), key)[0]["w"]
+
+  return jax.jit(jax.vmap(one))
+
+
+@pytest.mark.parametrize("frac_bits, size", [(12, 100_000), (8, 10_000)])
+def test_with_dp_mean_no_decoded_client_update_exceeds_the_clip_norm(frac_bits, size):
+  """The stochastic rounding moves each coordinate by less than 2^−f, so a client's decoded vector can be up to
+  √P·2^−f longer than what was clipped; σ is calibrated for C, so `secure_aggregation(dp_mean(C))` clips to
+  C − √P·2^−f. Checked in float64 on many draws of vectors clipped to exactly C (the worst case), and for the
+  rounding that lengthens every coordinate, which no draw is likely to hit."""
+  clip, f = 1.0, frac_bits
+  room = clip - np.sqrt(size) * 2.0**-f
+  rng = np.random.default_rng(frac_bits)
+  direction = rng.normal(size=size)
+  cases = np.stack([3.0 * direction / np.linalg.norm(direction),  # far outside: clipped to exactly C first
+                    np.full(size, clip / np.sqrt(size)) * np.sign(rng.normal(size=size)),  # at norm C, spread evenly
+                    direction / np.linalg.norm(direction) * clip,  # at norm C (float32: a few ulps either side)
+                    0.5 * direction / np.linalg.norm(direction) * room])  # inside: not clipped, only rounded
+  draws = 16
+  updates = jnp.asarray(np.repeat(cases, draws, axis=0)[:, None, :], jnp.float32)
+  keys = jax.random.split(jax.random.key(frac_bits), len(updates))
+  decoded = np.asarray(_one_client_secure_dp(f)(updates, keys), np.float64)
+  assert np.all(np.abs(decoded * 2**f - np.round(decoded * 2**f)) == 0)  # on the grid: q·2^−f
+  norms = np.linalg.norm(decoded, axis=1)
+  assert norms.max() <= clip, norms.max()
+  # What was rounded: each update clipped to C − √P·2^−f (a float64 transcription), moved by < 2^−f per coordinate.
+  x = np.repeat(cases, draws, axis=0).astype(np.float32).astype(np.float64)
+  clipped = x * np.minimum(1.0, room / np.linalg.norm(x, axis=1, keepdims=True))
+  assert np.max(np.abs(decoded - clipped)) < 2.0**-f * (1 + 1e-3)
+  # The longest vector any draw can give: every coordinate rounded outwards, to the grid point past it.
+  worst = np.sign(clipped) * np.ceil(np.abs(clipped) * 2**f) * 2.0**-f
+  assert np.linalg.norm(worst, axis=1).max() <= clip
+
+
+def test_secure_dp_mean_refuses_a_grid_too_coarse_for_its_clip_norm():
+  agg = P.secure_aggregation(P.dp_mean(1.0, 1.0, expected_clients=10.0), frac_bits=8, bound=1.0)
+  with pytest.raises(ValueError, match=r"frac_bits"):  # √P·2^−f = √(10^5)/256 = 1.24 ≥ C = 1
+    agg.init({"w": jnp.zeros(100_000)})
+  agg.init({"w": jnp.zeros(10_000)})  # √(10^4)/256 = 0.39 < C: clips to 0.61

@@ -54,6 +54,33 @@ C·(⌈B 2^f⌉ + 1) < 2³¹ (a ValueError names f, B and C otherwise). The deco
 (an int32 converted to float) is within C·2^−f of the plain float sum of the
 clipped terms, plus float32 rounding of the result.
 
+DP through the ring. The rounding moves each coordinate by less than 2^−f, so
+a client's decoded contribution q·2^−f can be longer than what it encoded, by
+‖q·2^−f − x̄‖₂ < √P·2^−f over its P coordinates: with P = 10⁵ and f = 12 an
+update clipped to norm C = 1 decodes to norm about 1.0005. `dp_mean`'s noise
+is calibrated for sensitivity C, so when `inner` is a `dp_mean` (its state a
+`DPMeanState`) each client's term is clipped once more, after `term`, to
+
+    C' = max(C − √P·2^−f, 0)                      (`rounding_room`; C = C_t with adaptive clipping)
+
+so that for every draw of the rounding, ‖q·2^−f‖₂ ≤ ‖x̄‖₂ + ‖q·2^−f − x̄‖₂ <
+C' + √P·2^−f = C (clipping coordinates to [−B, B] only shortens x̄). The noise
+stays N(0, (σ_Δ C)²), so the accountant's σ holds as given, and the adaptive
+clipping bit is `dp_mean`'s own, 1[‖Δ_k‖ ≤ C]. The cost is a clip norm
+smaller by √P·2^−f: 0.5% of C = 1 at P = 10⁵ and f = 16. (The bound holds in
+real arithmetic; the float32 clip itself is exact to a few ulps, as for
+`dp_mean` alone.) A grid with √P·2^−f ≥ C, where nothing would be left, is
+refused when the state is initialised, and so is f = 0, which cannot encode
+`dp_mean`'s centred count bit ±½. Conditional randomized rounding (Kairouz,
+Liu, Steinke, "The Distributed Discrete Gaussian Mechanism for Federated
+Learning with Secure Aggregation", ICML 2021: re-draw the rounding until the
+rounded norm is within a bound) is not used: the rounding adds
+Σ_i p_i(1 − p_i)·2^−2f (p_i the fractional parts) to the expected squared
+norm of a vector at norm C, so a draw within C itself gets rare once P·2^−f is
+several times C (about 3·10⁻⁷ per draw at P = 10⁵, f = 12), and that paper
+accepts an inflated bound and calibrates the noise to it instead; clipping to
+C' bounds every draw, without a loop, at the σ that was given.
+
 What is simulated and what is not. The arithmetic is the protocol's: the ring,
 the masks, their cancellation, the Shamir sharing and the reconstruction of
 exactly the secrets the server may learn; the recovered sum is bit-exact. The
@@ -108,9 +135,10 @@ from fedjax_opt.core.server import refuse_client_stage
 from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, PyTree
 from fedjax_opt.core.validation import is_concrete
+from fedjax_opt.privacy.dp import DPMeanState, clip_by_global_norm
 
 __all__ = ["PRIME", "GENERATOR", "SecureAggregationState", "SecureSum", "fixed_point_decode", "fixed_point_encode",
-           "secure_aggregation", "secure_sum", "shamir_reconstruct", "shamir_share", "upload_bits"]
+           "rounding_room", "secure_aggregation", "secure_sum", "shamir_reconstruct", "shamir_share", "upload_bits"]
 
 PRIME = 2**31 - 1
 """p, the Mersenne prime of the field F_p (Shamir shares) and the group Z_p^* (key agreement)."""
@@ -466,6 +494,29 @@ class SecureAggregationState:
   threshold: jax.Array
 
 
+def rounding_room(clip_norm: Any, num_coordinates: int, frac_bits: int) -> Any:
+  """C' = max(C − √P·2^−f, 0): the norm to clip a client's update to so that its fixed-point encoding decodes
+  within C (module docstring, "DP through the ring")."""
+  return jnp.maximum(clip_norm - math.sqrt(num_coordinates) * 2.0**-frac_bits, 0.0)
+
+
+def _check_dp_grid(clip_norm: Any, num_coordinates: int, frac_bits: int) -> None:
+  """Refuses a grid that cannot carry `dp_mean`'s terms: the centred bit ±½ off the grid (f = 0), or no room
+  left for the rounding (C ≤ √P·2^−f; checked when C is concrete)."""
+  if frac_bits == 0:
+    raise ValueError("secure_aggregation: frac_bits = 0 cannot encode dp_mean's centred count bit ±1/2 exactly "
+                     "(its sensitivity would double); use frac_bits >= 1.")
+  if not is_concrete(clip_norm) or num_coordinates == 0:
+    return
+  c, slack = float(clip_norm), math.sqrt(num_coordinates) * 2.0**-frac_bits
+  if slack >= c:
+    enough = math.ceil(math.log2(100 * math.sqrt(num_coordinates) / c))
+    raise ValueError(f"secure_aggregation: frac_bits f = {frac_bits} is too coarse for dp_mean's clip norm "
+                     f"C = {c:g} over P = {num_coordinates} coordinates: the stochastic rounding can lengthen an "
+                     f"update by up to √P·2^−f = {slack:.3g} >= C, leaving no room to clip to C − √P·2^−f; raise "
+                     f"frac_bits (f >= {enough} costs under 1% of C).")
+
+
 def _check(frac_bits: Any, bound: Any, threshold: Any, dropout: Any) -> None:
   if isinstance(frac_bits, bool) or not isinstance(frac_bits, int) or not 0 <= frac_bits <= 30:
     raise ValueError(f"secure_aggregation: frac_bits must be an int in [0, 30]; got {frac_bits!r}.")
@@ -501,7 +552,9 @@ def secure_aggregation(
     inner: an aggregator that is a sum over clients (it has a `StreamingSum`):
       `fo.aggregators.mean()`, `weighted_mean()`, `fo.privacy.dp_mean(...)`.
       Its `term` gives each client's contribution, its `finalize` the result;
-      `always_releases` is inherited.
+      `always_releases` is inherited. A `dp_mean`'s clipped terms are clipped
+      again to C − √P·2^−f, so that each decoded term stays within C
+      (module docstring, "DP through the ring").
     frac_bits: f, fractional bits of the fixed-point encoding (resolution 2^−f).
     bound: B > 0 (required: no default fits every inner rule): every
       coordinate of a contribution (and its scalar: 1 for `mean`, n_k for
@@ -526,7 +579,8 @@ def secure_aggregation(
     ValueError: `inner` has a client stage (chain the stage in front of the
       secure aggregator instead).
     ValueError: an out-of-range argument; at trace time, a ring too small for
-      C clients (see `bound`) or t > C.
+      C clients (see `bound`) or t > C; from `init(params)` with a `dp_mean`,
+      f = 0 or a grid with √P·2^−f ≥ C.
   """
   if not isinstance(inner, Aggregator) or inner.streaming is None:
     raise TypeError("secure_aggregation: inner must be an Aggregator that is a sum over clients (with a "
@@ -540,7 +594,10 @@ def secure_aggregation(
 
   def init(params: PyTree) -> SecureAggregationState:
     zero = jnp.zeros((), jnp.int32)
-    return SecureAggregationState(inner=inner.init(params), num_dropped=zero, num_survivors=zero,
+    inner_state = inner.init(params)
+    if isinstance(inner_state, DPMeanState):
+      _check_dp_grid(inner_state.clip_norm, sum(int(np.size(x)) for x in jax.tree.leaves(params)), frac_bits)
+    return SecureAggregationState(inner=inner_state, num_dropped=zero, num_survivors=zero,
                                   recovered=jnp.zeros((), bool), num_clipped=zero,
                                   upload_bits=jnp.zeros((), jnp.float32), threshold=zero)
 
@@ -561,6 +618,10 @@ def secure_aggregation(
     used = jnp.where(dropped, jnp.zeros_like(weights), weights)
 
     terms, scalars = jax.vmap(term, in_axes=(0, 0, None))(updates, used, state.inner)
+    if isinstance(state.inner, DPMeanState):  # room for the rounding: the decoded update stays within C
+      room = rounding_room(state.inner.clip_norm, sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(terms)),
+                           frac_bits)
+      terms = jax.vmap(lambda t: clip_by_global_norm(t, room)[0])(terms)
     leaves, treedef = jax.tree.flatten(terms)
     columns = [leaf.reshape(c, -1) for leaf in leaves] + [scalars.reshape(c, 1)]
     flat = jnp.concatenate([col.astype(jnp.result_type(*columns)) for col in columns], axis=1)
