@@ -262,6 +262,14 @@ def test_with_dp_mean_the_same_key_gives_dp_mean_alone_with_room_left_for_the_ro
   assert 2 * off < np.linalg.norm(got_flat - noise_flat - plain_sum / m)  # 5.5e-6 against 1.4e-5
   np.testing.assert_allclose(state.inner.noisy_fraction, want_state.noisy_fraction, atol=1e-6)
   np.testing.assert_allclose(state.inner.clip_norm, want_state.clip_norm, rtol=1e-6)
+  # A round without members still releases dp_mean's noise (always_releases), as dp_mean alone does.
+  nobody = jnp.zeros(c)
+  got, state = jax.jit(agg.aggregate)(u, nobody, agg.init(None), key)
+  want, want_state = dp_aggregate(u, nobody, dp.init(None), key)
+  for name in u:
+    np.testing.assert_allclose(got[name], want[name], atol=1e-7, rtol=0)
+  assert np.all(np.isfinite(np.asarray(got["w"]))) and float(np.abs(np.asarray(got["w"])).max()) > 0
+  np.testing.assert_allclose(state.inner.clip_norm, want_state.clip_norm, rtol=1e-6)
 
 
 def _loss(params, batch):
@@ -366,7 +374,7 @@ def test_the_default_threshold_is_a_majority_of_the_members_present_not_of_the_s
   c, f = 10, 16
   u = _updates(c, seed=5)
   rng = np.random.default_rng(8)
-  cases = [(m, d) for m in range(1, c + 1) for d in range(m + 1)]
+  cases = [(m, d) for m in range(c + 1) for d in range(m + 1)]
   weights, drops = np.zeros((len(cases), c), np.float32), np.zeros((len(cases), c), bool)
   for g, (m, d) in enumerate(cases):
     slots = rng.permutation(c)[:m]  # members anywhere among the slots; the others are padding (weight 0)
@@ -377,12 +385,14 @@ def test_the_default_threshold_is_a_majority_of_the_members_present_not_of_the_s
   out, state = _default_threshold_rounds(u, jnp.asarray(weights), jnp.asarray(drops))
   flat_u = {name: np.asarray(v, np.float64).reshape(c, -1) for name, v in u.items()}
   for g, (m, d) in enumerate(cases):
-    accepted = m - d >= m // 2 + 1
+    accepted = m - d >= m // 2 + 1 or m == 0  # no members: the empty sum, nothing to unmask
     assert bool(state.num_survivors[g] == m - d) and bool(state.num_dropped[g] == d), (m, d)
     survivors = (weights[g] > 0) & ~drops[g]
     for name in u:
       got = np.asarray(out[name][g], np.float64).reshape(-1)
-      if accepted:  # the mean over the survivors (a float64 NumPy mean), within the fixed-point rounding
+      if m == 0:
+        np.testing.assert_array_equal(got, 0.0)  # the mean of nobody (the round's guard rejects it)
+      elif accepted:  # the mean over the survivors (a float64 NumPy mean), within the fixed-point rounding
         np.testing.assert_allclose(got, flat_u[name][survivors].mean(0), atol=2.0**-f + 1e-6, rtol=0,
                                    err_msg=str((m, d)))
       else:

@@ -42,7 +42,9 @@ survivors: nothing can be unmasked; the aggregate is NaN and the inner state
 is unchanged, so the non-finite guard (`core.server.aggregate_updates`)
 rejects the round: model, server optimizer and aggregator state stay as they
 were, and `metrics["round_accepted"]` is False. With the default, that is
-when ⌈m/2⌉ or more of the m members drop (and a round without members).
+when ⌈m/2⌉ or more of the m members drop. A round without members has
+nothing to unmask: its sum is 0, handed to `finalize` like any other (so a
+`dp_mean` releases its noise, as it does alone in a round without clients).
 
 Encoding. x ↦ ⌊x̄ 2^f⌋ + Bernoulli(frac(x̄ 2^f)) with x̄ = clip(x, −B, B): stochastic
 rounding, unbiased for |x| ≤ B, error < 2^−f per client and coordinate;
@@ -311,7 +313,7 @@ class SecureSum(NamedTuple):
     uploads: `[C, L]` uint32, each member's masked upload y_c (zeros for non-members;
       a dropped member's row is what it would have sent).
     total: `[L]` uint32, Σ_{survivors} e_u mod 2³² as the server unmasks it (zeros when not `ok`).
-    ok: bool, at least t survivors: the sum could be unmasked.
+    ok: bool, at least t survivors (the sum could be unmasked), or no members at all (the sum is 0).
     num_survivors: int32, members that did not drop.
     num_dropped: int32, members that dropped after the key exchange.
     threshold: int32, the round's t.
@@ -439,7 +441,7 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
   # Round 3, the server's reconstruction (written before round 2 so that every mask is made in one loop): it
   # collects the shares of the first t survivors and interpolates.
   num_survivors = jnp.sum(survivors, dtype=jnp.int32)
-  ok = num_survivors >= t
+  ok = (num_survivors >= t) | ~jnp.any(member)  # no members: the empty sum, 0, with nothing to unmask
   holders = jnp.argsort(~survivors, stable=True)[:cap]  # the survivors first: the first t of them hold shares
   xs = (holders + 1).astype(jnp.uint32)
   # A survivor reveals its share of b_u, never of sk_u; of a dropped member, of sk_d, never of b_d.
