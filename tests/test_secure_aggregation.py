@@ -90,6 +90,13 @@ def test_any_t_of_n_shamir_shares_give_the_secret_and_t_minus_1_do_not_determine
     assert _lagrange_reference(through, at=0) == candidate
   wrong = np.asarray(reconstruct(jnp.asarray(shares[:, [0, 3, 5]]), jnp.asarray(xs[[0, 3, 5]], jnp.uint32)))
   assert not np.array_equal(wrong, secrets)
+  # Through a mask over all n shares (as when t is traced): any t of them, and t − 1 do not suffice.
+  masked = jax.jit(P.shamir_reconstruct)
+  for subset in ((0, 1, 2, 3), (1, 3, 5, 6), (0, 2, 4, 6)):
+    used = jnp.asarray(np.isin(np.arange(n), subset))
+    np.testing.assert_array_equal(masked(jnp.asarray(shares), jnp.asarray(xs, jnp.uint32), used), secrets)
+  few_used = jnp.asarray(np.isin(np.arange(n), (0, 3, 5)))
+  np.testing.assert_array_equal(masked(jnp.asarray(shares), jnp.asarray(xs, jnp.uint32), few_used), wrong)
   # One share of a threshold-2 sharing is uniform whatever the secret: a chi-square over 8 bins.
   keys = jax.random.split(jax.random.key(1), 4000)
   share = jax.jit(jax.vmap(lambda k, s: P.shamir_share(k, s[None], 2, jnp.asarray([3]))[0, 0], in_axes=(0, None)))
