@@ -90,6 +90,13 @@ def test_any_t_of_n_shamir_shares_give_the_secret_and_t_minus_1_do_not_determine
     assert _lagrange_reference(through, at=0) == candidate
   wrong = np.asarray(reconstruct(jnp.asarray(shares[:, [0, 3, 5]]), jnp.asarray(xs[[0, 3, 5]], jnp.uint32)))
   assert not np.array_equal(wrong, secrets)
+  # Through a mask over all n shares (as when t is traced): any t of them, and t − 1 do not suffice.
+  masked = jax.jit(P.shamir_reconstruct)
+  for subset in ((0, 1, 2, 3), (1, 3, 5, 6), (0, 2, 4, 6)):
+    used = jnp.asarray(np.isin(np.arange(n), subset))
+    np.testing.assert_array_equal(masked(jnp.asarray(shares), jnp.asarray(xs, jnp.uint32), used), secrets)
+  few_used = jnp.asarray(np.isin(np.arange(n), (0, 3, 5)))
+  np.testing.assert_array_equal(masked(jnp.asarray(shares), jnp.asarray(xs, jnp.uint32), few_used), wrong)
   # One share of a threshold-2 sharing is uniform whatever the secret: a chi-square over 8 bins.
   keys = jax.random.split(jax.random.key(1), 4000)
   share = jax.jit(jax.vmap(lambda k, s: P.shamir_share(k, s[None], 2, jnp.asarray([3]))[0, 0], in_axes=(0, None)))
@@ -126,7 +133,8 @@ def test_each_masked_upload_looks_uniform_and_the_uploads_unmask_to_exactly_the_
   assert bool(result.ok) and int(result.num_dropped) == 0
   # The pairwise masks alone cancel exactly in the ring; the self masks do not (the server removes them).
   sk = jnp.asarray(np.random.default_rng(1).integers(1, PRIME - 1, c), jnp.uint32)
-  masks = S._pair_masks(jax.random.key(2), sk, S._pow_mod(jnp.uint32(7), sk), jnp.ones(c, bool), 64)
+  nonce = jnp.asarray([12345, 678], jnp.uint32)
+  masks, _ = S._masks(nonce, sk, S._pow_mod(jnp.uint32(7), sk), jnp.ones(c, bool), 64)  # pair masks only
   np.testing.assert_array_equal(_ring_sum(masks), np.zeros(64, np.uint64))
   assert np.all(np.asarray(masks) != 0)
   assert not np.array_equal(_ring_sum(result.uploads), _ring_sum(encoded))
@@ -229,20 +237,46 @@ def test_fewer_than_t_survivors_reject_the_round_and_change_nothing():
     np.testing.assert_array_equal(a, b)
 
 
-def test_with_dp_mean_the_same_key_gives_dp_mean_alone_up_to_quantization():
-  c, f, m = 10, 16, 10.0
+def test_with_dp_mean_the_same_key_gives_dp_mean_alone_with_room_left_for_the_rounding():
+  """The same noise as `dp_mean` alone (same key), added to the securely summed updates clipped to C − √P·2^−f
+  (a float64 transcription) up to the fixed-point rounding; the adaptive clip norm's count is `dp_mean`'s own."""
+  c, f, m, clip = 10, 16, 10.0, 0.5
   u = _updates(c, seed=2)
   weights = jnp.ones(c).at[4].set(0.0)
-  dp = P.dp_mean(0.5, 1.0, expected_clients=m, adaptive=P.AdaptiveClipping(0.5, 0.2, 3.0))
+  dp = P.dp_mean(clip, 1.0, expected_clients=m, adaptive=P.AdaptiveClipping(0.5, 0.2, 3.0))
   agg = P.secure_aggregation(dp, frac_bits=f, bound=0.5)
   assert agg.always_releases
   key = jax.random.key(3)
   got, state = jax.jit(agg.aggregate)(u, weights, agg.init(None), key)
-  want, want_state = jax.jit(dp.aggregate)(u, weights, dp.init(None), key)
-  for name in u:  # the same noise; the sum differs by at most C·2^−f before dividing by m
-    np.testing.assert_allclose(got[name], want[name], atol=c * 2.0**-f / m + 1e-6, rtol=0)
-  np.testing.assert_allclose(state.inner.noisy_fraction, want_state.noisy_fraction, atol=c * 2.0**-f / m)
-  np.testing.assert_allclose(state.inner.clip_norm, want_state.clip_norm, rtol=1e-4)
+  dp_aggregate = jax.jit(dp.aggregate)
+  want, want_state = dp_aggregate(u, weights, dp.init(None), key)
+  noise, _ = dp_aggregate(jax.tree.map(jnp.zeros_like, u), weights, dp.init(None), key)  # N(0, (σ_Δ C)²) / m alone
+  flat = np.concatenate([np.asarray(u[name], np.float64).reshape(c, -1) for name in u], axis=1)  # [C, P = 15]
+  norms = np.linalg.norm(flat, axis=1, keepdims=True)
+  taking_part = np.asarray(weights)[:, None] > 0
+  room = clip - np.sqrt(flat.shape[1]) * 2.0**-f
+  assert np.sum(norms[taking_part[:, 0]] > clip) == 8  # 8 of the 9 members are clipped
+  secure_sum_ = np.sum(np.where(taking_part, flat * np.minimum(1, room / norms), 0), axis=0)
+  plain_sum = np.sum(np.where(taking_part, flat * np.minimum(1, clip / norms), 0), axis=0)
+  got_flat = np.concatenate([np.asarray(got[name], np.float64).reshape(-1) for name in u])
+  want_flat = np.concatenate([np.asarray(want[name], np.float64).reshape(-1) for name in u])
+  noise_flat = np.concatenate([np.asarray(noise[name], np.float64).reshape(-1) for name in u])
+  np.testing.assert_allclose(want_flat - noise_flat, plain_sum / m, atol=1e-6, rtol=0)  # the same noise draw
+  # The sum of 9 encodings is within 9·2^−f of the clipped sum before dividing by m.
+  np.testing.assert_allclose(got_flat - noise_flat, secure_sum_ / m, atol=c * 2.0**-f / m + 1e-6, rtol=0)
+  # Clipping to C itself is farther away (in L2: the rounding errors are independent, the room is not).
+  off = np.linalg.norm(got_flat - noise_flat - secure_sum_ / m)
+  assert 2 * off < np.linalg.norm(got_flat - noise_flat - plain_sum / m)  # 5.5e-6 against 1.4e-5
+  np.testing.assert_allclose(state.inner.noisy_fraction, want_state.noisy_fraction, atol=1e-6)
+  np.testing.assert_allclose(state.inner.clip_norm, want_state.clip_norm, rtol=1e-6)
+  # A round without members still releases dp_mean's noise (always_releases), as dp_mean alone does.
+  nobody = jnp.zeros(c)
+  got, state = jax.jit(agg.aggregate)(u, nobody, agg.init(None), key)
+  want, want_state = dp_aggregate(u, nobody, dp.init(None), key)
+  for name in u:
+    np.testing.assert_allclose(got[name], want[name], atol=1e-7, rtol=0)
+  assert np.all(np.isfinite(np.asarray(got["w"]))) and float(np.abs(np.asarray(got["w"])).max()) > 0
+  np.testing.assert_allclose(state.inner.clip_norm, want_state.clip_norm, rtol=1e-6)
 
 
 def _loss(params, batch):
@@ -322,3 +356,106 @@ def test_the_benchmark_quick_mode_runs_and_writes_its_table(tmp_path):
   for r in rows:
     assert r["secure_s"] > 0 and r["mean_s"] > 0 and r["exact"]
     assert r["upload_bits"] == 32 * (r["parameters"] + 1) + 64 + 96 * (r["clients"] - 1)
+
+
+# --------------------------------------------------------------------------- the default threshold follows the members
+
+@jax.jit
+def _default_threshold_rounds(updates, weights, drops):
+  """`secure_aggregation(mean())` with the default threshold, one case per row of `weights` / `drops` `[G, C]`:
+  the members are the slots with weight > 0, `drops` those that drop (a traced input, so one program serves every
+  case; `lax.map` compiles in a third of vmap's time here)."""
+
+  def one(case):
+    w, d = case
+    agg = P.secure_aggregation(A.mean(), frac_bits=16, bound=1.0, dropout=lambda key, weights: d)
+    return agg.aggregate(updates, w, agg.init(None), jax.random.key(0))
+
+  return jax.lax.map(one, (weights, drops))
+
+
+def test_the_default_threshold_is_a_majority_of_the_members_present_not_of_the_slots():
+  """Bonawitz et al. set t as a fraction of the users taking part: with m members among C slots (the rest padding)
+  and d of them dropping, the default t = ⌊m/2⌋ + 1 accepts the round exactly when m − d ≥ ⌊m/2⌋ + 1. A threshold
+  counted over the C slots (⌊C/2⌋ + 1) would reject every round with m ≤ C/2 members, as Poisson sampling's padded
+  rounds mostly are."""
+  c, f = 10, 16
+  u = _updates(c, seed=5)
+  rng = np.random.default_rng(8)
+  cases = [(m, d) for m in range(c + 1) for d in range(m + 1)]
+  weights, drops = np.zeros((len(cases), c), np.float32), np.zeros((len(cases), c), bool)
+  for g, (m, d) in enumerate(cases):
+    slots = rng.permutation(c)[:m]  # members anywhere among the slots; the others are padding (weight 0)
+    weights[g, slots] = rng.integers(1, 50, m)
+    drops[g, slots[:d]] = True
+    padding = rng.permutation(c)[:2]
+    drops[g, padding] |= weights[g, padding] == 0  # a padding slot marked as dropping changes nothing
+  out, state = _default_threshold_rounds(u, jnp.asarray(weights), jnp.asarray(drops))
+  flat_u = {name: np.asarray(v, np.float64).reshape(c, -1) for name, v in u.items()}
+  for g, (m, d) in enumerate(cases):
+    accepted = m - d >= m // 2 + 1 or m == 0  # no members: the empty sum, nothing to unmask
+    assert bool(state.num_survivors[g] == m - d) and bool(state.num_dropped[g] == d), (m, d)
+    survivors = (weights[g] > 0) & ~drops[g]
+    for name in u:
+      got = np.asarray(out[name][g], np.float64).reshape(-1)
+      if m == 0:
+        np.testing.assert_array_equal(got, 0.0)  # the mean of nobody (the round's guard rejects it)
+      elif accepted:  # the mean over the survivors (a float64 NumPy mean), within the fixed-point rounding
+        np.testing.assert_allclose(got, flat_u[name][survivors].mean(0), atol=2.0**-f + 1e-6, rtol=0,
+                                   err_msg=str((m, d)))
+      else:
+        assert np.all(np.isnan(got)), (m, d)
+  np.testing.assert_array_equal(state.threshold, [m // 2 + 1 for m, _ in cases])
+  assert sum(m - d >= m // 2 + 1 for m, d in cases if 2 * m <= c) == 9  # 1 ≤ m ≤ 5 of 10: rejected before
+
+
+# ------------------------------------------------------------------------ dp_mean's sensitivity survives the rounding
+
+@functools.cache
+def _one_client_secure_dp(frac_bits):
+  """`lax.map` over (update [1, P], key) of `secure_aggregation(dp_mean(C = 1, σ = 0, m = 1))` with one slot: the
+  aggregate is that client's decoded contribution q·2^−f itself (one survivor, no noise, m = 1)."""
+  agg = P.secure_aggregation(P.dp_mean(1.0, 0.0, expected_clients=1.0), frac_bits=frac_bits, bound=1.0)
+
+  def one(case):
+    update, key = case
+    return agg.aggregate({"w": update}, jnp.ones(1), agg.init({"w": update[0]}), key)[0]["w"]
+
+  return jax.jit(lambda updates, keys: jax.lax.map(one, (updates, keys)))
+
+
+@pytest.mark.parametrize("frac_bits, size", [(12, 100_000), (8, 10_000)])
+def test_with_dp_mean_no_decoded_client_update_exceeds_the_clip_norm(frac_bits, size):
+  """The stochastic rounding moves each coordinate by less than 2^−f, so a client's decoded vector can be up to
+  √P·2^−f longer than what was clipped; σ is calibrated for C, so `secure_aggregation(dp_mean(C))` clips to
+  C − √P·2^−f. Checked in float64 on many draws of vectors clipped to exactly C (the worst case), and for the
+  rounding that lengthens every coordinate, which no draw is likely to hit."""
+  clip, f = 1.0, frac_bits
+  room = clip - np.sqrt(size) * 2.0**-f
+  rng = np.random.default_rng(frac_bits)
+  direction = rng.normal(size=size)
+  cases = np.stack([3.0 * direction / np.linalg.norm(direction),  # far outside: clipped to exactly C first
+                    np.full(size, clip / np.sqrt(size)) * np.sign(rng.normal(size=size)),  # at norm C, spread evenly
+                    direction / np.linalg.norm(direction) * clip,  # at norm C (float32: a few ulps either side)
+                    0.5 * direction / np.linalg.norm(direction) * room])  # inside: not clipped, only rounded
+  draws = 16
+  updates = jnp.asarray(np.repeat(cases, draws, axis=0)[:, None, :], jnp.float32)
+  keys = jax.random.split(jax.random.key(frac_bits), len(updates))
+  decoded = np.asarray(_one_client_secure_dp(f)(updates, keys), np.float64)
+  assert np.all(np.abs(decoded * 2**f - np.round(decoded * 2**f)) == 0)  # on the grid: q·2^−f
+  norms = np.linalg.norm(decoded, axis=1)
+  assert norms.max() <= clip, norms.max()
+  # What was rounded: each update clipped to C − √P·2^−f (a float64 transcription), moved by < 2^−f per coordinate.
+  x = np.repeat(cases, draws, axis=0).astype(np.float32).astype(np.float64)
+  clipped = x * np.minimum(1.0, room / np.linalg.norm(x, axis=1, keepdims=True))
+  assert np.max(np.abs(decoded - clipped)) < 2.0**-f * (1 + 1e-3)
+  # The longest vector any draw can give: every coordinate rounded outwards, to the grid point past it.
+  worst = np.sign(clipped) * np.ceil(np.abs(clipped) * 2**f) * 2.0**-f
+  assert np.linalg.norm(worst, axis=1).max() <= clip
+
+
+def test_secure_dp_mean_refuses_a_grid_too_coarse_for_its_clip_norm():
+  agg = P.secure_aggregation(P.dp_mean(1.0, 1.0, expected_clients=10.0), frac_bits=8, bound=1.0)
+  with pytest.raises(ValueError, match=r"frac_bits"):  # √P·2^−f = √(10^5)/256 = 1.24 ≥ C = 1
+    agg.init({"w": jnp.zeros(100_000)})
+  agg.init({"w": jnp.zeros(10_000)})  # √(10^4)/256 = 0.39 < C: clips to 0.61

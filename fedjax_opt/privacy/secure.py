@@ -34,10 +34,17 @@ wraps an aggregator that is a sum over clients (one with a `StreamingSum`:
    the ring; it is decoded and handed to inner's `finalize` (for `dp_mean`:
    the Gaussian noise is added to the securely summed clipped updates).
 
-Fewer than t survivors: nothing can be unmasked; the aggregate is NaN and the
-inner state is unchanged, so the non-finite guard (`core.server.aggregate_updates`)
+The threshold t counts members, not slots: by default t = ⌊m/2⌋ + 1 for the
+round's m members, a majority of the users who take part, as Bonawitz et al.
+fix t as a fraction of the n users of a round (a padded round, such as Poisson
+sampling's, has m < C). A fixed t can be given instead. Fewer than t
+survivors: nothing can be unmasked; the aggregate is NaN and the inner state
+is unchanged, so the non-finite guard (`core.server.aggregate_updates`)
 rejects the round: model, server optimizer and aggregator state stay as they
-were, and `metrics["round_accepted"]` is False.
+were, and `metrics["round_accepted"]` is False. With the default, that is
+when ⌈m/2⌉ or more of the m members drop. A round without members has
+nothing to unmask: its sum is 0, handed to `finalize` like any other (so a
+`dp_mean` releases its noise, as it does alone in a round without clients).
 
 Encoding. x ↦ ⌊x̄ 2^f⌋ + Bernoulli(frac(x̄ 2^f)) with x̄ = clip(x, −B, B): stochastic
 rounding, unbiased for |x| ≤ B, error < 2^−f per client and coordinate;
@@ -48,6 +55,33 @@ integer sum lies in [−2³¹, 2³¹); this is guaranteed at trace time by requi
 C·(⌈B 2^f⌉ + 1) < 2³¹ (a ValueError names f, B and C otherwise). The decoded sum
 (an int32 converted to float) is within C·2^−f of the plain float sum of the
 clipped terms, plus float32 rounding of the result.
+
+DP through the ring. The rounding moves each coordinate by less than 2^−f, so
+a client's decoded contribution q·2^−f can be longer than what it encoded, by
+‖q·2^−f − x̄‖₂ < √P·2^−f over its P coordinates: with P = 10⁵ and f = 12 an
+update clipped to norm C = 1 decodes to norm about 1.0005. `dp_mean`'s noise
+is calibrated for sensitivity C, so when `inner` is a `dp_mean` (its state a
+`DPMeanState`) each client's term is clipped once more, after `term`, to
+
+    C' = max(C − √P·2^−f, 0)                      (`rounding_room`; C = C_t with adaptive clipping)
+
+so that for every draw of the rounding, ‖q·2^−f‖₂ ≤ ‖x̄‖₂ + ‖q·2^−f − x̄‖₂ <
+C' + √P·2^−f = C (clipping coordinates to [−B, B] only shortens x̄). The noise
+stays N(0, (σ_Δ C)²), so the accountant's σ holds as given, and the adaptive
+clipping bit is `dp_mean`'s own, 1[‖Δ_k‖ ≤ C]. The cost is a clip norm
+smaller by √P·2^−f: 0.5% of C = 1 at P = 10⁵ and f = 16. (The bound holds in
+real arithmetic; the float32 clip itself is exact to a few ulps, as for
+`dp_mean` alone.) A grid with √P·2^−f ≥ C, where nothing would be left, is
+refused when the state is initialised, and so is f = 0, which cannot encode
+`dp_mean`'s centred count bit ±½. Conditional randomized rounding (Kairouz,
+Liu, Steinke, "The Distributed Discrete Gaussian Mechanism for Federated
+Learning with Secure Aggregation", ICML 2021: re-draw the rounding until the
+rounded norm is within a bound) is not used: the rounding adds
+Σ_i p_i(1 − p_i)·2^−2f (p_i the fractional parts) to the expected squared
+norm of a vector at norm C, so a draw within C itself gets rare once P·2^−f is
+several times C (about 3·10⁻⁷ per draw at P = 10⁵, f = 12), and that paper
+accepts an inflated bound and calibrates the noise to it instead; clipping to
+C' bounds every draw, without a loop, at the σ that was given.
 
 What is simulated and what is not. The arithmetic is the protocol's: the ring,
 the masks, their cancellation, the Shamir sharing and the reconstruction of
@@ -72,9 +106,11 @@ output per round, inherent to the protocol (each pair's mask is expanded once
 here, where both clients expand it in a deployment). Recovery adds one
 expansion per (dropped, survivor) pair, O(|D|·C·P), and the self masks O(C·P).
 The sharing is O(C·t²) field multiplications (every client's polynomial at
-the t holders' points) plus O(t²) for the Lagrange coefficients. The stacked
-form is used in every client map: the masks need each client's index and the
-round key, which a `StreamingSum.term` does not receive.
+the t holders' points; with the default threshold, whose t is traced, at
+⌊C/2⌋ + 1 points with the coefficients past t − 1 zero) plus O(t²) for the
+Lagrange coefficients. The stacked form is used in every client map: the
+masks need each client's index and the round key, which a
+`StreamingSum.term` does not receive.
 
 Bits per client (`SecureAggregationState.upload_bits`), for n members:
 32·(P + 1) for the masked contribution (P coordinates and the scalar), plus
@@ -95,14 +131,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.random import threefry_2x32
 
 from fedjax_opt.core.server import refuse_client_stage
 from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, PyTree
 from fedjax_opt.core.validation import is_concrete
+from fedjax_opt.privacy.dp import DPMeanState, clip_by_global_norm
 
 __all__ = ["PRIME", "GENERATOR", "SecureAggregationState", "SecureSum", "fixed_point_decode", "fixed_point_encode",
-           "secure_aggregation", "secure_sum", "shamir_reconstruct", "shamir_share", "upload_bits"]
+           "rounding_room", "secure_aggregation", "secure_sum", "shamir_reconstruct", "shamir_share", "upload_bits"]
 
 PRIME = 2**31 - 1
 """p, the Mersenne prime of the field F_p (Shamir shares) and the group Z_p^* (key agreement)."""
@@ -170,9 +208,14 @@ def _fold_mod(x: jax.Array, op: Callable, identity: int) -> jax.Array:
 
 # --- Shamir secret sharing over F_p ---------------------------------------------------------------------------
 
-def _random_field(key: jax.Array, shape: tuple[int, ...], low: int = 0, high: int = PRIME) -> jax.Array:
-  """Uniform integers in [low, high) as uint32."""
-  return jax.random.randint(key, shape, low, high, jnp.int32).astype(jnp.uint32)
+def _field_from_words(words: jax.Array) -> jax.Array:
+  """`[..., 2]` uniform uint32 words (hi, lo) -> (2³² hi + lo) mod p = (2 hi + lo) mod p, within 2^−33 of uniform."""
+  return _add_mod(_mul_mod(_reduce(words[..., 0]), jnp.uint32(2)), _reduce(words[..., 1]))
+
+
+def _random_field(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Uniform elements of F_p (integers in [0, p)) as uint32, from one draw of random bits."""
+  return _field_from_words(jax.random.bits(key, shape + (2,), jnp.uint32))
 
 
 def _evaluate(secrets: jax.Array, coefficients: jax.Array, xs: jax.Array) -> jax.Array:
@@ -205,26 +248,32 @@ def shamir_share(key: jax.Array, secrets: jax.Array, threshold: int, xs: jax.Arr
   return _evaluate(secrets, coefficients, xs)
 
 
-def _lagrange_at_zero(xs: jax.Array) -> jax.Array:
-  """λ_i = Π_{j≠i} x_j / (x_j − x_i) mod p, so that f(0) = Σ_i λ_i f(x_i) for deg f < len(xs)."""
+def _lagrange_at_zero(xs: jax.Array, used: jax.Array | None = None) -> jax.Array:
+  """λ_i = Π_{j≠i, j used} x_j / (x_j − x_i) mod p for the used points (0 for the others), so that
+  f(0) = Σ_{i used} λ_i f(x_i) for deg f < the number of used points."""
   xs = jnp.asarray(xs, jnp.uint32)
-  eye = jnp.eye(xs.shape[0], dtype=bool)
-  numerator = _fold_mod(jnp.where(eye, jnp.uint32(1), xs[None, :]), _mul_mod, 1)
-  denominator = _fold_mod(jnp.where(eye, jnp.uint32(1), _sub_mod(xs[None, :], xs[:, None])), _mul_mod, 1)
-  return _mul_mod(numerator, _pow_mod(denominator, PRIME - 2))  # Fermat: d^(p−2) = d⁻¹
+  skip = jnp.eye(xs.shape[0], dtype=bool)
+  if used is not None:
+    skip = skip | ~jnp.asarray(used, bool)[None, :]
+  numerator = _fold_mod(jnp.where(skip, jnp.uint32(1), xs[None, :]), _mul_mod, 1)
+  denominator = _fold_mod(jnp.where(skip, jnp.uint32(1), _sub_mod(xs[None, :], xs[:, None])), _mul_mod, 1)
+  weights = _mul_mod(numerator, _pow_mod(denominator, PRIME - 2))  # Fermat: d^(p−2) = d⁻¹
+  return weights if used is None else jnp.where(used, weights, jnp.uint32(0))
 
 
-def shamir_reconstruct(shares: jax.Array, xs: jax.Array) -> jax.Array:
+def shamir_reconstruct(shares: jax.Array, xs: jax.Array, used: jax.Array | None = None) -> jax.Array:
   """The secrets f(0) = Σ_i λ_i f(x_i) mod p from t shares per secret (Lagrange interpolation at 0).
 
   Args:
-    shares: `[S, t]` shares in [0, p), column i taken at point x_i.
-    xs: `[t]` distinct points in [1, p).
+    shares: `[S, n]` shares in [0, p), column i taken at point x_i.
+    xs: `[n]` distinct points in [1, p).
+    used: None (all n shares), or `[n]` bool: interpolate through the used shares only (t of them, which may
+      be traced), ignoring the others.
 
   Returns:
     `[S]` uint32: the secrets, when t is at least the sharing threshold.
   """
-  weights = _lagrange_at_zero(xs)
+  weights = _lagrange_at_zero(xs, used)
   return _fold_mod(_mul_mod(jnp.asarray(shares, jnp.uint32), weights[None, :]), _add_mod, 0)
 
 
@@ -264,9 +313,10 @@ class SecureSum(NamedTuple):
     uploads: `[C, L]` uint32, each member's masked upload y_c (zeros for non-members;
       a dropped member's row is what it would have sent).
     total: `[L]` uint32, Σ_{survivors} e_u mod 2³² as the server unmasks it (zeros when not `ok`).
-    ok: bool, at least t survivors: the sum could be unmasked.
+    ok: bool, at least t survivors (the sum could be unmasked), or no members at all (the sum is 0).
     num_survivors: int32, members that did not drop.
     num_dropped: int32, members that dropped after the key exchange.
+    threshold: int32, the round's t.
   """
 
   uploads: jax.Array
@@ -274,10 +324,19 @@ class SecureSum(NamedTuple):
   ok: jax.Array
   num_survivors: jax.Array
   num_dropped: jax.Array
+  threshold: jax.Array
 
 
-def _pair_key(nonce: jax.Array, low: jax.Array, high: jax.Array, agreed: jax.Array) -> jax.Array:
-  return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(nonce, low), high), agreed)
+def _mask_keys(nonce: jax.Array, secrets: jax.Array, low: jax.Array, high: jax.Array) -> jax.Array:
+  """The PRG key of each mask, s = threefry_(n₀ ⊕ a, n₁ ⊕ a)(i, j): `[K]` secrets a, `[K]` pairs i ≤ j -> `[K]` keys.
+
+  a is a pair's agreed key a_{ij} (i < j) or a member's self-mask seed b_i (i = j), so no pair's key is a self
+  mask's; (n₀, n₁) is the round's nonce.
+  """
+  # Both key words depend on the nonce and a alike: under vmap, threefry's CPU lowering needs them batched alike.
+  words = threefry_2x32((nonce[0] ^ secrets, nonce[1] ^ secrets),
+                        jnp.concatenate([low, high]).astype(jnp.uint32))  # the K pairs (i, j), hashed side by side
+  return jax.random.wrap_key_data(words.reshape(2, -1).T, impl="threefry2x32")
 
 
 def _expand(keys: jax.Array, length: int) -> jax.Array:
@@ -285,38 +344,64 @@ def _expand(keys: jax.Array, length: int) -> jax.Array:
   return jax.vmap(lambda k: jax.random.bits(k, (length,), jnp.uint32))(keys)
 
 
-def _pair_masks(nonce: jax.Array, sk: jax.Array, pk: jax.Array, member: jax.Array, length: int) -> jax.Array:
-  """Σ_{c' > c} PRG(s_{cc'}) − Σ_{c' < c} PRG(s_{cc'}) for every member c, `[C, length]`.
+def _masks(nonce: jax.Array, sk: jax.Array, pk: jax.Array, member: jax.Array, length: int, *,
+           seeds: jax.Array | None = None, removal: tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+  """Every mask of a round, C masks of `length` words per step of one loop: (the members' rows, the server's part).
 
-  The pairs are walked by offset k = 1 … ⌊C/2⌋: (c, c + k mod C) for every c
-  (at k = C/2 for even C, only c < C/2), so each pair is expanded once and
-  added to one client's row and subtracted from the other's.
+  Steps 1 … ⌊C/2⌋, the pair masks: at offset k the pairs (c, c + k mod C) (at k = C/2 for even C, only
+  c < C/2), so that each pair's mask, from a_{cc'} = pk_{c'}^{sk_c}, is expanded once and added to one member's
+  row and subtracted from the other's: row c holds Σ_{c' > c} PRG(s_{cc'}) − Σ_{c' < c} PRG(s_{cc'}) over the
+  other members c'. With `seeds` (b_c), one step adds each member's self mask PRG(b_c) to its row. With
+  `removal = (survivors, recovered, dropped, num_dropped)`, what the server subtracts from the survivors' sum:
+  one step for the survivors' self masks PRG(b_u) (b_u = recovered[u]), then one per dropped member d =
+  dropped[r], r < num_dropped, for the masks Σ_u ±PRG(s_{ud}) it left in the survivors' uploads, from
+  a_{ud} = pk_u^{sk_d} (sk_d = recovered[d]).
+
+  One loop body holds the key agreement, the key derivation and the expansion (threefry, a large program) once,
+  so they are compiled once for every kind of mask.
+
+  Returns:
+    (`[C, length]` uint32 rows, `[length]` uint32 to add to Σ_{survivors} y_u: zeros without `removal`).
   """
   c = sk.shape[0]
   index = jnp.arange(c)
+  pair_steps = c // 2
+  self_step = pair_steps if seeds is not None else -1  # -1: no such step
+  row_steps = pair_steps + (seeds is not None)
+  if removal is None:
+    survivors, recovered, dropped, num_dropped = member, sk, index, 0
+    recover_step, num_steps = -1, row_steps
+  else:
+    survivors, recovered, dropped, num_dropped = removal
+    recover_step = row_steps
+    num_steps = row_steps + 1 + num_dropped
+  seeds = recovered if seeds is None else seeds
 
-  def step(acc, k):
+  def body(step, carry):
+    rows, server = carry
+    is_pair, is_drop = step < pair_steps, (recover_step >= 0) & (step > recover_step)
+    k = step + 1
     other = (index + k) % c
-    agreed = _pow_mod(pk[other], sk)  # client c's side of the key agreement
-    keys = jax.vmap(_pair_key, in_axes=(None, 0, 0, 0))(nonce, jnp.minimum(index, other),
-                                                         jnp.maximum(index, other), agreed)
+    d = dropped[jnp.clip(step - recover_step - 1, 0, c - 1)]
+    agreed = _pow_mod(jnp.where(is_pair, pk[other], pk), jnp.where(is_pair, sk, recovered[d]))
+    partner = jnp.where(is_pair, other, jnp.where(is_drop, d, index))
+    secret = jnp.where(is_pair | is_drop, agreed, jnp.where(step == self_step, seeds, recovered))
+    g = _expand(_mask_keys(nonce, secret, jnp.minimum(index, partner), jnp.maximum(index, partner)), length)
     live = member & member[other] & ~((2 * k == c) & (index >= c // 2))
-    g = _expand(keys, length)
-    signed = jnp.where((live & (index < other))[:, None], g, jnp.where(live[:, None], jnp.uint32(0) - g, 0))
-    return acc + signed - jnp.roll(signed, k, axis=0), None
+    plus = jnp.where(is_pair, live & (index < other),
+                     jnp.where(step == self_step, member, survivors & (~is_drop | (index < d))))
+    minus = jnp.where(is_pair, live & (index > other), is_drop & survivors & (index > d))
+    signed = jnp.where(plus[:, None], g, jnp.where(minus[:, None], jnp.uint32(0) - g, jnp.uint32(0)))
+    return lax.cond(step < row_steps,
+                    lambda: (rows + signed - jnp.where(is_pair, jnp.roll(signed, k, axis=0), jnp.uint32(0)), server),
+                    lambda: (rows, server - jnp.sum(signed, axis=0, dtype=jnp.uint32)))
 
-  acc = jnp.zeros((c, length), jnp.uint32)
-  return lax.scan(step, acc, jnp.arange(1, c // 2 + 1))[0]
-
-
-def _self_masks(nonce: jax.Array, clients: jax.Array, seeds: jax.Array, length: int) -> jax.Array:
-  """PRG(b_c) for each (client index, seed b_c): `[K]`, `[K]` -> `[K, length]`."""
-  keys = jax.vmap(lambda i, b: jax.random.fold_in(jax.random.fold_in(nonce, i), b))(clients, seeds)
-  return _expand(keys, length)
+  init = (jnp.zeros((c, length), jnp.uint32), jnp.zeros((length,), jnp.uint32))
+  return lax.fori_loop(0, num_steps, body, init)
 
 
 def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: jax.Array, *,
-               threshold: int) -> SecureSum:
+               threshold: int | None) -> SecureSum:
   """The protocol of the module docstring on ring elements: masks, uploads, dropout recovery, the unmasked sum.
 
   Args:
@@ -324,62 +409,57 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
     member: `[C]` bool, the clients taking part in the key exchange.
     dropped: `[C]` bool, members that drop after it (their uploads never arrive).
     key: PRNG key: every party's secrets, polynomials and the PRG nonces.
-    threshold: t, 1 ≤ t ≤ C (static): shares needed to reconstruct a secret.
+    threshold: t, the shares needed to reconstruct a secret: an int in [1, C] (static), or None: a majority of
+      the round's m members, t = ⌊m/2⌋ + 1 (traced; the sharing polynomials then have degree t − 1 ≤ ⌊C/2⌋).
 
   Returns:
     A `SecureSum`; `total` equals Σ_{member, not dropped} encoded mod 2³² when `ok`.
   """
   c, length = encoded.shape
-  if not 1 <= threshold <= c:
-    raise ValueError(f"secure_sum: threshold must be in [1, C = {c}]; got {threshold}.")
+  if threshold is not None and not 1 <= threshold <= c:
+    raise ValueError(f"secure_sum: threshold must be None or in [1, C = {c}]; got {threshold}.")
   member = jnp.asarray(member, bool)
   dropped = jnp.asarray(dropped, bool) & member
   survivors = member & ~dropped
-  k_secrets, k_pair, k_self = jax.random.split(key, 3)
+  # `cap` bounds t: the polynomials' t − 1 non-constant coefficients and the t share holders fit `cap` (static);
+  # those past t are zero and unused.
+  cap = c // 2 + 1 if threshold is None else threshold
+  t = jnp.sum(member, dtype=jnp.int32) // 2 + 1 if threshold is None else jnp.int32(threshold)
   index = jnp.arange(c)
 
-  # Round 0-1: keys and shares (made by the clients). One draw per client: sk_c, b_c and the t − 1
-  # non-constant coefficients of each of their two sharing polynomials.
-  drawn = _random_field(k_secrets, (c, 2 * threshold))
+  # Round 0-1: keys and shares (made by the clients). One draw for everything: each client's sk_c, b_c and the
+  # t − 1 non-constant coefficients of each of its two sharing polynomials, and the round's PRG nonce.
+  words = jax.random.bits(key, (c * 2 * cap + 1, 2), jnp.uint32)
+  drawn, nonce = _field_from_words(words[:-1]).reshape(c, 2 * cap), words[-1]
   sk = drawn[:, 0] % (PRIME - 2) + 1  # in [1, p − 2]
   seeds = drawn[:, 1]
-  coefficients_sk, coefficients_b = drawn[:, 2:threshold + 1], drawn[:, threshold + 1:]
+  degree = jnp.arange(1, cap) < t  # the coefficients of x¹ … x^(t−1); those of higher powers are 0
+  coefficients_sk = jnp.where(degree, drawn[:, 2:cap + 1], jnp.uint32(0))
+  coefficients_b = jnp.where(degree, drawn[:, cap + 1:], jnp.uint32(0))
   pk = _pow_mod(jnp.uint32(GENERATOR), sk)
 
-  # Round 3, the server's reconstruction (written before round 2 so that both rounds' self masks are one
-  # expansion): it collects the shares of the first t survivors and interpolates.
+  # Round 3, the server's reconstruction (written before round 2 so that every mask is made in one loop): it
+  # collects the shares of the first t survivors and interpolates.
   num_survivors = jnp.sum(survivors, dtype=jnp.int32)
-  ok = num_survivors >= threshold
-  holders = jnp.argsort(~survivors, stable=True)[:threshold]  # the first t survivors
+  ok = (num_survivors >= t) | ~jnp.any(member)  # no members: the empty sum, 0, with nothing to unmask
+  holders = jnp.argsort(~survivors, stable=True)[:cap]  # the survivors first: the first t of them hold shares
   xs = (holders + 1).astype(jnp.uint32)
   # A survivor reveals its share of b_u, never of sk_u; of a dropped member, of sk_d, never of b_d.
   shared = jnp.where(dropped, sk, seeds)
   coefficients = jnp.where(dropped[:, None], coefficients_sk, coefficients_b)
-  recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs)
+  recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs, jnp.arange(cap) < t)
 
-  # Round 2: the uploads; round 3: the server sums those that arrived and removes the self masks, made again
-  # from the reconstructed seeds, and then the dropped members' pair masks.
-  masks = _self_masks(k_self, jnp.concatenate([index, index]), jnp.concatenate([seeds, recovered]), length)
-  uploads = encoded + masks[:c] + _pair_masks(k_pair, sk, pk, member, length)
-  uploads = jnp.where(member[:, None], uploads, jnp.uint32(0))
-  total = jnp.sum(jnp.where(survivors[:, None], uploads - masks[c:], jnp.uint32(0)), axis=0, dtype=jnp.uint32)
-
+  # Round 2, the uploads, and round 3: the server sums those that arrived and removes the survivors' self masks,
+  # made again from the reconstructed seeds, and the dropped members' pair masks.
   num_dropped = jnp.sum(dropped, dtype=jnp.int32)
   order = jnp.argsort(~dropped, stable=True)
-
-  def remove(i, acc):
-    d = order[i]
-    agreed = _pow_mod(pk, recovered[d])  # pk_u^{sk_d}: the server's side of each agreement with d
-    keys = jax.vmap(_pair_key, in_axes=(None, 0, 0, 0))(k_pair, jnp.minimum(index, d), jnp.maximum(index, d), agreed)
-    g = _expand(keys, length)
-    # Survivor u's upload holds +PRG(s_ud) when d > u and −PRG(s_ud) when d < u.
-    plus = jnp.sum(jnp.where((survivors & (index < d))[:, None], g, jnp.uint32(0)), axis=0, dtype=jnp.uint32)
-    minus = jnp.sum(jnp.where((survivors & (index > d))[:, None], g, jnp.uint32(0)), axis=0, dtype=jnp.uint32)
-    return acc + plus - minus
-
-  leftover = lax.fori_loop(0, jnp.where(ok, num_dropped, 0), remove, jnp.zeros((length,), jnp.uint32))
-  total = jnp.where(ok, total - leftover, jnp.uint32(0))
-  return SecureSum(uploads=uploads, total=total, ok=ok, num_survivors=num_survivors, num_dropped=num_dropped)
+  rows, removed = _masks(nonce, sk, pk, member, length, seeds=seeds,
+                         removal=(survivors, recovered, order, jnp.where(ok, num_dropped, 0)))
+  uploads = jnp.where(member[:, None], encoded + rows, jnp.uint32(0))
+  total = jnp.sum(jnp.where(survivors[:, None], uploads, jnp.uint32(0)), axis=0, dtype=jnp.uint32) + removed
+  total = jnp.where(ok, total, jnp.uint32(0))
+  return SecureSum(uploads=uploads, total=total, ok=ok, num_survivors=num_survivors, num_dropped=num_dropped,
+                   threshold=t)
 
 
 def upload_bits(num_parameters: int, members: jax.Array) -> jax.Array:
@@ -404,6 +484,7 @@ class SecureAggregationState:
     recovered: bool, dropped members' masks were reconstructed and removed.
     num_clipped: int32, coordinates outside [−B, B] clipped by the encoding (all members).
     upload_bits: float32, bits uploaded by one member (`upload_bits`).
+    threshold: int32, the round's Shamir threshold t (survivors needed).
   """
 
   inner: Any
@@ -412,6 +493,30 @@ class SecureAggregationState:
   recovered: jax.Array
   num_clipped: jax.Array
   upload_bits: jax.Array
+  threshold: jax.Array
+
+
+def rounding_room(clip_norm: Any, num_coordinates: int, frac_bits: int) -> Any:
+  """C' = max(C − √P·2^−f, 0): the norm to clip a client's update to so that its fixed-point encoding decodes
+  within C (module docstring, "DP through the ring")."""
+  return jnp.maximum(clip_norm - math.sqrt(num_coordinates) * 2.0**-frac_bits, 0.0)
+
+
+def _check_dp_grid(clip_norm: Any, num_coordinates: int, frac_bits: int) -> None:
+  """Refuses a grid that cannot carry `dp_mean`'s terms: the centred bit ±½ off the grid (f = 0), or no room
+  left for the rounding (C ≤ √P·2^−f; checked when C is concrete)."""
+  if frac_bits == 0:
+    raise ValueError("secure_aggregation: frac_bits = 0 cannot encode dp_mean's centred count bit ±1/2 exactly "
+                     "(its sensitivity would double); use frac_bits >= 1.")
+  if not is_concrete(clip_norm) or num_coordinates == 0:
+    return
+  c, slack = float(clip_norm), math.sqrt(num_coordinates) * 2.0**-frac_bits
+  if slack >= c:
+    enough = math.ceil(math.log2(100 * math.sqrt(num_coordinates) / c))
+    raise ValueError(f"secure_aggregation: frac_bits f = {frac_bits} is too coarse for dp_mean's clip norm "
+                     f"C = {c:g} over P = {num_coordinates} coordinates: the stochastic rounding can lengthen an "
+                     f"update by up to √P·2^−f = {slack:.3g} >= C, leaving no room to clip to C − √P·2^−f; raise "
+                     f"frac_bits (f >= {enough} costs under 1% of C).")
 
 
 def _check(frac_bits: Any, bound: Any, threshold: Any, dropout: Any) -> None:
@@ -449,7 +554,9 @@ def secure_aggregation(
     inner: an aggregator that is a sum over clients (it has a `StreamingSum`):
       `fo.aggregators.mean()`, `weighted_mean()`, `fo.privacy.dp_mean(...)`.
       Its `term` gives each client's contribution, its `finalize` the result;
-      `always_releases` is inherited.
+      `always_releases` is inherited. A `dp_mean`'s clipped terms are clipped
+      again to C − √P·2^−f, so that each decoded term stays within C
+      (module docstring, "DP through the ring").
     frac_bits: f, fractional bits of the fixed-point encoding (resolution 2^−f).
     bound: B > 0 (required: no default fits every inner rule): every
       coordinate of a contribution (and its scalar: 1 for `mean`, n_k for
@@ -458,7 +565,10 @@ def secure_aggregation(
       Needs C·(⌈B 2^f⌉ + 1) < 2³¹ (checked at trace time). For `weighted_mean`,
       B must cover n_k and n_k·|Δ_k|; for `dp_mean`, B ≥ its clip norm loses nothing.
     threshold: t, the Shamir threshold: shares needed to reconstruct a secret,
-      so a round needs t survivors. None: ⌊C/2⌋ + 1 of the C slots.
+      so a round needs t survivors. None: ⌊m/2⌋ + 1 for the round's m members
+      (weight > 0; padding slots do not count), a majority of the users who
+      take part (`state.threshold` records it). An int: the same t in every
+      round, so a round with fewer than t members is rejected.
     dropout: q ∈ [0, 1], the probability that each member drops after the key
       exchange (drawn from the round key), or a callable
       `dropout(key, weights [C]) -> [C] bool` (True: drops).
@@ -471,7 +581,8 @@ def secure_aggregation(
     ValueError: `inner` has a client stage (chain the stage in front of the
       secure aggregator instead).
     ValueError: an out-of-range argument; at trace time, a ring too small for
-      C clients (see `bound`) or t > C.
+      C clients (see `bound`) or t > C; from `init(params)` with a `dp_mean`,
+      f = 0 or a grid with √P·2^−f ≥ C.
   """
   if not isinstance(inner, Aggregator) or inner.streaming is None:
     raise TypeError("secure_aggregation: inner must be an Aggregator that is a sum over clients (with a "
@@ -485,16 +596,18 @@ def secure_aggregation(
 
   def init(params: PyTree) -> SecureAggregationState:
     zero = jnp.zeros((), jnp.int32)
-    return SecureAggregationState(inner=inner.init(params), num_dropped=zero, num_survivors=zero,
+    inner_state = inner.init(params)
+    if isinstance(inner_state, DPMeanState):
+      _check_dp_grid(inner_state.clip_norm, sum(int(np.size(x)) for x in jax.tree.leaves(params)), frac_bits)
+    return SecureAggregationState(inner=inner_state, num_dropped=zero, num_survivors=zero,
                                   recovered=jnp.zeros((), bool), num_clipped=zero,
-                                  upload_bits=jnp.zeros((), jnp.float32))
+                                  upload_bits=jnp.zeros((), jnp.float32), threshold=zero)
 
   def aggregate(updates: PyTree, weights: jax.Array, state: SecureAggregationState,
                 key: jax.Array) -> tuple[PyTree, SecureAggregationState]:
     c = weights.shape[0]
-    t = c // 2 + 1 if threshold is None else threshold
-    if t > c:
-      raise ValueError(f"secure_aggregation: threshold t = {t} exceeds the round's C = {c} clients.")
+    if threshold is not None and threshold > c:
+      raise ValueError(f"secure_aggregation: threshold t = {threshold} exceeds the round's C = {c} client slots.")
     largest = math.ceil(bound * 2**frac_bits) + 1
     if c * largest >= 2**31:
       raise ValueError(f"secure_aggregation: the ring Z_(2^32) cannot hold the sum of C = {c} contributions of up to "
@@ -507,12 +620,16 @@ def secure_aggregation(
     used = jnp.where(dropped, jnp.zeros_like(weights), weights)
 
     terms, scalars = jax.vmap(term, in_axes=(0, 0, None))(updates, used, state.inner)
+    if isinstance(state.inner, DPMeanState):  # room for the rounding: the decoded update stays within C
+      room = rounding_room(state.inner.clip_norm, sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(terms)),
+                           frac_bits)
+      terms = jax.vmap(lambda t: clip_by_global_norm(t, room)[0])(terms)
     leaves, treedef = jax.tree.flatten(terms)
     columns = [leaf.reshape(c, -1) for leaf in leaves] + [scalars.reshape(c, 1)]
     flat = jnp.concatenate([col.astype(jnp.result_type(*columns)) for col in columns], axis=1)
     encoded, num_clipped = fixed_point_encode(jnp.where(member[:, None], flat, 0), k_round, frac_bits=frac_bits,
                                               bound=bound)
-    result = secure_sum(encoded, member, dropped, k_protocol, threshold=t)
+    result = secure_sum(encoded, member, dropped, k_protocol, threshold=threshold)
 
     total_flat = fixed_point_decode(result.total, frac_bits=frac_bits, dtype=flat.dtype)
     parts = jnp.split(total_flat, np.cumsum([col.shape[1] for col in columns])[:-1])
@@ -527,6 +644,7 @@ def secure_aggregation(
         recovered=result.ok & (result.num_dropped > 0),
         num_clipped=num_clipped,
         upload_bits=upload_bits(int(sum(col.shape[1] for col in columns[:-1])), jnp.sum(member)),
+        threshold=result.threshold,
     )
     return out, new_state
 
