@@ -515,3 +515,45 @@ def test_secure_aggregation_of_compressed_updates_is_their_mean_up_to_the_fixed_
   # 32 (P + 1) for the contribution, 2 · 32 for the public keys, 3 · 32 (n − 1) for the shares (n = 4 members).
   assert float(state.metrics["bits_up"]) == 2 * (32 + INDEX_BITS)
   assert float(state.aggregator_state.server.upload_bits) == 32 * (P + 1) + 2 * 32 + 3 * 32 * 3
+
+
+# ----------------------------------------------------------------------------- triples: DP inside secure summation
+
+def test_dp_mean_inside_secure_aggregation_after_compression_is_the_clipped_mean_of_the_messages():
+  """The triple users run: `chain(compress(top-2), secure_aggregation(dp_mean(C, σ = 0, m), f = 16))`. Each decoded
+  top-2 message is clipped to C, then to C' = C − √P·2⁻¹⁶ (room for the ring's rounding, so the decoded update
+  stays within C), summed in the ring and divided by m: NumPy's clipped mean within 4 · 2⁻¹⁶ / m."""
+  params, batches = example_inputs("fedavg")
+  xs, ys = _data(batches)
+  sent, _ = _numpy_fedavg_messages(_vec(params), xs, ys, 0.05, _np_top_k(2))
+  room = CLIP - math.sqrt(P) * 2.0 ** -16
+  clipped = sent * np.minimum(1.0, CLIP / np.linalg.norm(sent, axis=1))[:, None]
+  clipped = clipped * np.minimum(1.0, room / np.linalg.norm(clipped, axis=1))[:, None]
+  secure = fo.privacy.secure_aggregation(fo.privacy.dp_mean(CLIP, 0.0, expected_clients=M_DENOMINATOR), bound=1.0,
+                                         frac_bits=16)
+  algo = _fedavg(secure, C.compress(C.top_k(k=2)))
+  state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+  assert bool(state.metrics["round_accepted"])
+  np.testing.assert_allclose(_vec(state.params) - _vec(params), clipped.sum(0) / M_DENOMINATOR, rtol=0,
+                             atol=4 * 2.0 ** -16 / M_DENOMINATOR + 1e-7)
+  assert float(state.metrics["bits_up"]) == 2 * (32 + INDEX_BITS)
+
+
+def test_an_attackers_row_is_bounded_by_the_secure_encoding():
+  """`corrupt(secure_aggregation(mean), omniscient)`: the attacker's row (−10⁴ × the honest sum) is encoded like
+  every client's, so each of its coordinates is clipped to the bound B before the ring sum: the mean is NumPy's
+  mean of the rows clipped to [−B, B], within 2⁻¹⁶, and the clipped row is counted."""
+  params, batches = example_inputs("fedavg")
+  xs, ys = _data(batches)
+  sent, _ = _numpy_fedavg_messages(_vec(params), xs, ys, 0.05, lambda v: v)
+  received = sent.copy()
+  received[3] = _omniscient_row(sent, 3)
+  bound = 1.0
+  assert np.abs(sent).max() < bound < np.abs(received[3]).max()
+  secure = fo.privacy.secure_aggregation(fo.aggregators.mean(), bound=bound, frac_bits=16)
+  attacked = fo.attacks.corrupt(secure, fo.attacks.omniscient(1e4), attackers=[3])
+  state = jax.jit(_fedavg(attacked, None).step)(_fedavg(attacked, None).init(params, jax.random.key(0)), batches)
+  np.testing.assert_allclose(_vec(state.params) - _vec(params), np.clip(received, -bound, bound).mean(0), rtol=0,
+                             atol=2.0 ** -16 + 1e-6)
+  assert int(state.aggregator_state.aggregator.num_clipped) >= 1
+

@@ -343,6 +343,26 @@ def test_bad_arguments_are_refused_with_the_argument_named():
     jax.eval_shape(agg.aggregate, {"w": jnp.zeros((4, 2))}, jnp.ones(4), agg.init(None), jax.random.key(0))
 
 
+def test_the_scalar_each_client_adds_is_never_clipped():
+  """The count (mean: 1) or weight (weighted_mean: n_k) a client adds is what the sum is divided by: a bound below
+  a weight-1 client's scalar is refused, and a round whose weight exceeds the bound is rejected (NaN), never
+  divided by a clipped count; with a bound that covers the weights it is NumPy's weighted mean."""
+  with pytest.raises(ValueError, match=r"bound B = 0.5 would clip the scalar each client adds .* use bound >= 1"):
+    P.secure_aggregation(A.mean(), bound=0.5).init(None)
+  rng = np.random.default_rng(3)
+  updates = {"w": jnp.asarray(rng.uniform(-0.1, 0.1, (4, 3)), jnp.float32)}
+  weights = jnp.asarray([6.0, 2.0, 0.0, 3.0])
+  for bound, finite in ((1.0, False), (8.0, True)):
+    agg = P.secure_aggregation(A.weighted_mean(), bound=bound, frac_bits=16)
+    out, _ = jax.jit(agg.aggregate)(updates, weights, agg.init(None), jax.random.key(1))
+    if not finite:
+      assert np.all(np.isnan(np.asarray(out["w"])))
+      continue
+    w = np.asarray(weights, np.float64)
+    want = (w[:, None] * np.asarray(updates["w"], np.float64)).sum(0) / w.sum()
+    np.testing.assert_allclose(np.asarray(out["w"]), want, rtol=0, atol=4 * 2.0 ** -16)
+
+
 @pytest.mark.slow  # runs the benchmark's --quick mode
 def test_the_benchmark_quick_mode_runs_and_writes_its_table(tmp_path):
   path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "secure_aggregation.py"

@@ -559,9 +559,12 @@ def secure_aggregation(
       (module docstring, "DP through the ring").
     frac_bits: f, fractional bits of the fixed-point encoding (resolution 2^−f).
     bound: B > 0 (required: no default fits every inner rule): every
-      coordinate of a contribution (and its scalar: 1 for `mean`, n_k for
-      `weighted_mean`, ±½ for `dp_mean`) is clipped to [−B, B], silently
-      (counted in `state.num_clipped`).
+      coordinate of a contribution is clipped to [−B, B] (counted in
+      `state.num_clipped`). Its scalar (1 for `mean`, n_k for
+      `weighted_mean`, ±½ for `dp_mean`) is never clipped: a B below a
+      weight-1 client's scalar is refused by `init`, and a round in which a
+      member's scalar exceeds B (`weighted_mean` with n_k > B) is rejected
+      (NaN: the guard keeps the model) rather than divided by a wrong count.
       Needs C·(⌈B 2^f⌉ + 1) < 2³¹ (checked at trace time). For `weighted_mean`,
       B must cover n_k and n_k·|Δ_k|; for `dp_mean`, B ≥ its clip norm loses nothing.
     threshold: t, the Shamir threshold: shares needed to reconstruct a secret,
@@ -599,6 +602,12 @@ def secure_aggregation(
     inner_state = inner.init(params)
     if isinstance(inner_state, DPMeanState):
       _check_dp_grid(inner_state.clip_norm, sum(int(np.size(x)) for x in jax.tree.leaves(params)), frac_bits)
+    # The scalar a client of weight 1 adds (1 for mean, ±1/2 for dp_mean): clipped, every denominator would be off.
+    probe = term(np.zeros((), np.float32), np.ones((), np.float32), inner_state)[1]
+    if is_concrete(probe) and abs(float(probe)) > bound:
+      raise ValueError(f"secure_aggregation: bound B = {bound:g} would clip the scalar each client adds to the sum "
+                       f"({float(probe):g} for a client of weight 1: the count or weight the inner rule divides by); "
+                       f"use bound >= {abs(float(probe)):g}.")
     return SecureAggregationState(inner=inner_state, num_dropped=zero, num_survivors=zero,
                                   recovered=jnp.zeros((), bool), num_clipped=zero,
                                   upload_bits=jnp.zeros((), jnp.float32), threshold=zero)
@@ -629,6 +638,9 @@ def secure_aggregation(
     flat = jnp.concatenate([col.astype(jnp.result_type(*columns)) for col in columns], axis=1)
     encoded, num_clipped = fixed_point_encode(jnp.where(member[:, None], flat, 0), k_round, frac_bits=frac_bits,
                                               bound=bound)
+    # A member whose scalar (its weight for weighted_mean) lies outside [−B, B] would shift the denominator: the
+    # round is rejected (NaN) instead of aggregated wrong.
+    scalar_ok = ~jnp.any(member & (jnp.abs(scalars) > bound))
     result = secure_sum(encoded, member, dropped, k_protocol, threshold=threshold)
 
     total_flat = fixed_point_decode(result.total, frac_bits=frac_bits, dtype=flat.dtype)
@@ -636,9 +648,10 @@ def secure_aggregation(
     decoded = [part.astype(col.dtype) for part, col in zip(parts, columns)]
     total = jax.tree.unflatten(treedef, [d.reshape(leaf.shape[1:]) for d, leaf in zip(decoded[:-1], leaves)])
     out, inner_state = finalize(total, decoded[-1][0], state.inner, key)
-    out = jax.tree.map(lambda o, u: jnp.where(result.ok, o, jnp.nan).astype(u.dtype), out, updates)
+    ok = result.ok & scalar_ok
+    out = jax.tree.map(lambda o, u: jnp.where(ok, o, jnp.nan).astype(u.dtype), out, updates)
     new_state = SecureAggregationState(
-        inner=select_tree(result.ok, inner_state, state.inner),
+        inner=select_tree(ok, inner_state, state.inner),
         num_dropped=result.num_dropped,
         num_survivors=result.num_survivors,
         recovered=result.ok & (result.num_dropped > 0),
