@@ -27,6 +27,10 @@ The attacks (parameters in `ATTACKS` and the JSON):
                          each coordinate ⌊f · n⌋ clients hold N(0, 1) values
                          (a constant would be invisible to softmax regression:
                          equal shifts of every logit cancel).
+  dimensional_omniscient the same dimensional model with omniscient values
+                         (Xie, Koyejo, Gupta 2018's experiment): in each
+                         coordinate ⌊f · n⌋ clients send −1e4 × the sum of
+                         every participating client's update.
   alie                   "a little is enough" (Baruch et al. 2019), the paper's z.
   ipm                    inner-product manipulation, ε = 0.1 (Xie et al. 2019).
   label_flip             data poisoning: a fixed f-fraction of the dataset's
@@ -148,6 +152,7 @@ ATTACKS = {
     "omniscient": "-1e4 x the honest sum",
     "sign_flip": "-4 x own update",
     "generalized_byzantine": "dimensional: floor(f n) clients per coordinate hold N(0, 1)",
+    "dimensional_omniscient": "dimensional: floor(f n) clients per coordinate hold -1e4 x the sum of all updates",
     "alie": "mean - z std, the paper's z",
     "ipm": "-0.1 x the honest mean",
     "label_flip": "a fixed f-fraction of the clients train on y -> 9 - y",
@@ -158,6 +163,9 @@ def attacked_aggregator(rule: Any, attack: str, fraction: Any) -> Any:
   """`rule` behind `attack` with a (traced) fraction of the round's clients attacking."""
   if attack == "generalized_byzantine":
     return attacks_lib.corrupt(rule, attacks_lib.generalized_byzantine(fraction, attacks_lib.gaussian(GB_SCALE)), attackers=1.0)
+  if attack == "dimensional_omniscient":  # seed 004's experiment: the omniscient value, in the dimensional model
+    return attacks_lib.corrupt(rule, attacks_lib.generalized_byzantine(fraction, attacks_lib.omniscient(1e4)),
+                               attackers=1.0)
   make = {
       "gaussian": lambda: attacks_lib.gaussian(1.0),
       "omniscient": lambda: attacks_lib.omniscient(1e4),
