@@ -6,6 +6,8 @@ import numpy as np
 import optax
 import pytest
 
+import fedjax_opt as fo
+
 from fedjax_opt.algorithms.feddyn import feddyn
 from conftest import lsq_grad_np, lsq_loss, make_clients, pack
 
@@ -142,3 +144,27 @@ def test_bad_arguments(rng):
   batches = pack(make_clients(rng, [4, 4, 4], D), 2, 2)
   with pytest.raises(ValueError, match=r"client_id holds id 2 but the per-client state has num_clients=2"):
     algo.step(algo.init(_tree(np.zeros(D + 1, np.float32)), jax.random.key(0)), batches)
+
+
+def test_pieces_that_would_leave_h_unprotected_are_refused_in_one_line():
+  """h moves by the plain sum of the exact g_k changes, outside the aggregator: dp_mean, secure aggregation, a
+  robust rule and a simulated attack would cover the model's average and not h."""
+  loss = lambda p, b: (b["x"] @ p["w"] - b["y"]) ** 2
+  dp = fo.privacy.dp_mean(1.0, 1.0, expected_clients=4)
+  cases = {
+      "dp_mean": (dp, "would not be differentially private"),
+      "chained dp_mean": (fo.aggregators.chain(fo.compression.compress(fo.compression.top_k(k=1)), dp), None),
+      "secure": (fo.privacy.secure_aggregation(fo.aggregators.mean(), bound=1.0), "needs their exact sum"),
+      "median": (fo.aggregators.marginal_median(), "one attacker moves freely"),
+      "corrupt": (fo.attacks.corrupt(fo.aggregators.mean(), fo.attacks.omniscient(1e4), attackers=0.2),
+                  "its attackers would be honest in h"),
+  }
+  for name, (aggregator, needle) in cases.items():
+    with pytest.raises(ValueError) as raised:
+      fo.algorithms.feddyn(loss, 0.1, num_clients=4, client_optimizer=optax.sgd(0.1), aggregator=aggregator)
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("feddyn"), (name, message)
+    assert needle is None or needle in message, (name, message)
+  for aggregator in (fo.aggregators.mean(), fo.aggregators.weighted_mean()):  # sums: h stays exact
+    fo.algorithms.feddyn(loss, 0.1, num_clients=4, client_optimizer=optax.sgd(0.1), aggregator=aggregator)
+

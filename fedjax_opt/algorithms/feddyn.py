@@ -36,6 +36,14 @@ h ≠ (1/m) Σ_k g_k after the first round, and the argument above (a fixed
 point is the global stationary point) no longer holds; updating g_k by the
 compressed difference instead keeps the identity but breaks g_k = ∇L_k(θ_k),
 with the same consequence.
+
+No DP, secure aggregation, robust rule or simulated attack either, for the
+same reason as SCAFFOLD's c: h moves by the plain sum of the exact changes
+of the g_k, outside the aggregator, so `dp_mean` would leave that sum
+un-noised (not differentially private), `secure_aggregation` would need it
+in the clear, a robust rule would leave it to one attacker, and
+`fo.attacks.corrupt` would leave the attackers honest in it. `feddyn`
+refuses them in one line.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import refuse_client_stage
+from fedjax_opt.core.server import protecting_piece, refuse_client_stage
 from fedjax_opt.core.tree import global_norm, select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_loss_fn, check_num_clients, check_optimizer, check_positive, check_scalar
@@ -117,7 +125,11 @@ def feddyn(
       re-initialized on every client every round.
     aggregator: how the θ_k − θ^{t−1} are averaged; default
       `aggregators.mean()`, the paper's (1/|P_t|) Σ. One with a client stage
-      (compression) is refused: h needs the exact θ_k − θ^{t−1}.
+      (compression) is refused: h needs the exact θ_k − θ^{t−1}. So are
+      `fo.privacy.dp_mean`, `fo.privacy.secure_aggregation`, the robust rules
+      and `fo.attacks.corrupt` (`core.server.protecting_piece`): h moves by
+      the plain sum of the exact changes of the g_k, outside the aggregator,
+      which none of them would cover (the module docstring).
     client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
     storage_dtype: dtype of the stored g_k (e.g. `jnp.bfloat16`); None keeps the
       model's dtype.
@@ -134,6 +146,17 @@ def feddyn(
   refuse_client_stage(aggregator, "feddyn", "its h must move by the exact θ_k − θ^{t−1} that moves each g_k = "
                       "∇L_k(θ_k), so that h = (1/m) Σ_k g_k (what makes the fixed point stationary); a server that "
                       "receives compressed messages drifts from it every round. Use FedAvg or SCAFFOLD to compress.")
+  piece = protecting_piece(aggregator)
+  if piece is not None:
+    name = getattr(aggregator.aggregate, "__qualname__", "aggregator").split(".")[0]
+    why = {"dp_mean": "clips and noises the θ_k − θ^{t−1} for the model, but h adds their exact, un-noised sum, so "
+                      "the run would not be differentially private",
+           "secure_aggregation": "hides each θ_k − θ^{t−1}, but h needs their exact sum from the clients' g_k tables",
+           "robust": "is a robust rule for the model's average, but h moves by the plain sum of the g_k changes, "
+                     "which one attacker moves freely (and h corrects the model every round)",
+           "attack": "replaces the θ_k − θ^{t−1} the server receives but not the g_k changes h adds, so its attackers "
+                     "would be honest in h"}[piece]
+    raise ValueError(f"feddyn: {name} {why}; use fo.algorithms.fedavg or fedprox with {name}.")
   mode = client_map_lib.resolve(client_map)
 
   def client_update(x, data, mask, g_k):

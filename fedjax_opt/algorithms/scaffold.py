@@ -70,8 +70,9 @@ that protects the Δy_i would leave the Δc_i unprotected:
   Δc_i, so the simulated attackers would send honest control variates; attack
   the clients' data with `fo.attacks.poison` instead.
 
-The pieces are recognised by the module that defines their `aggregate` (a
-wrapper keeps the outermost piece's, a chain its aggregator's).
+The pieces are recognised by `core.server.protecting_piece` (by the module
+that defines their `aggregate`: a wrapper keeps the outermost piece's, a
+chain its aggregator's); FedDyn refuses the same pieces for its h.
 """
 
 from __future__ import annotations
@@ -84,19 +85,15 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
-from fedjax_opt import attacks as attacks_lib
-from fedjax_opt.aggregators import robust as robust_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import apply_server_update, client_is_finite
+from fedjax_opt.core.server import apply_server_update, client_is_finite, protecting_piece
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_loss_fn, check_num_clients, check_positive
-from fedjax_opt.privacy import dp as dp_lib
-from fedjax_opt.privacy import secure as secure_lib
 
 __all__ = ["ScaffoldState", "scaffold"]
 
@@ -145,25 +142,24 @@ def _option_ii(c_i: PyTree, c: PyTree, delta: PyTree, num_steps: jax.Array, eta_
 
 def _refuse_uncovered_control_variates(aggregator: aggregators_lib.Aggregator) -> None:
   """Raises ValueError when `aggregator` protects the Δy_i and would leave the plain sum of the Δc_i unprotected."""
-  module = getattr(aggregator.aggregate, "__module__", None)
   name = getattr(aggregator.aggregate, "__qualname__", "aggregator").split(".")[0]
   why = {
-      dp_lib.__name__: (
+      "dp_mean": (
           f"{name} clips and noises the Δy_i, but c adds each Δc_i unclipped and un-noised (under option II "
           f"Δc_i = −c − Δy_i/(K η_l) reveals Δy_i), so the run would not be differentially private; use "
           f"fo.algorithms.fedavg or fedprox with {name}."),
-      secure_lib.__name__: (
+      "secure_aggregation": (
           f"{name} hides each Δy_i, but c adds the Δc_i sent in the clear (under option II "
           f"Δc_i = −c − Δy_i/(K η_l) reveals Δy_i); use fo.algorithms.fedavg or fedprox with {name}."),
-      robust_lib.__name__: (
+      "robust": (
           f"{name} is a robust rule for the Δy_i, but c is the plain sum (1/N) Σ Δc_i, which one attacker moves "
           f"freely (and c corrects every client's local steps); use fo.algorithms.fedavg with {name}, or SCAFFOLD "
           f"with fo.aggregators.mean()."),
-      attacks_lib.__name__: (
+      "attack": (
           f"{name} replaces the Δy_i the server receives but not the Δc_i, so its attackers would send honest "
           f"control variates; attack the clients' data with fo.attacks.poison, or use fo.algorithms.fedavg with "
           f"{name}."),
-  }.get(module)
+  }.get(protecting_piece(aggregator))
   if why is not None:
     raise ValueError(f"scaffold: {why}")
 

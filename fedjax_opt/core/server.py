@@ -27,8 +27,8 @@ from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
 from fedjax_opt.core.types import Aggregator, ClientStage
 
 __all__ = ["Aggregated", "ROUND_METRICS", "Received", "aggregate_updates", "apply_server_update", "check_aggregator",
-           "client_is_finite", "finish_aggregation", "guarded_aggregate", "initial_round_metrics", "round_metrics",
-           "zero_nonfinite"]
+           "client_is_finite", "finish_aggregation", "guarded_aggregate", "initial_round_metrics", "protecting_piece",
+           "round_metrics", "zero_nonfinite"]
 
 PyTree = Any
 
@@ -76,6 +76,26 @@ def refuse_client_stage(aggregator: Aggregator, who: str, why: str) -> None:
   """Raises ValueError, naming `who` and the stage, when `aggregator` has a client stage that `who` cannot take."""
   if aggregator.client is not None:
     raise ValueError(f"{who} cannot compose with the aggregator's client stage {aggregator.client.name}: {why}")
+
+
+# The pieces that act on the round's updates beyond summing them, by the module that defines their `aggregate`
+# (named, not imported: core sits below them). A wrapper keeps its outermost piece's; a chain, its aggregator's.
+_PIECES = {"fedjax_opt.privacy.dp": "dp_mean", "fedjax_opt.privacy.secure": "secure_aggregation",
+           "fedjax_opt.aggregators.robust": "robust", "fedjax_opt.attacks": "attack"}
+
+
+def protecting_piece(aggregator: Aggregator) -> str | None:
+  """What `aggregator` does to the updates beyond a sum: "dp_mean" (clip and noise), "secure_aggregation" (hide
+  them), "robust" (a robust rule), "attack" (`fo.attacks.corrupt`), or None.
+
+  For algorithms whose server also moves state by a plain sum of the clients' exact messages outside the
+  aggregator (SCAFFOLD's c, FedDyn's h): such a piece would protect the update and leave that side channel
+  unprotected, so they refuse it.
+  """
+  fn = aggregator.aggregate
+  if isinstance(fn, Received):
+    fn = fn.receive
+  return _PIECES.get(getattr(fn, "__module__", None))
 
 
 def zero_nonfinite(updates: PyTree, weights: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:
