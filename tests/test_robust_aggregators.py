@@ -339,6 +339,14 @@ def test_mean_around_median_breaks_distance_ties_toward_the_smaller_value():
   x, w = data(0)
   x[w > 0, 0] = [1, -1, 0, 2, 0, -1, 0, -2, 1]
   assert aggregate(MEAMED[4], x, w)[0][0] == -2 / 5
+  # Two clients taking part, equally far from their median 1.5: q = 0 keeps both (the mean, 1.5); q = 4 ≥ n
+  # keeps one, max(n − q, 1) = 1 value, the closer-or-smaller 0.
+  w = np.where(np.arange(len(w)) < 2, 1.0, 0.0)
+  x[:2, 0] = [0.0, 3.0]
+  assert aggregate(MEAMED[0], x, w)[0][0] == 1.5
+  assert aggregate(MEAMED[4], x, w)[0][0] == 0.0
+  x[:3, 0], w[2] = [0.0, 1.0, 5.0], 1.0  # three: the median 1 itself
+  assert aggregate(MEAMED[4], x, w)[0][0] == 1.0
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------

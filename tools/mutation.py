@@ -66,11 +66,16 @@ TESTS_OF = {
     "asynchronous": ["tests/test_asynchronous.py", "tests/test_asynchrony.py"],
     # Outside fedjax_opt/algorithms/: the robust aggregators, the attacks, the asynchronous simulation.
     "robust": ["tests/test_robust_aggregators.py"],
+    "dp": ["tests/test_privacy.py", "tests/test_compression_composition.py"],
+    "secure": ["tests/test_secure_aggregation.py", "tests/test_compression_composition.py"],
+    "compression": [*COMPRESSION_TESTS, "tests/test_compression_families.py"],
     "attacks": ["tests/test_attacks.py", "tests/test_robust_aggregators.py"],
     **{f"asynchrony.{m}": ["tests/test_asynchrony.py", "tests/test_asynchronous.py", "tests/test_cli_network.py"]
        for m in ("history", "distributions", "schedules", "staleness", "events", "synchronous")},
 }
 PATH_OF = {"robust": "fedjax_opt/aggregators/robust.py", "attacks": "fedjax_opt/attacks.py",
+           "dp": "fedjax_opt/privacy/dp.py", "secure": "fedjax_opt/privacy/secure.py",
+           "compression": "fedjax_opt/compression.py",
            **{m: f"fedjax_opt/core/{m.replace('.', '/')}.py" for m in TESTS_OF if m.startswith("asynchrony.")}}
 """Module files not under fedjax_opt/algorithms/ (the others are fedjax_opt/algorithms/<name>.py, a dotted name
 <package>.<module> the file fedjax_opt/algorithms/<package>/<module>.py)."""
