@@ -130,6 +130,11 @@ def test_generalized_byzantine_corrupts_at_most_the_fraction_per_coordinate():
   bad = got == 1e6
   assert not bad[[2, 3, 5, 6, 7, 8]].any()
   np.testing.assert_array_equal(bad.sum(0), 2)
+  # One per coordinate (⌊0.15 · 7⌋ = 1), holding a random attack's values: N(0, 100²) draws.
+  got, _ = attacked(attacks.generalized_byzantine(0.15, attacks.gaussian(100.0)), x, w, 1.0, x64=False)
+  hit = got != x
+  np.testing.assert_array_equal(hit.sum(0), 1)
+  assert not hit[list(ZERO)].any() and 50 < np.std(got[hit]) < 200
 
 
 def test_generalized_byzantine_values_come_from_every_participating_update():
