@@ -105,36 +105,44 @@ def test_gaussian_replaces_attackers_with_noise_of_the_given_scale():
   assert not np.array_equal(out(jax.random.key(4))[1], got[1])  # fresh noise each round
 
 
+def _attacked_together(pairs, x, w):
+  """The rows each `corrupt(identity, attack, attackers=...)` of `pairs` receives, float32, all in one program."""
+  aggs = [attacks.corrupt(IDENTITY, attack, attackers=who) for attack, who in pairs]
+  tree = {"p": jnp.asarray(x[:, :2], jnp.float32), "q": jnp.asarray(x[:, 2:], jnp.float32)}
+  outs = jax.jit(lambda t, ww: [a.aggregate(t, ww, a.init(None), KEY)[0] for a in aggs])(tree, jnp.asarray(w))
+  return [np.concatenate([np.asarray(o["p"], np.float64), np.asarray(o["q"], np.float64)], axis=1) for o in outs]
+
+
 def test_generalized_byzantine_corrupts_at_most_the_fraction_per_coordinate():
   """Every row attacks; per coordinate exactly ⌊0.3 · 7⌋ = 2 of the 7 clients taking part are corrupted.
 
-  In float32 (the random draws compile faster than under x64): the inputs are float32 values, so every check
-  below is still an exact equality."""
+  In float32 (the random draws compile faster than under x64), the four cases in one program: the inputs are
+  float32 values, so every check below is still an exact equality."""
   rng = np.random.default_rng(1)
   x = rng.normal(size=(C, 400)).astype(np.float32).astype(np.float64)
   w = np.ones(C)
   w[list(ZERO)] = 0
-  got, _ = attacked(attacks.generalized_byzantine(0.3, 1e6), x, w, 1.0, x64=False)
-  bad = got == 1e6
-  np.testing.assert_array_equal(got[~bad], x[~bad])
+  constant, flipped, three, one = _attacked_together([
+      (attacks.generalized_byzantine(0.3, 1e6), 1.0), (attacks.generalized_byzantine(0.3, attacks.sign_flip()), 1.0),
+      (attacks.generalized_byzantine(0.3, 1e6), [0, 1, 4]),
+      (attacks.generalized_byzantine(0.15, attacks.gaussian(100.0)), 1.0)], x, w)
+  bad = constant == 1e6
+  np.testing.assert_array_equal(constant[~bad], x[~bad])
   np.testing.assert_array_equal(bad.sum(0), 2)
   assert not bad[list(ZERO)].any()
   assert bad[w > 0].any(1).all()  # over 400 coordinates every client is hit somewhere
   # Values from an attack: the corrupted coordinates hold that attack's vector, here −v (sign flip).
-  got, _ = attacked(attacks.generalized_byzantine(0.3, attacks.sign_flip()), x, w, 1.0, x64=False)
-  flipped = got != x
-  np.testing.assert_array_equal(flipped.sum(0), 2)
-  np.testing.assert_array_equal(got[flipped], -x[flipped])
+  hit = flipped != x
+  np.testing.assert_array_equal(hit.sum(0), 2)
+  np.testing.assert_array_equal(flipped[hit], -x[hit])
   # Only attacker rows are corrupted: with 3 attacker rows, per coordinate min(2, 3) of them.
-  got, _ = attacked(attacks.generalized_byzantine(0.3, 1e6), x, w, [0, 1, 4], x64=False)
-  bad = got == 1e6
+  bad = three == 1e6
   assert not bad[[2, 3, 5, 6, 7, 8]].any()
   np.testing.assert_array_equal(bad.sum(0), 2)
   # One per coordinate (⌊0.15 · 7⌋ = 1), holding a random attack's values: N(0, 100²) draws.
-  got, _ = attacked(attacks.generalized_byzantine(0.15, attacks.gaussian(100.0)), x, w, 1.0, x64=False)
-  hit = got != x
+  hit = one != x
   np.testing.assert_array_equal(hit.sum(0), 1)
-  assert not hit[list(ZERO)].any() and 50 < np.std(got[hit]) < 200
+  assert not hit[list(ZERO)].any() and 50 < np.std(one[hit]) < 200
 
 
 def test_generalized_byzantine_values_come_from_every_participating_update():
@@ -151,8 +159,9 @@ def test_generalized_byzantine_values_come_from_every_participating_update():
   cases = ((attacks.omniscient(1e4), -1e4 * real.sum(0)), (attacks.ipm(0.5), -0.5 * real.mean(0)),
            (attacks.alie(), real.mean(0) - z * real.std(0, ddof=1)),
            (attacks.alie(1.5), real.mean(0) - 1.5 * real.std(0, ddof=1)))
-  for attack, value in cases:
-    got, _ = attacked(attacks.generalized_byzantine(0.3, attack), x, w, 1.0, x64=False)
+  # One program for the four (their corrupted coordinates are drawn from the same key: one draw, shared).
+  outs = _attacked_together([(attacks.generalized_byzantine(0.3, attack), 1.0) for attack, _ in cases], x, w)
+  for (attack, value), got in zip(cases, outs):
     bad = got != x
     np.testing.assert_array_equal(bad.sum(0), 2)
     assert not bad[list(ZERO)].any()
