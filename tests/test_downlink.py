@@ -142,16 +142,16 @@ def _client_deltas(name, z, batches):
 
 def _server_step(name, delta, momentum):
   """(u_t, new momentum) of the variant's server optimizer fed −Δ."""
-  if name in ("fedsgd_top1",):
+  if name == "fedsgd_top1":
     return FEDSGD_LR * delta, momentum
-  if name in ("fedprox_top1",):
+  if name == "fedprox_top1":  # server sgd(1.0)
     return delta, momentum
   m = -delta + BETA * momentum
   return -SERVER_LR * m, m
 
 
 def _numpy_double_squeeze(name, compress, error_feedback, rounds=2):
-  """float64 (x̂_t, e_t, m_t) for t = 1 … rounds of the variant: clients train from x̂, the server's error is carried."""
+  """float64 (x̂_t, e_t, m_t), t = 1 … rounds, of the variant: clients train from x̂, the server's error is carried."""
   params, batches = _inputs()
   xhat, error, momentum = _vec(params), np.zeros(P), np.zeros(P)
   out = []
