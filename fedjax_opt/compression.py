@@ -74,6 +74,14 @@ seed and the server can regenerate rand-k's indices; the residual row is
 written under the round's rules for per-client rows (docs/architecture.md,
 "The round"), like every other. `residuals(state.aggregator_state)` reads
 the table.
+
+Downlink (`downlink(compressor, error_feedback=True)`, a factory's
+`downlink=`): the same compressors on what the server sends back. The server
+broadcasts m_t = C(u_t + e_t), u_t its optimizer's step, keeps e_{t+1} =
+u_t + e_t − m_t, and every client's model moves by m_t (DoubleSqueeze's server
+side; the recursion and its state are `core.averaging`'s module docstring,
+"Downlink"). The error feedback is this module's `send` with the server's
+error as the residual; `bits_down` is the compressor's count of m_t.
 """
 
 from __future__ import annotations
@@ -87,14 +95,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt.core import per_client
+from fedjax_opt.core.averaging import Downlink
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientStage, StagedState
 from fedjax_opt.core.validation import check_int, check_num_clients, check_probability
 
 PyTree = Any
 
-__all__ = ["Compressor", "compress", "identity", "num_entries", "qsgd", "rand_k", "residuals", "send", "sign",
-           "top_k", "tree_bits"]
+__all__ = ["Compressor", "Downlink", "as_downlink", "compress", "downlink", "identity", "num_entries", "qsgd",
+           "rand_k", "residuals", "send", "sign", "top_k", "tree_bits"]
 
 FLOAT_BITS = 32
 """Bits of one float32 scalar (a norm, a scale, a value, a seed)."""
@@ -406,3 +415,57 @@ def residuals(aggregator_state: Any, message: int = 0) -> PyTree | None:
   if not isinstance(aggregator_state, StagedState):
     return None
   return aggregator_state.rows[message]
+
+
+# ----------------------------------------------------------------------------- server to client
+
+
+def downlink(compressor: Compressor, *, error_feedback: bool = True) -> Downlink:
+  """A compressor on the server's broadcast, with the server's error feedback (DoubleSqueeze's server side).
+
+      m_t = C(u_t + e_t),   e_{t+1} = u_t + e_t − m_t,   x̂_{t+1} = x̂_t + m_t     (error feedback)
+      m_t = C(u_t),                                  x̂_{t+1} = x̂_t + m_t     (without)
+
+  u_t is the server optimizer's step at x̂_t, the model every client holds and
+  trains from (`core.averaging`'s module docstring, "Downlink"); e_0 = 0. Tang,
+  Yu, Lian, Zhang, Liu, "DoubleSqueeze" (ICML 2019, arXiv:1905.05957). Give it
+  (or the compressor alone, which means error feedback) to `fedavg`, `fedsgd`
+  or `fedprox` as `downlink=`; `bits_down` is then the compressor's count of m_t.
+
+  Args:
+    compressor: a `Compressor` (`identity`, `qsgd`, `top_k`, `rand_k`, `sign()`); `sign(scaled=False)`
+      is refused: ±1 per coordinate has no scale, so it is not a model delta.
+    error_feedback: keep the server's error e (the model's shapes and dtypes) and send C(u + e).
+
+  Returns:
+    A `core.averaging.Downlink`.
+  """
+  if not isinstance(compressor, Compressor):
+    raise TypeError(f"downlink: compressor must be a fedjax_opt.compression.Compressor (e.g. "
+                    f"fo.compression.top_k(0.1)); got {type(compressor).__name__}.")
+  if not isinstance(error_feedback, bool):
+    raise TypeError(f"downlink: error_feedback must be a bool; got {type(error_feedback).__name__}.")
+  if compressor.name == "sign(unscaled)":
+    raise ValueError("downlink: sign(scaled=False) broadcasts ±1 per coordinate without a scale, which is not a "
+                     "model delta; use fo.compression.sign() (scaled by ‖x‖₁/P) or top_k.")
+
+  def init(params: PyTree) -> PyTree:
+    return jax.tree.map(jnp.zeros_like, params) if error_feedback else None
+
+  def apply(key: jax.Array, update: PyTree, error: PyTree) -> tuple[PyTree, PyTree, jax.Array]:
+    return send(compressor, key, update, error if error_feedback else None)
+
+  return Downlink(init, apply, f"downlink({compressor.name}{', error_feedback' if error_feedback else ''})")
+
+
+def as_downlink(value: Any, who: str) -> Downlink | None:
+  """A factory's `downlink=`: None, a `Downlink`, or a `Compressor` (`downlink(value)`, with error feedback).
+
+  Raises TypeError, naming `who`, for anything else (a client stage or an aggregator included).
+  """
+  if value is None or isinstance(value, Downlink):
+    return value
+  if isinstance(value, Compressor):
+    return downlink(value)
+  raise TypeError(f"{who}: downlink must be a fedjax_opt.compression.Compressor (e.g. fo.compression.top_k(0.1)), "
+                  f"fo.compression.downlink(compressor, error_feedback=...) or None; got {type(value).__name__}.")

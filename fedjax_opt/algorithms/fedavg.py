@@ -31,6 +31,7 @@ from __future__ import annotations
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
+from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
 from fedjax_opt.core.local import as_single_step, local_train
@@ -51,6 +52,7 @@ def fedavg(
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
+    downlink: compression_lib.Compressor | compression_lib.Downlink | None = None,
 ) -> FederatedAlgorithm:
   """Federated Averaging / FedOpt: S masked local steps per client, then a server optax step on −Δ.
 
@@ -71,6 +73,13 @@ def fedavg(
       fo.compression.top_k(0.01), error_feedback=True, num_clients=N), fo.aggregators.weighted_mean())`.
     client_map: how clients are mapped ("auto", "vmap", "sequential", "chunked:K",
       "sequential:unroll" ... or a mode from `fedjax_opt.core.client_map`).
+    downlink: None (the server broadcasts its model), or server-to-client
+      compression: a compressor (`fo.compression.top_k(0.01)`: with the
+      server's error feedback) or `fo.compression.downlink(compressor,
+      error_feedback=False)`. The server broadcasts m_t = C(u_t + e_t), u_t its
+      optimizer's step, and keeps e_{t+1} = u_t + e_t − m_t; clients train from
+      the model they hold, x̂_{t+1} = x̂_t + m_t (`state.params`);
+      `bits_down` is the compressor's count (`core.averaging`, "Downlink").
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
@@ -83,7 +92,8 @@ def fedavg(
     return local_train(loss_fn, client_optimizer, params, data, mask)
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map)
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
+                             downlink=compression_lib.as_downlink(downlink, "fedavg"))
 
 
 def fedsgd(
@@ -92,6 +102,7 @@ def fedsgd(
     server_optimizer: optax.GradientTransformation,
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
+    downlink: compression_lib.Compressor | compression_lib.Downlink | None = None,
 ) -> FederatedAlgorithm:
   """FedSGD: each client sends the gradient of its mean loss over all its examples in the round.
 
@@ -106,6 +117,7 @@ def fedsgd(
       (e.g. `optax.sgd(η)`).
     aggregator: default `aggregators.weighted_mean()`.
     client_map: how clients are mapped (see `fedavg`).
+    downlink: server-to-client compression with error feedback (see `fedavg`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
@@ -117,4 +129,5 @@ def fedsgd(
     return local_train(loss_fn, one_gradient, params, *as_single_step(data, mask))
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map)
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
+                             downlink=compression_lib.as_downlink(downlink, "fedsgd"))

@@ -25,12 +25,12 @@ __getattr__, __dir__, __all__ = _lazy.attach(
                     "initial_round_metrics", "round_metrics"),
         ".tree": ("global_norm", "select_tree"),
         ".rounds": ("ClientOutput", "Round", "client_round", "init_aggregator_state"),
-        ".averaging": ("AveragingState", "averaging_algorithm"),
+        ".averaging": ("AveragingState", "Downlink", "averaging_algorithm"),
     })
 
 if TYPE_CHECKING:
   from fedjax_opt.core import asynchrony, client_map, clusters, per_client, validation
-  from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
+  from fedjax_opt.core.averaging import AveragingState, Downlink, averaging_algorithm
   from fedjax_opt.core.client_map import map_clients
   from fedjax_opt.core.local import LocalResult, as_single_step, local_train, masked_mean_loss
   from fedjax_opt.core.rounds import ClientOutput, Round, client_round, init_aggregator_state

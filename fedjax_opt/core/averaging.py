@@ -23,11 +23,38 @@ before it (`fo.aggregators.chain(fo.compression.compress(...), ...)`) runs on
 each client inside `core.rounds.client_round`, with its per-client tables in
 `aggregator_state`. The bits each client sends and receives are in
 `state.metrics` (`bits_up`, `bits_down`).
+
+Downlink: compressing what the server sends back (`averaging_algorithm(...,
+downlink=...)`, made by `fo.compression.downlink`). Every client holds a copy
+x̂_t of the model and trains from it; the server keeps x̂_t (it is
+`state.params`) and an error e_t (`state.downlink_error`, e_0 = 0, x̂_0 the
+initial model, which every client is assumed to hold). In round t, with u_t =
+ServerOpt(−Δ_t) the server optimizer's step at x̂_t, so that x_{t+1} = x̂_t + u_t
+is the model the server would broadcast uncompressed:
+
+    v_t       = x_{t+1} − x̂_t + e_t = u_t + e_t
+    m_t       = C(v_t)                          (broadcast to every client)
+    x̂_{t+1}   = x̂_t + m_t
+    e_{t+1}   = v_t − m_t
+
+the server side of "double compression" (DoubleSqueeze: Tang, Yu, Lian, Zhang,
+Liu, "DoubleSqueeze: Parallel Stochastic Gradient Descent with Double-Pass
+Error-Compensated Compression", ICML 2019, arXiv:1905.05957), with the server
+optimizer's step in place of the averaged gradient. What was not sent is
+delayed, not lost: x̂_t + e_t = x_0 + Σ_{s<t} u_s. Without error feedback
+m_t = C(u_t) and nothing is kept (e ≡ None). x_{t+1} itself is never stored:
+the clients, the server optimizer and the next round all start from x̂_{t+1},
+so with the identity compressor the run is the uncompressed one. Since every
+client holds x̂, every client (not only the round's participants) receives
+each m_t: `bits_down` is the compressor's count of m_t, 0 in a rejected round
+(the model, the optimizer state and e stay as they were and nothing is sent).
+The key of C in round t is fold_in(state.key, DOWNLINK_STREAM), so the
+clients' and the aggregator's draws are those of the run without a downlink.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -38,10 +65,33 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.rounds import ClientOutput, Round, client_round, init_aggregator_state
 from fedjax_opt.core.server import apply_server_update, check_aggregator, initial_round_metrics
+from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, PyTree
 from fedjax_opt.core.validation import check_client_batches, check_key, check_optimizer
 
-__all__ = ["AveragingState", "aggregated_round", "averaging_algorithm", "initial_fields"]
+__all__ = ["AveragingState", "DOWNLINK_STREAM", "Downlink", "aggregated_round", "averaging_algorithm",
+           "broadcast_update", "initial_fields"]
+
+DOWNLINK_STREAM = 0x646F776E
+"""Folded into the round's state key to make the downlink compressor's key (ASCII "down")."""
+
+
+class Downlink(NamedTuple):
+  """Server-to-client compression of the broadcast model delta, with its server-side error (module docstring).
+
+  `fedjax_opt.compression.downlink(compressor, error_feedback=...)` makes one.
+
+  Attributes:
+    init: `init(params) -> error`, e_0: zeros like the model with error feedback, None without.
+    apply: `apply(key, update, error) -> (sent, new error, bits)`: with an error, v = update + error,
+      sent = C(v), new error v − sent; with `error` None, sent = C(update) and new error None; `bits`
+      a float32 scalar, the compressor's count of `sent`.
+    name: a short label ("downlink(top_k(0.1), error_feedback)").
+  """
+
+  init: Callable[[PyTree], PyTree]
+  apply: Callable[[jax.Array, PyTree, PyTree], tuple[PyTree, PyTree, jax.Array]]
+  name: str
 
 
 @flax.struct.dataclass
@@ -49,7 +99,7 @@ class AveragingState:
   """Server state of the averaging algorithms (FedSGD / FedAvg / FedOpt, FedProx, FedNova, Per-FedAvg).
 
   Attributes:
-    params: the global model x_t.
+    params: the global model x_t (with a downlink, x̂_t, the model every client holds).
     server_opt_state: the server optimizer's state (momentum, v_t, ...).
     aggregator_state: the aggregator's state (`core.rounds.init_aggregator_state`: with a
       client stage, its per-client tables too, e.g. error-feedback residuals).
@@ -57,6 +107,8 @@ class AveragingState:
     key: PRNG key, split once per round (aggregator randomness).
     metrics: diagnostics of the last round, `core.server.ROUND_METRICS` (plus
       `extra_metrics`, e.g. FedNova's `tau_eff`).
+    downlink_error: the server's downlink error e_t (module docstring), model-shaped; None without a
+      downlink or without its error feedback.
   """
 
   params: PyTree
@@ -65,6 +117,7 @@ class AveragingState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
+  downlink_error: Any = None
 
 
 def initial_fields(params: PyTree, key: jax.Array, aggregator: Aggregator,
@@ -115,6 +168,7 @@ def averaging_algorithm(
     personalize: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None,
     server_delta: Callable[[Round], tuple[PyTree, dict[str, jax.Array]]] | None = None,
     extra_metrics: tuple[str, ...] = (),
+    downlink: Downlink | None = None,
 ) -> FederatedAlgorithm:
   """Builds init/step of an algorithm that trains clients locally and averages their deltas.
 
@@ -132,12 +186,18 @@ def averaging_algorithm(
       `core.rounds.Round` (FedNova's τ_eff rescaling), and the metrics it adds.
     extra_metrics: the names of the metrics `server_delta` adds (float32 zeros
       in the initial state).
+    downlink: None (the server broadcasts its model), or a `Downlink`: the
+      server broadcasts the compressed model delta, with its error feedback
+      (module docstring, "Downlink").
 
   Returns:
     `FederatedAlgorithm(init, step, personalize)` with state `AveragingState`.
   """
   check_optimizer(server_optimizer, "server_optimizer")
   check_aggregator(aggregator)
+  if downlink is not None and not isinstance(downlink, Downlink):
+    raise TypeError(f"downlink must be a core.averaging.Downlink (fo.compression.downlink(compressor)) or None; "
+                    f"got {type(downlink).__name__}.")
   mode = client_map_lib.resolve(client_map)
 
   def one_client(params, data, mask):
@@ -146,13 +206,21 @@ def averaging_algorithm(
 
   def init(params: PyTree, key: jax.Array) -> AveragingState:
     return AveragingState(**initial_fields(params, key, aggregator, extra_metrics),
-                          server_opt_state=server_optimizer.init(params))
+                          server_opt_state=server_optimizer.init(params),
+                          downlink_error=None if downlink is None else downlink.init(params))
 
   def step(state: AveragingState, batches: ClientBatches) -> AveragingState:
     key, out = aggregated_round(mode, one_client, state.params, state, batches, aggregator)
     delta, extra = (out.agg.update, {}) if server_delta is None else server_delta(out)
-    params, server_opt_state = apply_server_update(
-        server_optimizer, state.params, state.server_opt_state, delta, out.agg.accepted)
+    error = state.downlink_error
+    if downlink is None:
+      params, server_opt_state = apply_server_update(
+          server_optimizer, state.params, state.server_opt_state, delta, out.agg.accepted)
+    else:
+      params, server_opt_state, error, bits_down = broadcast_update(
+          downlink, jax.random.fold_in(state.key, DOWNLINK_STREAM), server_optimizer, state.params,
+          state.server_opt_state, error, delta, out.agg.accepted)
+      out = out._replace(bits_down=bits_down)
     return AveragingState(
         params=params,
         server_opt_state=server_opt_state,
@@ -160,6 +228,25 @@ def averaging_algorithm(
         round=state.round + 1,
         key=key,
         metrics={**out.metrics(delta), **extra},
+        downlink_error=error,
     )
 
   return FederatedAlgorithm(init, step, personalize)
+
+
+def broadcast_update(downlink: Downlink, key: jax.Array, optimizer: optax.GradientTransformation, params: PyTree,
+                     opt_state: Any, error: PyTree, delta: PyTree,
+                     accepted: jax.Array) -> tuple[PyTree, Any, PyTree, jax.Array]:
+  """The server step with a compressed broadcast (module docstring, "Downlink").
+
+  u = ServerOpt(−Δ) at x̂ = `params`; (m, e', bits) = `downlink.apply(key, u, e)`; x̂' = x̂ + m.
+
+  Returns:
+    `(x̂', optimizer state, e', bits_down)`; when `accepted` is False, the old model, optimizer state and
+    error, and 0 bits (nothing is broadcast).
+  """
+  updates, new_opt_state = optimizer.update(jax.tree.map(jnp.negative, delta), opt_state, params)
+  sent, new_error, bits = downlink.apply(key, updates, error)
+  new_params = optax.apply_updates(params, sent)
+  return (select_tree(accepted, new_params, params), select_tree(accepted, new_opt_state, opt_state),
+          select_tree(accepted, new_error, error), jnp.where(accepted, bits, 0).astype(jnp.float32))

@@ -85,7 +85,9 @@ The rules, the same for every algorithm:
   `Round.bits_down` is what each client received: every bit of `shared` (the
   broadcast; SCAFFOLD's (x, c) is two models), or, when nothing is shared
   (FedU), one row of the first table. `Round.metrics` reports their means as
-  `bits_up` / `bits_down`.
+  `bits_up` / `bits_down`. An algorithm that compresses its broadcast
+  (`core.averaging`'s downlink) sends it after the round and replaces
+  `bits_down` with the compressor's count (`Round._replace(bits_down=...)`).
 """
 
 from __future__ import annotations
