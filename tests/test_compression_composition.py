@@ -557,3 +557,20 @@ def test_an_attackers_row_is_bounded_by_the_secure_encoding():
                              atol=2.0 ** -16 + 1e-6)
   assert int(state.aggregator_state.aggregator.num_clipped) >= 1
 
+
+def test_a_downlink_compresses_the_server_step_of_a_dp_mean_over_compressed_uploads():
+  """Both directions and DP: uploads top-2, `dp_mean` (C, σ = 0, m) on them, the server step u (sgd(1.0): the
+  aggregate), broadcast top-1 with the server's error feedback: x̂₁ = x̂₀ + top-1(u), e₁ = u − top-1(u) (NumPy);
+  the aggregate is released before the downlink touches it, so DP's clipped mean is unchanged."""
+  params, batches = example_inputs("fedavg")
+  _, _, mean = _clipped_reference(params, batches)
+  sent = _np_top_k(1)(mean)
+  algo = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.05), downlink=C.top_k(k=1),
+                              aggregator=_chain(C.compress(C.top_k(k=2)),
+                                                fo.privacy.dp_mean(CLIP, 0.0, expected_clients=M_DENOMINATOR)))
+  state = jax.jit(algo.step)(algo.init(params, jax.random.key(0)), batches)
+  np.testing.assert_allclose(_vec(state.params) - _vec(params), sent, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(_vec(state.downlink_error), mean - sent, rtol=1e-5, atol=1e-7)
+  assert float(state.metrics["bits_down"]) == 32 + INDEX_BITS and float(state.metrics["bits_up"]) == 2 * (
+      32 + INDEX_BITS)
+
