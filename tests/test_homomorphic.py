@@ -99,12 +99,13 @@ def test_the_server_adds_ciphertexts_in_a_context_without_the_secret_key(ts, con
     ts.ckks_vector_from(context.public, he.encrypt_update({"x": updates["x"][0]}, 1.0, context).chunks[0]).decrypt()
 
 
-def test_the_three_roles_chunk_a_vector_longer_than_the_slots(context):
-  """P + 1 = 2·4096 + 6 numbers: chunks of 4096, 4096 and 6; the weight is the last slot of the last chunk."""
+def test_the_three_roles_chunk_a_vector_longer_than_the_slots(ts, context):
+  """P + 1 = 2·4096 + 5 numbers: chunks of 4096, 4096 and 5; the weight is the last slot of the last chunk."""
   updates = _updates(3, 3, {"a": (4096,), "b": (2, 2050)})
   weights = np.array([2.0, 1.0, 5.0])
   uploads = [he.encrypt_update({k: v[c] for k, v in updates.items()}, weights[c], context) for c in range(3)]
   assert [len(u.chunks) for u in uploads] == [3, 3, 3] and {u.length for u in uploads} == {4096 + 4100 + 1}
+  assert [ts.ckks_vector_from(context.secret, chunk).size() for chunk in uploads[0].chunks] == [4096, 4096, 5]
   total = he.add_encrypted(uploads, context.public)
   mean = he.decrypt_mean(total, context, {k: v[0] for k, v in updates.items()})
   ref = _reference(updates, weights)

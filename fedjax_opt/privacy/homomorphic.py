@@ -449,8 +449,7 @@ def homomorphic_mean(updates: PyTree, weights: Any, context: CKKSContext) -> tup
   total = add_encrypted(uploads, context.public)  # the server: ciphertexts and the public context only
   add_s = time.perf_counter() - start
   start = time.perf_counter()
-  vector = _decrypt(total, context)  # the key holder
-  mean = _unflatten(vector[:-1] / vector[-1], like)
+  mean = decrypt_mean(total, context, like)  # the key holder
   decrypt_s = time.perf_counter() - start
 
   c, eps, total_weight = members.size, context.fresh_error, float(np.sum(w[members]))
