@@ -74,13 +74,13 @@ within Cε, so the mean's coordinate j is within
 
 plus float64 rounding. At N = 8192 and Δ = 2^40, ε = 6.6e-7: the error of
 the mean is about 1e-6 relative to 1 + |m_j| for C = W = 10 (uniform weights)
-and smaller with example-count weights; measured errors are one to two orders
+and smaller with example-count weights; measured errors are about two orders
 of magnitude below the bound.
 
 Cost. Each client uploads ⌈(P + 1)/S⌉ ciphertexts of two polynomials with N
 coefficients modulo each data prime (SEAL serializes them compressed),
-about 235 kB per ciphertext at N = 8192 with two data primes: about 60 bytes
-per coordinate, where the plain mean uploads 4. `benchmarks/privacy_compression.py`
+about 235 kB per ciphertext at N = 8192 with two data primes: about 58 bytes
+per coordinate (32 with one data prime), where the plain mean uploads 4. `benchmarks/privacy_compression.py`
 measures bytes, seconds and errors next to `secure_aggregation` and the plain mean.
 
 Trust model. The server sees ciphertexts only; the key holder sees the sum
