@@ -11,8 +11,8 @@ The weighted mean of C client updates, m = Σ_c w_c Δ_c / Σ_c w_c, in three ro
 
 1. The key holder (a party trusted to decrypt only the aggregate) makes the
    keys, `ckks_context(...)`: a `CKKSContext` with the secret key
-   (`.secret`) and a copy without it (`.public`: public, relinearization and
-   Galois keys only) that it hands to the clients and the server.
+   (`.secret`) and a copy without it (`.public`: the public and
+   relinearization keys only) that it hands to the clients and the server.
 2. Client c flattens its update (the pytree's leaves in order, P numbers),
    multiplies by its weight and appends the weight: the vector
    v_c = (w_c Δ_c, w_c) of P + 1 numbers, cut into ⌈(P + 1)/S⌉ chunks of at
