@@ -31,13 +31,30 @@ test split; accuracy is the global model's on every client's test split):
     fractional bits) and of dp_mean. Median of `--repeats` calls after
     compiling; the overhead is against plain FedAvg measured in the same
     process.
+(d) Homomorphic aggregation against secure aggregation and the plain mean.
+    The weighted mean of the m = 10 real client updates of the round of (c)
+    (10 local steps from the seeded initial model; weights n_k), for
+    logistic regression and the MLP (`fo.models.mlp_2nn(10)`, 784-200-200-10,
+    P = 199,210, the size of McMahan et al.'s 2NN): the plain mean (one
+    jitted `weighted_mean().aggregate`, float32), simulated secure
+    aggregation of it (`fo.privacy.secure_aggregation`, 16 fractional bits,
+    B the next power of two above every n_k and n_k |Δ_k|), and the CKKS
+    mean of `fo.privacy.homomorphic.homomorphic_mean` (TenSEAL; N = 8192,
+    Δ = 2^40, two data primes (60, 40) or one (60)). Per row: the max
+    absolute error against the float64 NumPy weighted mean (the CKKS rows get
+    float64 updates, so the error is CKKS's own, next to its stated bound),
+    bytes uploaded per client, and seconds per round (median of `--repeats`,
+    at most 3 for CKKS: encrypt all clients + add + decrypt, one process).
 
     python benchmarks/privacy_compression.py            # about 10 minutes on 2 CPU cores
     python benchmarks/privacy_compression.py --quick    # a subset, 40 (DP: 20) rounds: about a minute
+    python benchmarks/privacy_compression.py --only he  # task (d) alone, into the existing JSON
 
 Writes benchmarks/results/privacy_compression.json and
 docs/img/privacy_compression.png (`--quick`: *_quick.*; `--out-dir`,
-`--img-dir` to choose), and prints the tables as Markdown.
+`--img-dir` to choose), and prints the tables as Markdown. `--only TASK ...`
+(compression, dp, timing, he) runs those tasks and replaces their sections of
+an existing JSON, keeping the others (and the figure, unless (a) or (b) ran).
 """
 
 from __future__ import annotations
@@ -45,6 +62,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import time
@@ -66,6 +84,11 @@ QUICK = dict(rounds=40, dp_rounds=20, eval_every=10, partitions=("dirichlet",), 
              models=("logistic_regression",), repeats=5)
 QUICK_COMPRESSORS = ("identity", "qsgd8", "top_k1%", "top_k1%+EF", "sign+EF")
 QUICK_PIECES = ("fedavg", "top_k1%+EF", "dp_mean", "secure(mean)")
+TASKS = ("compression", "dp", "timing", "he")
+HE = dict(frac_bits=16, max_repeats=3, contexts={
+    "ckks (60, 40, 60)": dict(poly_modulus_degree=8192, coeff_mod_bit_sizes=(60, 40, 60), scale_bits=40),
+    "ckks (60, 60)": dict(poly_modulus_degree=8192, coeff_mod_bit_sizes=(60, 60), scale_bits=40),
+})
 
 
 def compressors(num_clients: int) -> dict[str, tuple[Any, Any]]:
@@ -89,6 +112,8 @@ def _dataset(num_clients: int, partition: str):
 def _model(name: str):
   if name == "logistic_regression":
     return fo.models.logistic_regression(784, 10)
+  if name == "mlp_2nn":
+    return fo.models.mlp_2nn(10)
   return fo.models.mlp_2nn(10, hidden=64)
 
 
@@ -199,9 +224,7 @@ def _pieces(num_clients: int, clients: int) -> dict[str, dict]:
 def run_timing(settings: dict, quick: bool, log) -> dict:
   """Task (c): median seconds of one jitted step per piece, on one fixed round."""
   s = COMPRESSION
-  dataset = _dataset(s["num_clients"], "dirichlet")
-  batches = fo.data.sample_round(jax.random.key(SEED), dataset, s["clients_per_round"], s["local_steps"],
-                                 s["batch_size"])
+  batches = _round_batches()
   out: dict[str, dict] = {}
   for model_name in settings["models"]:
     model = _model(model_name)
@@ -231,9 +254,101 @@ def run_timing(settings: dict, quick: bool, log) -> dict:
   return out
 
 
+def _round_batches():
+  """The one fixed round of tasks (c) and (d): Dirichlet split, m clients, S steps of B."""
+  s = COMPRESSION
+  dataset = _dataset(s["num_clients"], "dirichlet")
+  return fo.data.sample_round(jax.random.key(SEED), dataset, s["clients_per_round"], s["local_steps"],
+                              s["batch_size"])
+
+
+def _client_updates(model, batches) -> tuple[Any, np.ndarray]:
+  """The round's client deltas [m, ...] (float32, on the host) and weights n_k (0 for a client without a step)."""
+  params = model.init(jax.random.key(SEED))
+  train = jax.jit(jax.vmap(lambda data, mask: fo.core.local_train(model.loss_fn, optax.sgd(COMPRESSION["client_lr"]),
+                                                                   params, data, mask)))
+  out = jax.device_get(train(batches.data, batches.mask))
+  weights = np.where(np.asarray(out.num_steps) > 0, np.asarray(batches.weight, np.float64), 0.0)
+  return jax.tree.map(np.asarray, out.delta), weights
+
+
+def _median_seconds(fn, repeats: int) -> float:
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def run_he(settings: dict, log) -> dict:
+  """Task (d): the weighted mean of one round's real updates, plain, by secure aggregation and by CKKS."""
+  he = fo.privacy.homomorphic
+  batches = _round_batches()
+  models = ["mlp_2nn" if m == "mlp" else m for m in settings["models"]]
+  out: dict[str, dict] = {}
+  for model_name in models:
+    updates, weights = _client_updates(_model(model_name), batches)
+    leaves = jax.tree.leaves(updates)
+    num_params = sum(leaf[0].size for leaf in leaves)
+    exact = [np.tensordot(weights, leaf.astype(np.float64), axes=1) / weights.sum() for leaf in leaves]
+    error = lambda mean: max(float(np.max(np.abs(np.asarray(a, np.float64) - b)))
+                             for a, b in zip(jax.tree.leaves(mean), exact))
+    like = jax.tree.map(lambda leaf: leaf[0], updates)
+    rows: dict[str, dict] = {}
+    key = jax.random.key(SEED)
+    plain = fo.aggregators.weighted_mean()
+    plain_fn = jax.jit(lambda u, w: plain.aggregate(u, w, plain.init(like), key)[0])
+    w32 = weights.astype(np.float32)
+    mean = jax.block_until_ready(plain_fn(updates, w32))
+    rows["plain mean"] = {"max_abs_error": error(mean), "bytes_per_client": 4.0 * num_params,
+                          "seconds": _median_seconds(lambda: plain_fn(updates, w32), settings["repeats"])}
+    scaled = [np.abs(leaf * weights.reshape((-1,) + (1,) * (leaf.ndim - 1))) for leaf in leaves]
+    reach = max(float(weights.max()), max(float(np.max(x)) for x in scaled))
+    bound = 2.0 ** math.ceil(math.log2(reach))
+    secure = fo.privacy.secure_aggregation(fo.aggregators.weighted_mean(), bound=bound, frac_bits=HE["frac_bits"])
+    secure_fn = jax.jit(lambda u, w: secure.aggregate(u, w, secure.init(like), key))
+    mean, state = jax.block_until_ready(secure_fn(updates, w32))
+    rows["secure aggregation"] = {"max_abs_error": error(mean), "bytes_per_client": float(state.upload_bits) / 8,
+                                  "seconds": _median_seconds(lambda: secure_fn(updates, w32), settings["repeats"]),
+                                  "bound": bound}
+    updates64 = jax.tree.map(lambda leaf: leaf.astype(np.float64), updates)
+    for name, kwargs in HE["contexts"].items():
+      context = he.ckks_context(**kwargs)
+      runs = [he.homomorphic_mean(updates64, weights, context) for _ in range(min(settings["repeats"],
+                                                                                     HE["max_repeats"]))]
+      stats = [s for _, s in runs]
+      rows[name] = {"max_abs_error": max(error(m) for m, _ in runs), "bytes_per_client": stats[0].bytes_per_client,
+                    "seconds": float(np.median([s.seconds for s in stats])),
+                    "encrypt_s": float(np.median([s.encrypt_seconds for s in stats])),
+                    "add_s": float(np.median([s.add_seconds for s in stats])),
+                    "decrypt_s": float(np.median([s.decrypt_seconds for s in stats])),
+                    "ciphertexts_per_client": stats[0].ciphertexts_per_client, "error_bound": stats[0].error_bound,
+                    **kwargs}
+    for row in rows.values():
+      row["bytes_ratio"] = row["bytes_per_client"] / (4.0 * num_params)
+      row["seconds_ratio"] = row["seconds"] / rows["plain mean"]["seconds"]
+    out[model_name] = {"num_params": int(num_params), "clients": int(np.sum(weights > 0)), "rows": rows}
+    log(f"  (d) {model_name}: " + ", ".join(f"{k} {v['seconds']:.3g} s, err {v['max_abs_error']:.2g}"
+                                            for k, v in rows.items()))
+  return out
+
+
 def tables(result: dict) -> str:
-  """The three Markdown tables."""
+  """The Markdown tables of the tasks in `result`."""
   lines = []
+  if "compression" in result:
+    _compression_table(result, lines)
+  if "dp" in result:
+    _dp_table(result, lines)
+  if "timing" in result:
+    _timing_table(result, lines)
+  if "he" in result:
+    _he_table(result, lines)
+  return "\n".join(lines[:-1] if lines and not lines[-1] else lines)
+
+
+def _compression_table(result: dict, lines: list[str]) -> None:
   comp = result["compression"]
   partitions = list(comp["runs"])
   rounds = result["settings"]["rounds"]
@@ -252,6 +367,9 @@ def tables(result: dict) -> str:
     lines.append(f"| {name} | {first['bits_up_per_client_round']:,.0f} | {first['compression_ratio']:.0f}× | "
                  + " | ".join(cells) + " |")
   lines.append("")
+
+
+def _dp_table(result: dict, lines: list[str]) -> None:
   lines.append(f"(b) DP-FedAvg, C = {DP['clip']}, N = {DP['num_clients']} IID, m = {DP['clients_per_round']}, "
                f"{result['settings']['dp_rounds']} rounds: final test accuracy and ε(δ = {DP['delta']:g})")
   lines.append("")
@@ -263,6 +381,9 @@ def tables(result: dict) -> str:
       lines.append(f"| {model_name} | {run['noise_multiplier']:g} | {eps} | "
                    f"{run['final_accuracy']:.3f} |")
   lines.append("")
+
+
+def _timing_table(result: dict, lines: list[str]) -> None:
   lines.append(f"(c) One jitted FedAvg round, m = {COMPRESSION['clients_per_round']} clients × "
                f"{COMPRESSION['local_steps']} steps (median ms; × plain FedAvg)")
   lines.append("")
@@ -273,7 +394,24 @@ def tables(result: dict) -> str:
     cells = [f"{result['timing'][m][name]['ms']:.2f} ms ({result['timing'][m][name]['overhead']:.2f}×)"
              if name in result["timing"][m] else "–" for m in models]
     lines.append(f"| {name} | " + " | ".join(cells) + " |")
-  return "\n".join(lines)
+  lines.append("")
+
+
+def _he_table(result: dict, lines: list[str]) -> None:
+  for model_name, run in result["he"].items():
+    lines.append(f"(d) The weighted mean of one round's {run['clients']} client updates, {model_name} "
+                 f"(P = {run['num_params']:,}): error against float64 NumPy, upload, seconds per round")
+    lines.append("")
+    lines.append("| aggregation | max abs error | error bound | bytes / client | × plain | s / round | × plain "
+                 "| encrypt s | add s | decrypt s |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for name, row in run["rows"].items():
+      bound = f"{row['error_bound']:.2g}" if "error_bound" in row else "–"
+      parts = [f"{row[k]:.3g}" if k in row else "–" for k in ("encrypt_s", "add_s", "decrypt_s")]
+      lines.append(f"| {name} | {row['max_abs_error']:.2g} | {bound} | {row['bytes_per_client']:,.0f} | "
+                   f"{row['bytes_ratio']:.2f}× | {row['seconds']:.3g} | {row['seconds_ratio']:,.0f}× | "
+                   + " | ".join(parts) + " |")
+    lines.append("")
 
 
 def plot(result: dict, path: str) -> None:
@@ -325,29 +463,41 @@ def main(argv: list[str] | None = None) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   parser.add_argument("--out-dir", default=os.path.join(root, "benchmarks", "results"))
   parser.add_argument("--img-dir", default=os.path.join(root, "docs", "img"), help="where the PNG goes")
+  parser.add_argument("--only", nargs="+", choices=TASKS, default=list(TASKS),
+                      help="run these tasks and replace their sections of an existing JSON")
   args = parser.parse_args(argv)
   settings = dict(QUICK if args.quick else FULL)
   log = lambda line: print(line, flush=True)
-  start = time.perf_counter()
-  result: dict[str, Any] = {
-      "settings": {**settings, "compression": COMPRESSION, "dp": DP, "seed": SEED, "quick": args.quick,
-                   "jax": jax.__version__, "backend": jax.default_backend(), "machine": platform.machine(),
-                   "cpu_count": os.cpu_count()},
-  }
-  result["compression"] = run_compression(settings, args.quick, log)
-  result["dp"] = run_dp(settings, log)
-  result["timing"] = run_timing(settings, args.quick, log)
-  result["seconds"] = time.perf_counter() - start
   suffix = "_quick" if args.quick else ""
-  os.makedirs(args.out_dir, exist_ok=True)
-  os.makedirs(args.img_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"privacy_compression{suffix}.json")
+  png = os.path.join(args.img_dir, f"privacy_compression{suffix}.png")
+  start = time.perf_counter()
+  environment = {"seed": SEED, "quick": args.quick, "jax": jax.__version__, "backend": jax.default_backend(),
+                 "machine": platform.machine(), "cpu_count": os.cpu_count()}
+  result: dict[str, Any] = {"settings": {**settings, "compression": COMPRESSION, "dp": DP, "he": HE, **environment}}
+  if set(args.only) != set(TASKS) and os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      previous = json.load(f)
+    result = {**previous, "settings": {**previous["settings"], "he": HE}}
+  runs = {"compression": lambda: run_compression(settings, args.quick, log), "dp": lambda: run_dp(settings, log),
+          "timing": lambda: run_timing(settings, args.quick, log), "he": lambda: run_he(settings, log)}
+  for task in TASKS:
+    if task in args.only:
+      task_start = time.perf_counter()
+      result[task] = runs[task]()
+      result.setdefault("task_seconds", {})[task] = time.perf_counter() - task_start
+  if set(args.only) == set(TASKS):
+    result["seconds"] = time.perf_counter() - start
+  os.makedirs(args.out_dir, exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1, allow_nan=False)
-  png = os.path.join(args.img_dir, f"privacy_compression{suffix}.png")
-  plot(result, png)
+  wrote = path
+  if {"compression", "dp"} & set(args.only) and "compression" in result and "dp" in result:
+    os.makedirs(args.img_dir, exist_ok=True)
+    plot(result, png)
+    wrote += f" and {png}"
   print(tables(result))
-  print(f"wrote {path} and {png} ({result['seconds']:.0f} s)")
+  print(f"wrote {wrote} ({time.perf_counter() - start:.0f} s)")
   return result
 
 

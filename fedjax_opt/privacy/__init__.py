@@ -14,11 +14,19 @@
   fixed point in Z_(2^32), pairwise and self masks, Shamir-shared seeds and
   dropout recovery, inside jit; `secure_sum`, `shamir_share`,
   `shamir_reconstruct` and the fixed-point codec are its pieces.
+* `homomorphic` (the optional extra `fedjax_opt[he]`): the weighted mean by
+  CKKS homomorphic encryption with TenSEAL, on the host, outside jit:
+  `homomorphic.ckks_context(...)`, `homomorphic.homomorphic_mean(updates,
+  weights, context)`.
 
-The accounting imports `dp_accounting` when called, so `import fedjax_opt`
-does not need it.
+The accounting imports `dp_accounting` when called, and `homomorphic` is
+loaded on first use and imports `tenseal` when called, so `import
+fedjax_opt` needs neither.
 """
 
+from typing import TYPE_CHECKING
+
+from fedjax_opt.core import lazy as _lazy
 from fedjax_opt.privacy.accounting import (ACCOUNTANTS, Sampling, SamplingMismatchError, UnsupportedAccountingError,
                                            check_sampling, epsilons, noise_multiplier_for, poisson_cap, round_event)
 from fedjax_opt.privacy.dp import AdaptiveClipping, DPMeanState, clip_by_global_norm, dp_mean, update_noise_multiplier
@@ -30,3 +38,9 @@ __all__ = ["ACCOUNTANTS", "AdaptiveClipping", "DPMeanState", "Sampling", "Sampli
            "noise_multiplier_for", "poisson_cap", "round_event", "update_noise_multiplier", "SecureAggregationState",
            "SecureSum", "fixed_point_decode", "fixed_point_encode", "secure_aggregation", "secure_sum",
            "shamir_reconstruct", "shamir_share", "upload_bits"]
+
+__getattr__, __dir__, _lazy_all = _lazy.attach(__name__, submodules=("homomorphic",))
+__all__ += _lazy_all
+
+if TYPE_CHECKING:
+  from fedjax_opt.privacy import homomorphic
