@@ -479,3 +479,10 @@ def test_secure_dp_mean_refuses_a_grid_too_coarse_for_its_clip_norm():
   with pytest.raises(ValueError, match=r"frac_bits"):  # √P·2^−f = √(10^5)/256 = 1.24 ≥ C = 1
     agg.init({"w": jnp.zeros(100_000)})
   agg.init({"w": jnp.zeros(10_000)})  # √(10^4)/256 = 0.39 < C: clips to 0.61
+  # At the boundary √P·2^−f = C exactly (P = 4, f = 1: 2 · 1/2 = 1) nothing is left: refused, naming the f that
+  # costs under 1 % of C, ⌈log₂(100 √P / C)⌉ = ⌈log₂ 200⌉ = 8.
+  edge = P.secure_aggregation(P.dp_mean(1.0, 1.0, expected_clients=10.0), frac_bits=1, bound=1.0)
+  with pytest.raises(ValueError, match=r"√P·2\^−f = 1 >= C, .*raise frac_bits \(f >= 8 costs under 1% of C\)"):
+    edge.init({"w": jnp.zeros(4)})
+  with pytest.raises(ValueError, match=r"frac_bits = 0 cannot encode dp_mean's centred count bit"):
+    P.secure_aggregation(P.dp_mean(1.0, 1.0, expected_clients=10.0), frac_bits=0, bound=1.0).init({"w": jnp.zeros(4)})
