@@ -24,6 +24,8 @@ he = fo.privacy.homomorphic
 
 @pytest.fixture(scope="module")
 def ts():
+  # TenSEAL is in the `dev` extra, so CI and the README's test command run every test here; the skip only spares
+  # an environment installed without `[he]` (the parameter checks and the install message are tested either way).
   return pytest.importorskip("tenseal", reason='TenSEAL is not installed: pip install "fedjax_opt[he]"')
 
 
