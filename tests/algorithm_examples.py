@@ -1,7 +1,7 @@
 """One small example call of every factory in `fo.algorithms`, and inputs it runs on.
 
 Shared by tests/test_convention.py (the factory convention) and
-tests/test_nonfinite.py (a poisoned client never spreads). A new factory is
+tests/test_every_algorithm.py (a poisoned client never spreads, deferred data). A new factory is
 added here once, and both check it.
 """
 

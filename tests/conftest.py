@@ -25,13 +25,16 @@ import fedjax_opt as fo
 
 # JAX's persistent compilation cache. Most of a test's time is compiling its programs, and many tests (and xdist
 # workers) compile the same ones: a program compiled once is read back everywhere else, in this run and the next.
+# Every program is kept, however fast it compiled: most of the suite's programs compile in under 0.2 s, and
+# reading one back is still faster than compiling it again (a cold run of six files that build the same
+# algorithms' steps: 106.6 s keeping programs of ≥ 0.2 s only, 97.5 s keeping all).
 # FEDJAX_OPT_TEST_CACHE names the folder; "off" disables it (to time a cold run without it).
 TEST_CACHE = os.environ.get("FEDJAX_OPT_TEST_CACHE",
                             os.path.join(os.path.expanduser("~"), ".cache", "fedjax_opt", "xla-tests"))
 if TEST_CACHE != "off":
   jax.config.update("jax_compilation_cache_dir", TEST_CACHE)
   jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    float(os.environ.get("FEDJAX_OPT_TEST_CACHE_MIN_SECONDS", "0.2")))
+                    float(os.environ.get("FEDJAX_OPT_TEST_CACHE_MIN_SECONDS", "0")))
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 

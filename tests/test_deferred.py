@@ -12,12 +12,7 @@
   a jitted step compiles once; it is no dict (reading a key, iterating or
   `len` is a TypeError: code calls `materialize`);
 * every algorithm in `fo.algorithms` reaches the same state from deferred
-  data as from the arrays, under `vmap`, `sequential` and `chunked:3`, with
-  a NaN client and a client without data: one jitted program runs the eager
-  and the deferred step, the `DeferredData` (the sampler's own `take` over a
-  store in another client and slot order) an argument of it (the stacked
-  eager round is the reference; it is checked against NumPy in the
-  algorithms' own tests);
+  data as from the arrays (tests/test_every_algorithm.py);
 * a loop round really gathers inside the loop: its compiled memory does not
   grow with C, while the same round on eager data grows by the
   `[C, S, B, D]` batch;
@@ -31,12 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from algorithm_examples import EXAMPLES, example_inputs, loss_fn
-from conftest import diagonal
+from algorithm_examples import loss_fn
 
 import fedjax_opt as fo
 from fedjax_opt.core import DeferredData, materialize
-from fedjax_opt.data.sampling import deferred_gather, sample_round
+from fedjax_opt.data.sampling import sample_round
 
 
 def _dataset(num_clients=12, dim=5, seed=0):
@@ -116,75 +110,6 @@ def test_deferred_token_windows_are_the_gathered_windows():
 def test_sample_round_checks_deferred():
   with pytest.raises(TypeError, match="deferred must be a bool"):
     sample_round(jax.random.key(0), _dataset(), 2, 1, 2, deferred="yes")
-
-
-def _stored(batches):
-  """The batches' data as a packed store of one more client, in another order, and a `DeferredData` reading it.
-
-  Client c's examples sit in store row `rows[c]` (row 0 is a client of
-  constant junk no one reads), its S·B examples in shuffled slots, so a
-  gather that reads the wrong row or slot, or a map that runs over the store
-  as if it were per-client data, gives other numbers or fails. The `take` is
-  the sampler's own (`deferred_gather`), every slot read as stored (the mask
-  is the batches' business).
-  """
-  c, s, b = batches.mask.shape
-  rng = np.random.default_rng(7)
-  rows = 1 + rng.permutation(c)
-  slots = np.stack([rng.permutation(s * b) for _ in range(c)]).reshape(c, s, b)
-
-  def store(leaf):
-    leaf = np.asarray(leaf)
-    out = np.full((c + 1, s * b + 1) + leaf.shape[3:], 100.0, leaf.dtype)
-    out[:, -1] = 0  # the zero slot
-    for k in range(c):
-      out[rows[k], slots[k].reshape(-1)] = leaf[k].reshape((s * b,) + leaf.shape[3:])
-    return jnp.asarray(out)
-
-  zeros = jnp.zeros(c + 1, jnp.int32)
-  dataset = fo.data.FederatedDataset(examples=jax.tree.map(store, batches.data), train_count=zeros, test_start=zeros,
-                                     test_count=zeros, max_train=s * b, zero_index=s * b)
-  return deferred_gather(dataset, jnp.asarray(rows, jnp.int32), jnp.asarray(slots, jnp.int32),
-                         jnp.ones((c, s, b), bool))
-
-
-def _batches(name):
-  """Client 1's data holds a NaN, client 2 has no example this round."""
-  params, batches = example_inputs(name, poisoned=1)
-  return params, batches.replace(mask=batches.mask.at[2].set(False))
-
-
-def _eager_and_deferred_rounds(name, mode):
-  """Two rounds of `name` under client map `mode`, from the arrays and from deferred data: (eager, deferred) states.
-
-  One jitted program runs both steps, and the `DeferredData` crosses its
-  boundary as an argument, so the deferred path is what runs inside.
-  """
-  algo = EXAMPLES[name](client_map=mode)
-  params, batches = _batches(name)
-  lazy = _stored(batches)
-  state = algo.init(params, jax.random.key(0))
-
-  @jax.jit
-  def both(want, got, batches, lazy):
-    assert isinstance(lazy, DeferredData)
-    return algo.step(want, batches), algo.step(got, batches.replace(data=lazy))
-
-  want, got = state, state
-  for _ in range(2):
-    want, got = both(want, got, batches, lazy)
-  assert both._cache_size() == 1  # the second round reuses the program
-  return want, got
-
-
-@pytest.mark.parametrize("name,mode", diagonal(sorted(EXAMPLES), ["vmap", "sequential", "chunked:3"]))
-def test_every_algorithm_steps_the_same_on_deferred_data(name, mode):
-  want, got = _eager_and_deferred_rounds(name, mode)
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    if jnp.issubdtype(jnp.asarray(a).dtype, jax.dtypes.prng_key):
-      continue
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7,
-                               err_msg=f"{name} {mode} {jax.tree_util.keystr(path)}")
 
 
 def _round_temp_bytes(c, deferred, aggregator=None, dim=500, steps=2, batch=8):

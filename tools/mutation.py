@@ -11,7 +11,7 @@ name, `matched_averaging`, or `asynchrony` for `fedjax_opt/core/asynchrony/`),
 mutmut (3.x) changes one thing at a time in its update rules (an operator, a
 constant, an argument; lines of argument checks, error messages, defaults and
 metric names are left alone, `NOT_UPDATE_RULES`) and runs the tests that reach the mutated function, chosen from the module's own
-test file plus the shared checks (tests/test_rounds.py, test_nonfinite.py,
+test file plus the shared checks (tests/test_rounds.py, test_every_algorithm.py,
 test_convention.py, test_bits_metrics.py). A mutant is killed when a test fails, survives when all
 pass; a timeout is a mutant whose tests ran much longer than the clean run
 (JAX recompiles every mutant, so the allowance is generous). The script
@@ -43,7 +43,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOT_UPDATE_RULES = [r"\braise\b", r"\bcheck_\w+\(", r"_check\w*\(", r"warnings\.warn", r"[\"']",
                     r"^\s*(if|elif) .*(is None|isinstance|is_concrete)", r"\.resolve\("]
 """Lines that are not update rules (argument checks, messages, defaults, metric names): left unmutated."""
-SHARED_TESTS = ["tests/test_rounds.py", "tests/test_nonfinite.py", "tests/test_convention.py",
+SHARED_TESTS = ["tests/test_rounds.py", "tests/test_every_algorithm.py", "tests/test_convention.py",
                 "tests/test_bits_metrics.py"]
 COMPRESSION_TESTS = ["tests/test_compression.py", "tests/test_compression_composition.py"]
 TESTS_OF = {
