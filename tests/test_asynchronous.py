@@ -275,61 +275,114 @@ def _linear(params, batch):
 
 
 @jax.jit
-def _zeno_linear_event(eps):
-  """Zeno++ (γ = ρ = ½, ε traced: one program for every ε) on `_linear`, one event from w = 0.25 with x = 2 everywhere
-  and validation x = 1; call it under `jax.enable_x64(True)`."""
+def _zeno_linear_event(rho, eps):
+  """One Zeno++ event (γ = ½; ρ, ε traced: one program for every case) on `_linear`, from w = 0.25 with x = 2
+  everywhere and validation x = 1, with the paper's rescaling and without: (state, state); call it under
+  `jax.enable_x64(True)`."""
   batches = fo.ClientBatches(data={"x": jnp.full((1, S, B, 1), 2.0)}, mask=jnp.ones((1, S, B), bool),
                              weight=jnp.ones((1,)), client_id=jnp.zeros((1,), jnp.int32))
-  algo = fo.algorithms.zeno_plus_plus(_linear, 0.5, 0.5, eps, validation_data={"x": jnp.ones((3, 1))},
-                                      num_clients=1, schedule=asy.wall_clock(asy.constant(1.0)))
-  return algo.step(algo.init({"w": jnp.array([0.25])}, jax.random.key(0)), batches)
+  out = []
+  for rescale in (True, False):
+    algo = fo.algorithms.zeno_plus_plus(_linear, 0.5, rho, eps, validation_data={"x": jnp.ones((3, 1))},
+                                        num_clients=1, schedule=asy.wall_clock(asy.constant(1.0)),
+                                        **({} if rescale else {"rescale": False}))  # the default is the paper's
+    out.append(algo.step(algo.init({"w": jnp.array([0.25])}, jax.random.key(0)), batches))
+  return tuple(out)
 
 
-@pytest.mark.parametrize("eps,accepted", [(2.0, True), (2.0 - 2.0 ** -20, False), (3.0, True)])
-def test_zeno_plus_plus_accepts_exactly_on_the_boundary(eps, accepted):
-  """Linear loss: v = 1 and g = 2 exactly; γ = ρ = 1/2: score γ v g − ρ g² = −1, accepted iff −1 ≥ −γε."""
+@pytest.mark.parametrize("rho,eps,paper,unscaled", [
+    (0.5, 2.0, True, True), (0.5, 2.0 - 2.0 ** -20, True, False), (0.5, 3.0, True, True), (0.5, 0.0, True, False),
+    (0.5 + 2.0 ** -20, 0.0, False, False)])
+def test_zeno_plus_plus_accepts_exactly_on_the_boundary(rho, eps, paper, unscaled):
+  """Linear loss: v = 1 and g = 2 exactly; γ = 1/2. Paper (rescaled, g̃ = ‖v‖/‖g‖ g = 1): score γ − ρ, accepted iff
+  ½ − ρ ≥ −ε/2, step γ g̃ = ½. Unscaled (`rescale=False`): score γ·2 − 4ρ, accepted iff 1 − 4ρ ≥ −ε/2, step 1."""
   with jax.enable_x64(True):
-    state = _zeno_linear_event(eps)
+    rescaled, raw = _zeno_linear_event(rho, eps)
+  for state, accepted, step in ((rescaled, paper, 0.5), (raw, unscaled, 1.0)):
     np.testing.assert_array_equal(state.validation.gradient["w"], [1.0])
     assert int(state.metrics["num_rejected"]) == int(not accepted)
-    assert float(state.params["w"][0]) == (0.25 - 0.5 * 2.0 if accepted else 0.25)
+    assert float(state.params["w"][0]) == (0.25 - step if accepted else 0.25)
     assert int(state.version) == int(accepted)
 
 
 def _scaled_lsq(params, batch):
-  """½ scale·(xᵀw + b − y)²: scale −1 flips the gradient's sign, scale 50 multiplies it (Byzantine clients)."""
+  """½ scale·(xᵀw + b − y)²: scale −1 flips the gradient's sign, scale 50 multiplies it, 0 zeroes it (Byzantine
+  clients)."""
   return batch["scale"] * lsq_loss(params, batch)
 
 
-def test_zeno_plus_plus_rejects_sign_flipped_and_scaled_gradients_and_applies_honest_ones(rng):
-  x = rng.normal(size=(5, S * B, D))
+@jax.jit
+def _zeno_all_arrive(gamma, rho, eps, params, batches, validation):
+  """One Zeno++ event of `_scaled_lsq` in which every row of `batches` arrives with staleness 0, in row order, with
+  the paper's rescaling and without: (state, state). γ, ρ, ε are traced: one program."""
+  no_staleness = asy.drawn_staleness(lambda key, shape: jnp.zeros(shape, jnp.int32))
+  out = []
+  for rescale in (True, False):
+    algo = fo.algorithms.zeno_plus_plus(_scaled_lsq, gamma, rho, eps, validation_data=validation,
+                                        num_clients=batches.weight.shape[0], schedule=no_staleness,
+                                        **({} if rescale else {"rescale": False}))  # the default is the paper's
+    out.append(algo.step(algo.init(params, jax.random.key(0)), batches))
+  return tuple(out)
+
+
+def _zeno_numpy(v, candidates, gamma, rho, eps, rescale):
+  """Float64 transcription of the server's Zeno++ loop from x = 0 (every candidate taken at x = 0, v fixed).
+
+  A candidate is (c, u), the gradient g = c·u. For each in order: a non-finite c is dropped (the guard); g̃ =
+  sign(c) ‖v‖ u/‖u‖ = (‖v‖/‖g‖) g (0 when c = 0; g̃ = g without rescaling); accepted iff γ⟨v, g̃⟩ − ρ‖g̃‖² ≥ −γε;
+  accepted: x ← x − γ g̃. Returns (x, verdicts: True / False / None for dropped, the steps x_before − x_after).
+  """
+  point, verdicts, steps = np.zeros_like(v), [], []
+  for c, u in candidates:
+    if not np.isfinite(c):
+      verdicts.append(None)
+      steps.append(np.zeros_like(v))
+      continue
+    g = np.sign(c) * np.sqrt(v @ v) * u / np.sqrt(u @ u) if rescale else c * u
+    with np.errstate(over="ignore"):
+      ok = gamma * (v @ g) - rho * (g @ g) >= -gamma * eps
+    verdicts.append(bool(ok))
+    steps.append(gamma * g if ok else np.zeros_like(g))
+    point = point - steps[-1]
+  return point, verdicts, steps
+
+
+def test_zeno_plus_plus_rescales_the_candidate_then_rejects_sign_flips_and_applies_honest_ones(rng):
+  """The paper's rule: an honest gradient 50 (or 10²⁰⁰) times too long passes and takes a step of length γ‖v‖; a
+  sign-flipped one fails at any scale; a zero gradient stays zero (no NaN); a NaN one is dropped by the guard.
+  Without rescaling the long honest ones fail the ρ term. Both against `_zeno_numpy`."""
+  # honest, flipped, scaled, honest, flipped and scaled, zero, NaN, ‖g‖² beyond float64 (‖g‖ itself is finite)
+  scale = np.array([1.0, -1.0, 50.0, 1.0, -4.0, 0.0, np.nan, 1e200])
+  n = len(scale)
+  x = rng.normal(size=(n, S * B, D))
   w_true = rng.normal(size=D)
   y = x @ w_true
-  scale = np.array([1.0, -1.0, 50.0, 1.0, -4.0])  # honest, sign-flipped, scaled, honest, flipped and scaled
   with jax.enable_x64(True):
     batches = fo.ClientBatches(
-        data={"x": jnp.asarray(x.reshape(5, S, B, D)), "y": jnp.asarray(y.reshape(5, S, B)),
-              "scale": jnp.asarray(np.broadcast_to(scale[:, None, None], (5, S, B)))},
-        mask=jnp.ones((5, S, B), bool), weight=jnp.ones((5,)), client_id=jnp.arange(5, dtype=jnp.int32))
+        data={"x": jnp.asarray(x.reshape(n, S, B, D)), "y": jnp.asarray(y.reshape(n, S, B)),
+              "scale": jnp.asarray(np.broadcast_to(scale[:, None, None], (n, S, B)))},
+        mask=jnp.ones((n, S, B), bool), weight=jnp.ones((n,)), client_id=jnp.arange(n, dtype=jnp.int32))
     xv = rng.normal(size=(64, D))
     validation = {"x": jnp.asarray(xv), "y": jnp.asarray(xv @ w_true), "scale": jnp.ones(64)}
     gamma, rho, eps = 0.05, 0.01, 0.0
-    no_staleness = asy.drawn_staleness(lambda key, shape: jnp.zeros(shape, jnp.int32))
-    algo = fo.algorithms.zeno_plus_plus(_scaled_lsq, gamma, rho, eps, validation_data=validation, num_clients=5,
-                                        schedule=no_staleness)
     params = {"w": jnp.zeros(D), "b": jnp.zeros(())}
-    state = jax.jit(lambda p, b: algo.step(algo.init(p, jax.random.key(0)), b))(params, batches)  # one program
+    states = _zeno_all_arrive(gamma, rho, eps, params, batches, validation)
   # NumPy: v at x_0 = 0, each client's full-batch gradient at x_0 (staleness 0), tested and applied in row order.
   v = np.append(*lsq_grad_np(np.zeros(D), 0.0, xv, xv @ w_true))
-  point, verdicts = np.zeros(D + 1), []
-  for k in range(5):
-    g = scale[k] * np.append(*lsq_grad_np(np.zeros(D), 0.0, x[k], y[k]))
-    ok = gamma * v @ g - rho * g @ g >= -gamma * eps
-    verdicts.append(ok)
-    point = point - gamma * g if ok else point
-  assert verdicts == [True, False, False, True, False]
-  assert int(state.metrics["num_rejected"]) == 3 and int(state.metrics["num_clients"]) == 2
-  np.testing.assert_allclose(np.append(state.params["w"], state.params["b"]), point, rtol=1e-12)
+  candidates = [(scale[k], np.append(*lsq_grad_np(np.zeros(D), 0.0, x[k], y[k]))) for k in range(n)]
+  for state, rescale, expected in ((states[0], True, [True, False, True, True, False, True, None, True]),
+                                   (states[1], False, [True, False, False, True, False, True, None, False])):
+    point, verdicts, steps = _zeno_numpy(v, candidates, gamma, rho, eps, rescale)
+    assert verdicts == expected
+    assert int(state.metrics["num_rejected"]) == expected.count(False)
+    assert int(state.metrics["num_nonfinite"]) == 1
+    assert int(state.metrics["num_clients"]) == expected.count(True) and int(state.version) == expected.count(True)
+    got = np.append(state.params["w"], state.params["b"])
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, point, rtol=1e-12, atol=1e-15)
+    if rescale:  # every accepted non-zero step has length γ‖v‖, the long ones included
+      for k in (0, 2, 3, 7):
+        np.testing.assert_allclose(np.linalg.norm(steps[k]), gamma * np.linalg.norm(v), rtol=1e-12)
 
 
 def test_the_same_seed_gives_the_same_run_bit_for_bit(rng):
@@ -373,6 +426,9 @@ def test_bad_arguments_raise_clear_errors():
     fo.algorithms.co_op(lsq_loss, 0.5, max_age=-1, num_clients=2, client_optimizer=sgd)
   with pytest.raises(ValueError, match="gamma must be finite and > 0"):
     fo.algorithms.zeno_plus_plus(lsq_loss, 0.0, 0.1, 0.1, validation_data={"x": jnp.ones((2, D))}, num_clients=2)
+  with pytest.raises(TypeError, match="rescale must be a Python bool"):
+    fo.algorithms.zeno_plus_plus(lsq_loss, 0.1, 0.1, 0.1, validation_data={"x": jnp.ones((2, D))}, num_clients=2,
+                                 rescale="paper")
   with pytest.raises(ValueError, match="validation_mask must be a"):
     fo.algorithms.zeno_plus_plus(lsq_loss, 0.1, 0.1, 0.1, validation_data={"x": jnp.ones((2, D))}, num_clients=2,
                                  validation_mask=jnp.ones(3, bool))

@@ -59,20 +59,38 @@ def test_without_the_public_step_fedmd_is_independent_local_training():
                  alone)
 
 
-def _np_logreg_grad(w, b, x, target_or_y, kind):
+def _np_softmax(z):
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _np_digest(s, target, kind, temperature):
+  """Per-example distance d(s, t) and ∂d/∂s, float64: "l1" mean_c |s − t|; "kl" T² Σ_c p_c (log p_c − log q_c) with
+  p = softmax(t/T), q = softmax(s/T), whose gradient is T² · (q − p) / T (chain rule through s/T)."""
+  if kind == "l1":
+    return np.mean(np.abs(s - target), -1), np.sign(s - target) / s.shape[1]
+  t = temperature
+  p, q = _np_softmax(target / t), _np_softmax(s / t)
+  return t ** 2 * np.sum(p * (np.log(p) - np.log(q)), -1), t ** 2 * (q - p) / t
+
+
+def _np_logreg_grad(w, b, x, target_or_y, kind, temperature=1.0):
+  """Gradient of the batch mean of the digest distance (`kind` "l1" / "kl") or of the cross-entropy ("ce")."""
   s = x @ w + b
-  if kind == "l1":  # d/ds of mean over classes |s − t|, averaged over the batch
-    g = np.sign(s - target_or_y) / s.shape[1] / s.shape[0]
+  if kind == "ce":
+    g = _np_softmax(s)
+    g[np.arange(len(target_or_y)), target_or_y] -= 1
   else:
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    p[np.arange(len(target_or_y)), target_or_y] -= 1
-    g = p / len(target_or_y)
+    g = _np_digest(s, target_or_y, kind, temperature)[1]
+  g = g / s.shape[0]
   return x.T @ g, g.sum(0)
 
 
-def test_one_round_is_the_numpy_transcription():
-  """Consensus = mean of the clients' scores on the round's public subset; L1 digest steps; CE revisit steps."""
+@pytest.mark.parametrize("digest_loss, temperature", [("l1", 1.0), ("kl", 2.0)])
+def test_one_round_is_the_numpy_transcription(digest_loss, temperature):
+  """Consensus = mean of the clients' scores on the round's public subset; digest steps on the L1 distance, or on
+  T² KL(softmax(f̃/T) ‖ softmax(f_k/T)) with T = 2 (so T² → T or T → 1 changes the numbers); CE revisit steps. The
+  `digest_loss` metric is the distance before each digest step, averaged over the steps and the clients."""
   rng = np.random.default_rng(1)
   n, s, b, p, pr, bd, steps, eta = 3, 2, 4, 12, 6, 3, 3, 0.2
   x, y = rng.normal(size=(n, s, b, D)), rng.integers(0, K, size=(n, s, b))
@@ -80,7 +98,8 @@ def test_one_round_is_the_numpy_transcription():
   starts = [{"w": rng.normal(size=(D, K)), "b": rng.normal(size=K) * 0.1} for _ in range(n)]
   algo = fo.algorithms.fedmd(ce(logreg_apply), apply_fn=logreg_apply, num_clients=n,
                              public_data={"x": jnp.asarray(public)}, public_per_round=pr, digest_steps=steps,
-                             digest_batch_size=bd, client_optimizer=optax.sgd(eta))
+                             digest_batch_size=bd, client_optimizer=optax.sgd(eta), digest_loss=digest_loss,
+                             temperature=temperature)
   state = algo.init({"w": jnp.zeros((D, K)), "b": jnp.zeros(K)}, jax.random.key(3))
   state = state.replace(local_params={k: jnp.asarray(np.stack([c[k] for c in starts]), jnp.float32)
                                       for k in ("w", "b")})
@@ -89,17 +108,20 @@ def test_one_round_is_the_numpy_transcription():
   pick = np.asarray(jax.random.choice(pick_key, p, (pr,), replace=False))
   xp = public[pick].astype(np.float64)
   consensus = np.mean([xp @ c["w"] + c["b"] for c in starts], axis=0)
+  distances = []
   for k in range(n):
     w, bias = starts[k]["w"].copy(), starts[k]["b"].copy()
     for step in range(steps):  # digest: batches of bd public examples, cycling
       rows = slice((step % (pr // bd)) * bd, (step % (pr // bd) + 1) * bd)
-      gw, gb = _np_logreg_grad(w, bias, xp[rows], consensus[rows], "l1")
+      distances.append(_np_digest(xp[rows] @ w + bias, consensus[rows], digest_loss, temperature)[0].mean())
+      gw, gb = _np_logreg_grad(w, bias, xp[rows], consensus[rows], digest_loss, temperature)
       w, bias = w - eta * gw, bias - eta * gb
     for step in range(s):  # revisit: the private batches
       gw, gb = _np_logreg_grad(w, bias, x[k, step], y[k, step], "ce")
       w, bias = w - eta * gw, bias - eta * gb
     np.testing.assert_allclose(new.local_params["w"][k], w, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(new.local_params["b"][k], bias, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(float(new.metrics["digest_loss"]), np.mean(distances), rtol=1e-4)
 
 
 def _label_skewed_digits():

@@ -126,6 +126,45 @@ def test_a_single_client_gets_its_own_model_back():
   _assert_same_params(matched, params, atol=0)
 
 
+def test_the_classifier_is_the_class_weighted_average_of_the_clients_classifiers():
+  """Permuted copies of one network's hidden layers (matched back exactly), each client with its own classifier W_j.
+  Column k of the global classifier (and its bias) is Σ_j n_jk W_j[:, k] / Σ_j n_jk (FedMA, Algorithm 1), and
+  Σ_j n_j W_j[:, k] / Σ_j n_j for a class no client holds; NumPy in the network's own unit order. Classes 0 and 2
+  are each held by one client (their columns are that client's), class 1 by two, class 3 by none; n_j weights
+  everywhere would give other columns. `class_counts` as nested lists (any array-like)."""
+  _, base = _mlp(classes=4, seed=3)
+  rng = np.random.default_rng(4)
+  heads = [_random_params({"output": (4, 4)}, seed=10 + j)["output"] for j in range(3)]
+  clients = [_permuted(dict(base, output=head), MLP_LAYERS, rng) for head in heads]
+  counts = [[6, 2, 0, 0], [0, 5, 0, 0], [0, 0, 9, 0]]  # n_jk; n_j = 8, 5, 9
+  n_j = np.asarray(counts, np.float64).sum(1)
+  matched = fo.algorithms.pfnm(clients, layers=MLP_LAYERS, client_weights=n_j.tolist(), class_counts=counts)
+  got = _unpermute(matched, base, MLP_LAYERS)
+  _assert_same_params({k: got[k] for k in MLP_LAYERS[:-1]}, {k: base[k] for k in MLP_LAYERS[:-1]})
+  stacked = {leaf: np.stack([np.asarray(h[leaf], np.float64) for h in heads]) for leaf in ("kernel", "bias")}
+  weights = np.asarray(counts, np.float64)
+  weights[:, 3] = n_j  # class 3: held by no client, the n_j fallback
+  for leaf, values in stacked.items():  # values [J, ..., K]; the class axis is the last
+    expected = np.einsum("jk,j...k->...k", weights, values) / weights.sum(0)
+    np.testing.assert_allclose(np.asarray(got["output"][leaf]), expected, atol=1e-6, rtol=0)
+  np.testing.assert_allclose(np.asarray(got["output"]["kernel"][:, 0]), stacked["kernel"][0, :, 0], atol=1e-6)
+  np.testing.assert_allclose(np.asarray(got["output"]["kernel"][:, 2]), stacked["kernel"][2, :, 2], atol=1e-6)
+
+
+@pytest.mark.parametrize("counts, message", [
+    ([[1, 2, 3], [4, 5, 6]], r"class_counts must be \[J, K\] = \(2, 4\)"),
+    ([[1, 2, 3, 4]], r"class_counts must be \[J, K\] = \(2, 4\)"),
+    ([[1, -2, 3, 4], [0, 0, 0, 1]], "class_counts must be finite and >= 0"),
+    ([[1, 2, np.nan, 4], [0, 0, 0, 1]], "class_counts must be finite and >= 0"),
+    ("many", "class_counts must be"),
+])
+def test_pfnm_refuses_bad_class_counts_in_one_line(counts, message):
+  _, params = _mlp(classes=4)
+  with pytest.raises(ValueError, match=message) as info:
+    fo.algorithms.pfnm([params, params], layers=MLP_LAYERS, class_counts=counts)
+  assert "\n" not in str(info.value)
+
+
 # ---- one layer's matching against brute force --------------------------------------------------------------------
 
 

@@ -52,7 +52,7 @@ from fedjax_opt.core import asynchrony
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.server import apply_server_update
-from fedjax_opt.core.tree import select_tree
+from fedjax_opt.core.tree import global_norm, select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_client_batches, check_in_range, check_int, check_key, check_loss_fn,
                                         check_num_clients, check_optimizer, check_positive, check_scalar)
@@ -366,6 +366,17 @@ def co_op(
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, lambda params: {})
 
 
+def _rescale_to(tree: PyTree, length: jax.Array) -> PyTree:
+  """(length / ‖tree‖) · tree, and 0 for a zero tree; ‖tree‖ is taken on tree / max|tree| (no overflow)."""
+  leaves = jax.tree.leaves(tree)
+  largest = jnp.max(jnp.stack([jnp.max(jnp.abs(x), initial=0) for x in leaves]))
+  safe = jnp.where(largest > 0, largest, jnp.ones_like(largest))
+  unit = jax.tree.map(lambda x: x / safe, tree)  # entries in [−1, 1], the largest ±1 (all 0 for a zero tree)
+  norm = global_norm(unit)
+  factor = jnp.where(norm > 0, length / jnp.where(norm > 0, norm, jnp.ones_like(norm)), jnp.zeros_like(norm))
+  return jax.tree.map(lambda x: (factor * x).astype(x.dtype), unit)
+
+
 def zeno_plus_plus(
     loss_fn: LossFn,
     gamma: Any,
@@ -375,6 +386,7 @@ def zeno_plus_plus(
     validation_data: PyTree,
     num_clients: int,
     validation_mask: jax.Array | None = None,
+    rescale: bool = True,
     schedule: asynchrony.Schedule | None = None,
     history_size: int = DEFAULT_HISTORY_SIZE,
     client_map: client_map_lib.ClientMap | str | None = None,
@@ -383,16 +395,33 @@ def zeno_plus_plus(
 
       client k (pulled x_τ):  g = ∇f_k(x_τ), the gradient of its mean loss over all its examples of the step
       server, each event:     v = ∇f_r(x_t), the gradient of the mean loss on the validation batch
-      server, on arrival:     accept g iff  γ⟨v, g⟩ − ρ‖g‖² ≥ −γε
-                              accepted:  x_{t+1} = x_t − γ g;  t ← t + 1
+      server, on arrival:     g̃ = (‖v‖ / ‖g‖) g               (g̃ = 0 when g = 0)
+                              accept g̃ iff  γ⟨v, g̃⟩ − ρ‖g̃‖² ≥ −γε
+                              accepted:  x_{t+1} = x_t − γ g̃;  t ← t + 1
                               rejected:  nothing changes (counted in num_rejected)
 
-  The score γ⟨v, g⟩ − ρ‖g‖² is the first-order estimate of the descent
-  f_r(x) − f_r(x − γg) minus ρ‖g‖²; a sign-flipped gradient has ⟨v, g⟩ < 0
-  and a hugely scaled one a large ρ‖g‖², and both fail. v is computed once
-  per event, at the model of the event's start (with one arrival per event,
-  the default, that is at every server step; with A arrivals it is the
-  paper's lazy v, reused for the event's A tests).
+  This is the server loop of the paper's Algorithm 1: the candidate is
+  first rescaled to the length of the validation gradient, and the test
+  and the step both use the rescaled g̃. Since ‖g̃‖ = ‖v‖, the test reads
+  ‖v‖²(γ cos∠(v, g) − ρ) ≥ −γε: it judges the direction of g only, and
+  every accepted step has length γ‖v‖, however long the candidate was (an
+  honest gradient 50 times too long takes the same step as one of the
+  right length; without the rescaling it would take a 50 times longer step,
+  or fail the ρ term). The score γ⟨v, g̃⟩ − ρ‖g̃‖² is the first-order
+  estimate of the descent f_r(x) − f_r(x − γg̃) minus ρ‖g̃‖²; a sign-flipped
+  gradient has ⟨v, g̃⟩ < 0 and fails at any scale. The authors' public code
+  (AsyncByzGrad) rescales the same way but takes the ρ term from the
+  candidate before rescaling, ρ‖g‖²; here both terms use g̃, as the
+  algorithm is written. `rescale=False` skips the rescaling (g̃ = g: the
+  test and the step on the raw candidate, this library's earlier rule; a
+  long honest gradient then takes a long step or fails the ρ term).
+  ‖g‖ is computed on g divided by its largest entry, so a huge finite
+  candidate does not overflow to a zero g̃; a non-finite candidate is
+  dropped before the test by the library's guard (docs/architecture.md).
+
+  v is computed once per event, at the model of the event's start (with one
+  arrival per event, the default, that is at every server step; with A
+  arrivals it is the paper's lazy v, reused for the event's A tests).
 
   The validation data reaches `step` through the state: `init` stores
   `validation_data` (and its mask) in `state.validation`, so it is an
@@ -402,11 +431,13 @@ def zeno_plus_plus(
   Args:
     loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
     gamma: γ > 0, the server's step size (may be traced).
-    rho: ρ ≥ 0, the weight of ‖g‖² in the score.
+    rho: ρ ≥ 0, the weight of ‖g̃‖² in the score.
     eps: ε ≥ 0, the tolerance of the test.
     validation_data: the server's small batch, a pytree of `[B_v, ...]` arrays as `loss_fn` takes them.
     num_clients: N, the clients of the simulation.
     validation_mask: `[B_v]` bool, True on real examples (default: all True).
+    rescale: True (default, the paper's algorithm): test and apply g̃ = (‖v‖/‖g‖) g; False: test and apply g
+      as it arrives.
     schedule: the arrivals (default `core.asynchrony.wall_clock()`).
     history_size: H, server models kept; staler gradients are discarded.
     client_map: how the arriving clients are mapped.
@@ -420,6 +451,8 @@ def zeno_plus_plus(
   check_positive(gamma, "gamma")
   check_positive(rho, "rho", allow_zero=True)
   check_positive(eps, "eps", allow_zero=True)
+  if not isinstance(rescale, bool):
+    raise TypeError(f"rescale must be a Python bool (True: the paper's rescaled candidate); got {rescale!r}.")
   validation_data = jax.tree.map(jnp.asarray, validation_data)
   leaves = jax.tree.leaves(validation_data)
   if not leaves or any(jnp.ndim(leaf) < 1 for leaf in leaves):
@@ -443,6 +476,8 @@ def zeno_plus_plus(
     del version
     v = server[2].gradient
     g = jax.tree.map(jnp.negative, arrival.delta)
+    if rescale:
+      g = _rescale_to(g, global_norm(v))
     inner = sum(jnp.vdot(vi, gi) for vi, gi in zip(jax.tree.leaves(v), jax.tree.leaves(g)))
     square = sum(jnp.vdot(gi, gi) for gi in jax.tree.leaves(g))
     accepted = gamma * inner - rho * square >= -gamma * eps

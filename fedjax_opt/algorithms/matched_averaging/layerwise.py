@@ -119,8 +119,8 @@ def match_layers(client_params: list[dict], layers: tuple[str, ...], client_weig
   name = layers[-1]
   vectors = [as_neurons(p[name]) for p in state.params]
   uploaded += sum(v.size for v in vectors)
-  weights = _class_weights(None if class_counts is None else class_counts[alive], client_weights[alive],
-                           vectors[0].shape[0])
+  counts = None if class_counts is None else np.asarray(class_counts, np.float64)[alive]
+  weights = _class_weights(counts, client_weights[alive], vectors[0].shape[0])
   identity = [np.arange(v.shape[0]) for v in vectors]
   merged = _average(vectors, identity, state.owned, weights, vectors[0].shape[0])
   out = dict(state.params[0])

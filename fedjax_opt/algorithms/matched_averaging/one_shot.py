@@ -26,6 +26,26 @@ from fedjax_opt.core.validation import check_int
 __all__ = ["pfnm"]
 
 
+def _check_class_counts(class_counts: Any, num: int, num_classes: int) -> np.ndarray | None:
+  """None, or any array-like n_jk as a float64 `[J, K]` array of finite values >= 0 (one-line ValueError else)."""
+  if class_counts is None:
+    return None
+  try:
+    counts = np.asarray(class_counts, np.float64)
+  except (TypeError, ValueError):
+    counts = None
+  if counts is None or counts.shape != (num, num_classes):
+    shape = "not numeric" if counts is None else f"shape {counts.shape}"
+    raise ValueError(f"class_counts must be [J, K] = ({num}, {num_classes}) (clients, classes of the last layer); "
+                     f"got {shape}.")
+  bad = ~np.isfinite(counts) | (counts < 0)
+  if np.any(bad):
+    j, k = (int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"class_counts must be finite and >= 0 (n_jk, client j's examples of class k); got "
+                     f"n_jk = {counts[j, k]} at j = {j}, k = {k}.")
+  return counts
+
+
 def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float = 1.0, sigma0: float = 1.0,
          gamma: float = 1.0, mu0: float = 0.0, iterations: int = 3, max_width: int | None = None,
          client_weights: Sequence[float] | None = None, class_counts: Any = None, seed: int = 0) -> PyTree:
@@ -48,7 +68,8 @@ def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float
     max_width: None, or a cap on each global layer's width.
     client_weights: n_j for the classifier average when `class_counts` is None or a class is held
       by no client; default uniform.
-    class_counts: None, or `[J, K]` n_jk, client j's examples of class k.
+    class_counts: None, or `[J, K]` n_jk, client j's examples of class k (any array-like, finite, >= 0): the
+      classifier's column k is Σ_j n_jk W_j[:, k] / Σ_j n_jk.
     seed: seeds the refinement order.
 
   Returns:
@@ -63,6 +84,8 @@ def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float
   if weights.shape != (num,) or np.any(weights < 0) or not np.all(np.isfinite(weights)):
     raise ValueError(f"client_weights must be J = {num} finite values >= 0; got {client_weights}.")
   check_int(iterations, "iterations", 0)
+  num_classes = int(np.shape(client_params[0][layers[-1]]["bias"])[0])
+  class_counts = _check_class_counts(class_counts, num, num_classes)
   params, _, _, _ = match_layers(client_params, layers, weights, class_counts, None, seed, sigma=sigma, sigma0=sigma0,
                                  gamma=gamma, mu0=mu0, iterations=iterations, max_width=max_width)
   return params
