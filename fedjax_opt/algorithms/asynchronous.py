@@ -323,15 +323,28 @@ def co_op(
           d > b  (b = max_age):  discard the model (counted in num_rejected)
           d ≤ b:                 β_d = α / (d + 1);   x_t = (1 − β_d) x_{t−1} + β_d x_new;   t ← t + 1
 
-  What is the source's and what is ours: the thesis' abstract (the one part
-  of it available when this was written) and the survey slides that cite it
-  say that Co-op is an asynchronous protocol that merges each uploaded local
-  model into the global model by an age-based weight and ignores updates that
-  are too old. The age bound b and the merge as a convex combination are
-  that description; the weight α/(d + 1) (an update d versions old counts as
-  one of d + 1 models) and the name α are our reconstruction, not the
-  thesis' formula. Nothing else of the thesis (e.g. any rule for updates that
-  are too fresh, or for devices that go offline) is implemented.
+  What is the source's and what is ours. The thesis' text, and with it its
+  merge formula and its age thresholds, could not be read: searches of
+  public web pages, documentation and code found only its library record
+  (ERA, University of Alberta, doi:10.7939/R32805C45), no later paper by
+  the author and no implementation. The record's abstract says that Co-op
+  is an asynchronous protocol in which each mobile client trains a local
+  model on a small amount of newly generated data and the server merges
+  these local models into a global model "judiciously, balancing the model
+  accuracy and communication overhead"; it names no rule. That the merge
+  depends on the age difference between the client's model and the global
+  model, and that models too far behind are not merged, is the protocol as
+  later descriptions summarise it, not checked against the thesis. So:
+
+  * from those descriptions: the age d = t − τ, counted in server versions
+    (merges) since the client pulled; a bound b above which an update is
+    discarded; a merge that is a convex combination of the global and the
+    client's model;
+  * ours: the weight β_d = α/(d + 1) (an update d versions old counts as one
+    of d + 1 models) and the names α and b. The thesis' own weights and
+    intervals of d may differ; we do not implement any other interval (e.g.
+    holding back a client whose model is too recent) or any rule for devices
+    that go offline.
 
   Args:
     loss_fn: per-example loss `loss_fn(params, batch) -> [B]`.
