@@ -1,7 +1,7 @@
 """Every algorithm reports the bits a client sends (`bits_up`) and receives (`bits_down`) in its round metrics.
 
-Two checks. Every factory of `tests/algorithm_examples.py` reports both,
-finite, non-negative float32 scalars, after `init` and after one `step`. For
+That every factory of `tests/algorithm_examples.py` reports both, finite,
+non-negative float32 scalars, is checked in tests/test_every_algorithm.py. For
 the families with their own exchange (the loopless mixture methods, ADMM,
 GADMM, the decentralized ones, D-FedEM, P2P Bayes) the value equals a count
 by hand from the examples' model (w `[D]` and b, so P = D + 1 parameters,
@@ -77,19 +77,6 @@ def _history(name, steps=1, *, factory=None, batches=None, seed=0, **options):
 
 def _bits(metrics):
   return metrics["bits_up"], metrics["bits_down"]
-
-
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_every_algorithm_reports_finite_nonnegative_bits_up_and_down(name):
-  algorithm, run = _runner(name, 1, None)
-  params, batches = example_inputs(name)
-  state = algorithm.init(params, jax.random.key(0))
-  for metrics in (state.metrics, run(state, batches)[0]):  # after init and after one step
-    for key in ("bits_up", "bits_down"):
-      assert key in metrics, f"{name}: no {key} in the metrics"
-      value = metrics[key]
-      assert jnp.shape(value) == () and jnp.result_type(value) == jnp.float32, (name, key)
-      assert np.isfinite(float(value)) and float(value) >= 0, (name, key, value)
 
 
 def test_the_examples_model_has_p_float32_parameters():

@@ -127,7 +127,8 @@ def _round_temp_bytes(c, deferred, aggregator=None, dim=500, steps=2, batch=8):
   return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("aggregator", [None, fo.aggregators.marginal_median()], ids=["mean", "median"])
+@pytest.mark.parametrize("aggregator", [None, pytest.param(fo.aggregators.marginal_median(), marks=pytest.mark.slow)],
+                         ids=["mean", "median"])
 def test_a_loop_round_on_deferred_data_does_not_hold_the_batch(aggregator):
   batch_bytes_per_client = 2 * 8 * 500 * 4  # S · B · D float32
   eager = _round_temp_bytes(512, False, aggregator) - _round_temp_bytes(64, False, aggregator)
@@ -157,6 +158,7 @@ def test_label_flip_poisoning_stays_deferred_and_flips_the_same_rows():
   assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(clean.params), jax.tree.leaves(poisoned.params)))
 
 
+@pytest.mark.slow  # a benchmark's cell, run as the script runs it
 def test_the_round_memory_benchmark_measures_a_small_cell(monkeypatch):
   """benchmarks/round_memory.py's cell, shrunk: it trains every client and reports the deferred round leaner."""
   import importlib.util

@@ -5,8 +5,8 @@ For every factory (tests/algorithm_examples.py lists them all), under
 cell in the slow one), a few rounds in which client 1's data holds a NaN (so
 whatever it computes is non-finite) and client 2 has no example. One jitted
 program runs each round twice, from the `[C, S, B, ...]` arrays and from
-`DeferredData` over a store in another client and slot order, so both checks
-below read the same compiled rounds:
+`DeferredData` over a store in another client and slot order, and one test
+checks what these rounds must show:
 
 * a non-finite client never spreads: every floating-point entry of the state
   stays finite (the server model, the other clients' models, duals, control
@@ -15,6 +15,9 @@ below read the same compiled rounds:
   blocks) stays at its last finite value, here its initial one; the event is
   counted: `metrics["num_nonfinite"]` is 1 in every round in which the
   poisoned client computed something; the round counter counts every round;
+* the bits a client sends and receives are reported (`bits_up`,
+  `bits_down`), finite, non-negative float32 scalars, after `init` and after
+  the rounds (tests/test_bits_metrics.py checks their values family by family);
 * deferred data is the same data: the deferred rounds reach the eager rounds'
   state (the `DeferredData` is an argument of the jitted program, so the
   deferred path is what runs inside; the eager round is the reference, checked
@@ -83,38 +86,28 @@ def _own_rows(name, state):
   return None
 
 
-_RUNS: dict = {}
-
-
 def _rounds(name, mode):
-  """`(initial state, [(eager state, deferred state)] after each of ROUNDS rounds)` of `name` under `mode`.
+  """`(initial state, [(eager state, deferred state)] after each of ROUNDS rounds)` of `name` under `mode`."""
+  algo = EXAMPLES[name](client_map=mode)
+  params, batches = example_inputs(name, poisoned=POISONED)
+  batches = batches.replace(mask=batches.mask.at[EMPTY].set(False))
+  lazy = _stored(batches)
+  state = algo.init(params, jax.random.key(0))
 
-  Computed once per cell and shared by both tests of this file (one program per cell).
-  """
-  if (name, mode) not in _RUNS:
-    algo = EXAMPLES[name](client_map=mode)
-    params, batches = example_inputs(name, poisoned=POISONED)
-    batches = batches.replace(mask=batches.mask.at[EMPTY].set(False))
-    lazy = _stored(batches)
-    state = algo.init(params, jax.random.key(0))
+  @jax.jit
+  def both(want, got, batches, lazy):
+    assert isinstance(lazy, DeferredData)
+    return algo.step(want, batches), algo.step(got, batches.replace(data=lazy))
 
-    @jax.jit
-    def both(want, got, batches, lazy):
-      assert isinstance(lazy, DeferredData)
-      return algo.step(want, batches), algo.step(got, batches.replace(data=lazy))
-
-    states, want, got = [], state, state
-    for _ in range(ROUNDS):
-      want, got = both(want, got, batches, lazy)
-      states.append((want, got))
-    assert both._cache_size() == 1  # every round reuses the program
-    _RUNS[name, mode] = state, states
-  return _RUNS[name, mode]
+  states, want, got = [], state, state
+  for _ in range(ROUNDS):
+    want, got = both(want, got, batches, lazy)
+    states.append((want, got))
+  assert both._cache_size() == 1  # every round reuses the program
+  return state, states
 
 
-@pytest.mark.parametrize("name,mode", CELLS)
-def test_one_poisoned_client_never_spreads(name, mode):
-  initial, states = _rounds(name, mode)
+def _check_a_nan_client_never_spreads(name, initial, states):
   counted = []
   for r, (state, _) in enumerate(states):
     bad = [path for path, leaf in _float_leaves(state) if not np.all(np.isfinite(np.asarray(leaf)))]
@@ -129,11 +122,29 @@ def test_one_poisoned_client_never_spreads(name, mode):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("name,mode", CELLS)
-def test_every_algorithm_steps_the_same_on_deferred_data(name, mode):
-  for r, (want, got) in enumerate(_rounds(name, mode)[1]):
+def _check_bits_up_and_down(name, initial, states):
+  for label, metrics in (("init", initial.metrics), ("round", states[-1][0].metrics)):
+    for key in ("bits_up", "bits_down"):
+      assert key in metrics, f"{name}: no {key} in the metrics after {label}"
+      value = metrics[key]
+      assert jnp.shape(value) == () and jnp.result_type(value) == jnp.float32, (name, label, key)
+      assert np.isfinite(float(value)) and float(value) >= 0, (name, label, key, value)
+
+
+def _check_deferred_is_eager(name, mode, states):
+  for r, (want, got) in enumerate(states):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
       if jnp.issubdtype(jnp.asarray(a).dtype, jax.dtypes.prng_key):
         continue
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7,
                                  err_msg=f"{name} {mode} round {r} {jax.tree_util.keystr(path)}")
+
+
+# One test, not three sharing a cache: a test that read another's results would not run the algorithm's code
+# itself, and mutation testing (tools/mutation.py) runs only the tests that reach a mutated function.
+@pytest.mark.parametrize("name,mode", CELLS)
+def test_every_algorithm_steps_the_same_on_deferred_data_and_a_nan_client_never_spreads(name, mode):
+  initial, states = _rounds(name, mode)
+  _check_a_nan_client_never_spreads(name, initial, states)
+  _check_bits_up_and_down(name, initial, states)
+  _check_deferred_is_eager(name, mode, states)

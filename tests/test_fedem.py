@@ -170,6 +170,7 @@ def _planted_mixture(seed, clients=8, per_client=200, test_per_client=200):
   return planted, train, test, float(np.mean(best == yt))
 
 
+@pytest.mark.slow  # a convergence run
 def test_a_planted_mixture_is_recovered_and_beats_fedavg():
   planted, (x, y), (xt, yt), bayes = _planted_mixture(0)
   clients, s = len(planted), 5

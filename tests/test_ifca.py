@@ -101,7 +101,8 @@ RESTARTS = 6
 SLOW = pytest.mark.slow
 
 
-@pytest.mark.parametrize("groups", [2, pytest.param(3, marks=SLOW), pytest.param(4, marks=SLOW)])
+# A convergence run (60 rounds × 6 restarts): the slow tier.
+@pytest.mark.parametrize("groups", [pytest.param(g, marks=SLOW) for g in (2, 3, 4)])
 def test_recovers_planted_groups_and_beats_fedavg(groups):
   batches, test, group = label_shift_problem(groups)
   algo = fo.algorithms.ifca(softmax_loss, num_clusters=groups, num_clients=len(group), client_optimizer=optax.sgd(0.5))
