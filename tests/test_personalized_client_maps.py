@@ -2,7 +2,8 @@
 
 The client map must not change the math (fedjax_opt.core.client_map): "vmap",
 "sequential" (a compiled loop over clients) and "chunked:2" (vmapped chunks
-of two, with a remainder chunk for C = 5) agree to float tolerance on pFedMe,
+of two, with a remainder chunk for C = 5) agree to float tolerance (each loop
+mode against "vmap"; the default tier runs each algorithm in one loop mode) on pFedMe,
 Ditto, Per-FedAvg (first-order and Hessian-free), L2GD and L2SGD+. The round uses
 padding (a masked-out step, a zero-weight client) so that masking is covered
 by every mode.
@@ -14,6 +15,8 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import diagonal
+
 import fedjax_opt as fo
 from fedjax_opt.algorithms.ditto import ditto
 from fedjax_opt.algorithms.mixture import l2gd, l2sgd_plus
@@ -21,7 +24,7 @@ from fedjax_opt.algorithms.per_fedavg import per_fedavg
 from fedjax_opt.algorithms.pfedme import pfedme
 
 C, S, B, D = 5, 2, 3, 4
-MODES = ("vmap", "sequential", "chunked:2")
+LOOPS = ("sequential", "chunked:2")  # each against "vmap"
 
 
 def quad_loss(w, batch):
@@ -59,24 +62,25 @@ FACTORIES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(FACTORIES))
-def test_one_round_is_the_same_under_every_client_map(name):
+# algorithms × loop modes: the diagonal in the default tier (each algorithm in one loop mode, each mode taken by
+# three algorithms), every cell in the slow tier.
+@pytest.mark.parametrize("name,loop", diagonal(sorted(FACTORIES), LOOPS))
+def test_one_round_is_the_same_under_every_client_map(name, loop):
   factory, steps, full = FACTORIES[name]
   batches = _batches(steps, full)
   if full:  # the mixture methods need every client once, ids a permutation of arange(n)
     batches = batches.replace(client_id=jnp.arange(C, dtype=jnp.int32))
   states = []
-  for mode in MODES:
+  for mode in ("vmap", loop):
     algo = factory(mode)
     state = algo.init(_params(), jax.random.key(7))
     for _ in range(2 if full else 1):  # the mixture methods: two iterations, so both coin outcomes can occur
       state = jax.jit(algo.step)(state, batches)
     states.append(state)
-  for state in states[1:]:
-    for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(state)):
-      if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key):
-        a, b = jax.random.key_data(a), jax.random.key_data(b)
-      np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64), rtol=2e-5, atol=2e-6)
+  for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[1])):
+    if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key):
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
+    np.testing.assert_allclose(np.asarray(b, np.float64), np.asarray(a, np.float64), rtol=2e-5, atol=2e-6)
   # The round did something: the model moved.
   moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), states[0].params, _params())
   assert max(jax.tree.leaves(moved)) > 1e-4, name
