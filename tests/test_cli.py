@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -136,6 +137,44 @@ def test_a_reused_out_folder_is_refused_and_left_untouched(cli, tmp_path):
       f"--overwrite, or choose another folder"]
   assert sorted(p.name for p in out.iterdir()) == ["config.json"]
   assert (out / "config.json").read_text() == '{"rounds": 7}'
+
+
+def _unwritable_folder(tmp_path):
+  """A folder in which nothing can be made: read-only permission bits, or (for root, whom they do not stop) /sys."""
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  locked.chmod(0o555)
+  for folder in (str(locked), "/sys"):
+    try:
+      os.rmdir(tempfile.mkdtemp(dir=folder))
+    except OSError:
+      return folder
+  raise AssertionError("no unwritable folder to test with")
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line_and_nothing_is_created(cli, tmp_path, monkeypatch):
+  (tmp_path / "notes.txt").write_text("mine")
+  before = sorted(p.name for p in tmp_path.iterdir())
+  under_a_file = tmp_path / "notes.txt" / "run"
+  result = cli("run", "--dataset", "digits", "--rounds", "1", "--out", str(under_a_file))
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      f"fedjax-opt: error: --out {under_a_file}: {tmp_path / 'notes.txt'} is a file, not a folder"]
+  unwritable = _unwritable_folder(tmp_path)
+  result = cli("run", "--dataset", "digits", "--rounds", "1", "--out", os.path.join(unwritable, "run"))
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      f"fedjax-opt: error: --out {unwritable}/run: cannot write in {unwritable} ("), result.stderr
+  assert not os.path.exists(os.path.join(unwritable, "run"))
+  monkeypatch.chdir(tmp_path)  # where the default folder, runs/<dataset>-<time>, would go
+  result = cli("run", "--dataset", "digits", "--rounds", "1", "--out", "")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      "fedjax-opt: error: --out is empty: give the run folder, or leave --out out for runs/<dataset>-<time>"]
+  (tmp_path / "locked").chmod(0o755)
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["locked"])
+  assert not os.listdir(tmp_path / "locked")
 
 
 def test_a_bad_hyper_parameter_value_is_the_factory_s_one_line(cli, tmp_path):

@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       out = args.out
     else:
       config = config_lib.finish(given)
-      out = args.out or os.path.join("runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
+      out = args.out if args.out is not None else os.path.join(
+          "runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
       config_lib.prepare_new(out, bool(args.overwrite))
     return run.command_run(config, out, bool(args.resume), bool(args.overwrite))
   except UsageError as e:

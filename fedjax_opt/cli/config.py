@@ -15,13 +15,14 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import tomllib
 from typing import Any
 
 from fedjax_opt.cli import registry
 
-__all__ = ["DEFAULTS", "MODELS", "PARTITIONS", "SHAKESPEARE_ROLES", "UsageError", "build_parser", "clear_previous",
-           "finish", "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
+__all__ = ["DEFAULTS", "MODELS", "PARTITIONS", "SHAKESPEARE_ROLES", "UsageError", "build_parser", "check_writable",
+           "clear_previous", "finish", "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
 
 PARTITIONS = ("iid", "dirichlet", "shards", "labels", "power_law")
 MODELS = ("auto", "logreg", "mlp", "cnn", "rnn")
@@ -417,6 +418,7 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
   path = os.path.join(out, "config.json")
   if not os.path.isfile(path):
     raise UsageError(f"--out {out} holds no run to resume (no config.json); start one without --resume")
+  check_writable(out)
   try:
     with open(path) as f:
       saved = json.load(f)
@@ -453,10 +455,33 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
   return config
 
 
+def check_writable(out: str) -> None:
+  """`--out` is a folder this process can make or write in, or one line (nothing is left behind).
+
+  The nearest folder of `out` that exists must be a folder (not a file) in
+  which a new entry can be made: a probe folder is made there and removed at
+  once, which also catches what permission bits do not say (read-only
+  mounts, a root user, /proc).
+  """
+  if out == "":
+    raise UsageError("--out is empty: give the run folder, or leave --out out for runs/<dataset>-<time>")
+  path = os.path.abspath(out)
+  existing = path
+  while not os.path.isdir(existing):
+    if os.path.exists(existing):
+      raise UsageError(f"--out {out} is a file, not a folder" if existing == path else
+                       f"--out {out}: {existing} is a file, not a folder")
+    existing = os.path.dirname(existing)
+  try:
+    probe = tempfile.mkdtemp(prefix=".fedjax-opt-probe-", dir=existing)
+  except OSError as e:
+    raise UsageError(f"--out {out}: cannot write in {existing} ({e.strerror})") from None
+  os.rmdir(probe)
+
+
 def prepare_new(out: str, overwrite: bool) -> None:
   """Checks that a new run may go into `out` (nothing is written yet)."""
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise UsageError(f"--out {out} is a file, not a folder")
+  check_writable(out)
   if _holds_run(out) and not overwrite:
     raise UsageError(f"--out {out} already holds a run; continue it with --resume, replace it with --overwrite, "
                      f"or choose another folder")

@@ -454,8 +454,11 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   if overwrite and not resume:
     config_lib.clear_previous(out)
   created = not os.path.exists(out)
-  os.makedirs(out, exist_ok=True)
-  config_lib.write_json(os.path.join(out, "config.json"), config, indent=1)
+  try:
+    os.makedirs(out, exist_ok=True)
+    config_lib.write_json(os.path.join(out, "config.json"), config, indent=1)
+  except OSError as e:  # checked before (config.check_writable); the folder may have changed since
+    raise UsageError(f"--out {out}: cannot write there ({e.strerror})") from None
   say(dataset.summary())
   if groups is not None:
     kind = config["planted"].partition(":")[0]
