@@ -30,6 +30,14 @@ def _cell(row: dict[str, Any], key: str, spec: str = ".4f") -> str:
   return f"{value:{spec}}" if std is None else f"{value:{spec}} ± {std:{spec}}"
 
 
+def _count(row: dict[str, Any], key: str) -> str:
+  """A count, the largest over seeds for a sweep; `-` when the row has none."""
+  value = row.get(key)
+  if value is None:
+    return "-"
+  return str(value if isinstance(value, int) else max(value))
+
+
 def results_table(rows: list[dict[str, Any]]) -> str:
   """The table printed at the end of a run (columns for personalized and objective values when present)."""
   columns = [("algorithm", lambda r: r["algorithm"]), ("rounds", lambda r: str(r["rounds"])),
@@ -39,9 +47,10 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     columns += [("pers. acc", lambda r: _cell(r, "personalized_accuracy")),
                 ("pers. p10", lambda r: _cell(r, "personalized_accuracy_p10"))]
   if any("ari" in r for r in rows):
-    columns += [("clusters", lambda r: "-" if "num_clusters" not in r else
-                 str(r["num_clusters"] if isinstance(r["num_clusters"], int) else max(r["num_clusters"]))),
-                ("ARI", lambda r: _cell(r, "ari", ".3f"))]
+    columns.append(("clusters", lambda r: _count(r, "num_clusters")))
+    if any(_count(r, "unassigned_clients") not in ("-", "0") for r in rows):  # IFCA: clients never sampled
+      columns.append(("unassigned", lambda r: _count(r, "unassigned_clients")))
+    columns.append(("ARI", lambda r: _cell(r, "ari", ".3f")))
   if any("objective_gap" in r for r in rows):
     columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
   if any("dp_epsilon" in r for r in rows):

@@ -256,8 +256,9 @@ def _last(values: Any) -> Any:
 
 
 def cluster_recovery(state, groups, size: int) -> dict[str, Any]:
-  """The clients' clustering against the planted groups ({} without either): `ari`, `num_clusters` (clusters in
-  use), `cluster_of` (each client's cluster; per seed for a sweep) and `planted_groups`."""
+  """The clients' clustering against the planted groups ({} without either): `ari`, `num_clusters` (clusters with
+  a client assigned), `unassigned_clients` (clients without a cluster, −1: IFCA's never sampled), `cluster_of`
+  (each client's cluster; per seed for a sweep) and `planted_groups`."""
   import numpy as np
 
   from fedjax_opt.core import clusters
@@ -266,11 +267,13 @@ def cluster_recovery(state, groups, size: int) -> dict[str, Any]:
   if groups is None or found[0] is None:
     return {}
   ari = [clusters.adjusted_rand_index(groups, f) for f in found]
-  used = [int(np.unique(f).size) for f in found]
+  used = [int(np.unique(f[f >= 0]).size) for f in found]
+  unassigned = [int(np.sum(f < 0)) for f in found]
   out = {"planted_groups": groups.tolist(), "cluster_of": [f.tolist() for f in found]}
   if size == 1:
-    return {**out, "ari": ari[0], "num_clusters": used[0], "cluster_of": found[0].tolist()}
-  return {**out, "ari": float(np.mean(ari)), "ari_per_seed": ari, "num_clusters": used}
+    return {**out, "ari": ari[0], "num_clusters": used[0], "unassigned_clients": unassigned[0],
+            "cluster_of": found[0].tolist()}
+  return {**out, "ari": float(np.mean(ari)), "ari_per_seed": ari, "num_clusters": used, "unassigned_clients": unassigned}
 
 
 def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
