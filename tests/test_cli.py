@@ -212,3 +212,19 @@ def test_the_compile_cache_folder_from_the_flag_the_environment_or_the_home(monk
   assert compile_cache_dir(None) == str(tmp_path / "env")
   assert compile_cache_dir(str(tmp_path / "flag")) == str(tmp_path / "flag")
   assert compile_cache_dir("off") is None
+
+
+def test_the_results_table_writes_values_as_the_progress_lines_do():
+  """No train loss (L2GD, the ADMM family): `–`, as in the progress lines; a diverged loss in scientific notation."""
+  import re  # pylint: disable=import-outside-toplevel
+
+  from fedjax_opt.cli import report  # pylint: disable=import-outside-toplevel
+
+  base = dict(rounds=3, megabytes_sent=1.0, wall_seconds=1.0, compile_seconds=0.5, status="finished")
+  rows = [dict(base, algorithm="l2gd", test_accuracy=0.5, test_loss=0.75),  # no train_loss: not reported
+          dict(base, algorithm="fedavg", test_accuracy=0.25, test_loss=2.5e33, train_loss=float("nan"),
+               status="diverged at round 3")]
+  header, _, l2gd, fedavg = report.results_table(rows).splitlines()[:4]
+  cells = [dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", line.strip()))) for line in (l2gd, fedavg)]
+  assert cells[0]["train loss"] == "–" and cells[0]["test loss"] == "0.7500"
+  assert cells[1]["test loss"] == "2.500e+33" and cells[1]["train loss"] == "nan"  # reported, and not a number

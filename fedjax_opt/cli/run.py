@@ -237,10 +237,12 @@ def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size:
 
 
 def _summarize(last: dict[str, Any], key: str) -> dict[str, Any]:
-  """`{key: value}`, or for a sweep `{key: mean, key_std: std, key_per_seed: [...]}`."""
+  """`{key: value}`, or for a sweep `{key: mean, key_std: std, key_per_seed: [...]}`; `{}` when not reported."""
   import numpy as np
 
-  value = last.get(key, float("nan"))
+  if key not in last:  # e.g. no train loss: L2GD, the ADMM family
+    return {}
+  value = last[key]
   if not isinstance(value, list):
     return {key: value}
   values = np.asarray(value, np.float64)

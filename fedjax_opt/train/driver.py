@@ -360,9 +360,9 @@ def train(
       new_state, metrics = chunk(state, dataset)
       metrics = jax.device_get(metrics)
       elapsed = time.perf_counter() - t0
-      point = {"round": current_round(new_state), "seconds": history.train_seconds + elapsed,
-               "train_loss": (host_value(np.mean(metrics["client_loss"], axis=-1)) if "client_loss" in metrics
-                              else float("nan"))}
+      point = {"round": current_round(new_state), "seconds": history.train_seconds + elapsed}
+      if "client_loss" in metrics:  # absent for algorithms that report no train loss (L2GD, the ADMM family, ...)
+        point["train_loss"] = host_value(np.mean(metrics["client_loss"], axis=-1))
       if metric_fns:
         point.update({k: host_value(v) for k, v in evaluated(new_state, history).items()})
       new_history = history.extended(metrics, point, elapsed)
