@@ -127,8 +127,9 @@ class FederatedDataset:
     """A few lines describing the dataset: clients, sizes, memory."""
     train = np.asarray(self.train_count)
     test = np.asarray(self.test_count)
-    layout = (f"next-token windows of length {self.sequence_length}"
-              if self.sequence_length else "examples")
+    total = f"{int(train.sum()) + int(test.sum()):,}"
+    layout = (f"{total} next-token windows of length {self.sequence_length}"
+              if self.sequence_length else f"{total} examples")
     features = ", ".join(f"{k}: {tuple(v.shape[2:])} {v.dtype}" for k, v in self.examples.items())
     lines = [
         f"FederatedDataset '{self.name}': {self.num_clients} clients, {layout}",
