@@ -42,6 +42,8 @@ def run_cli(*args, cwd=None):
     (["run", "--algorithms", "admm_consensus", "--model", "mlp"], "admm_consensus need(s) a convex model"),
     (["run", "--partition", "zipf"], "unknown partition 'zipf'; choose from iid, dirichlet"),
     (["run", "--rounds", "ten"], "--rounds must be a positive integer; got 'ten'"),
+    (["run", "--seed", "-1"], "--seed must be an integer from 0 to 2147483647; got '-1'"),
+    (["run", "--seed", "2147483648"], "--seed must be an integer from 0 to 2147483647; got '2147483648'"),
     (["run", "--config", "/nonexistent/exp.toml"], "cannot read config '/nonexistent/exp.toml'"),
     (["run", "--client-map", "chunked:0"], "bad --client-map 'chunked:0': client_map must be one of"),
     (["run", "--devices", "2", "--client-map", "vmap"],
@@ -80,6 +82,13 @@ def test_bad_config_values_exit_2(cli, tmp_path):
   negative.write_text("alpha = -0.5\n")
   result = cli("run", "--config", str(negative))
   assert result.returncode == 2 and "alpha must be a positive number; got -0.5" in result.stderr
+  negative_seed = tmp_path / "seed.toml"
+  negative_seed.write_text("seed = -1\n")
+  result = cli("run", "--config", str(negative_seed))
+  assert result.returncode == 2 and "seed must be an integer from 0 to 2147483647; got -1" in result.stderr
+  negative_seed.write_text("seed = 2147483647\nseeds = 2\n")
+  result = cli("run", "--config", str(negative_seed))
+  assert result.returncode == 2 and "seed must be an integer from 0 to 2147483646 (with --seeds 2" in result.stderr
   for value, shown in (("0", "0"), ('"many"', "'many'")):
     devices = tmp_path / "devices.toml"
     devices.write_text(f"devices = {value}\n")

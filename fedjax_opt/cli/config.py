@@ -75,6 +75,21 @@ def _positive(name: str, convert, what: str):
   return parse
 
 
+SEED_LIMIT = 2**31
+"""Seeds are integers in [0, SEED_LIMIT): every consumer (NumPy, `jax.random.key`, the samplers) takes them."""
+
+
+def _seed(text: str) -> int:
+  """An argparse type for --seed: an integer in [0, SEED_LIMIT), or one line naming --seed."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = None
+  if value is None or not 0 <= value < SEED_LIMIT:
+    raise argparse.ArgumentTypeError(f"--seed must be an integer from 0 to {SEED_LIMIT - 1}; got {text!r}")
+  return value
+
+
 def _devices(text: str) -> int | str:
   """An argparse type for --devices: "auto" or a positive integer."""
   if text == "auto":
@@ -161,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="--async: a client's compute time, exp:MEAN (default exp:1), const:VALUE or lognormal:MU,SIGMA")
   add("--rounds", metavar="N", type=_positive("rounds", int, "integer"), help="rounds to train, in all (default 300)")
   add("--eval-every", metavar="N", type=_positive("eval-every", int, "integer"), help="rounds between evaluations (default 25)")
-  add("--seed", metavar="N", type=int, help="seeds the split, the models and the sampling (default 0)")
+  add("--seed", metavar="N", type=_seed, help="seeds the split, the models and the sampling (default 0)")
   add("--seeds", metavar="N", type=_positive("seeds", int, "integer"),
       help="runs per algorithm, seeds seed … seed+N-1, vmapped into one program (default 1)")
   add("--client-map", metavar="MODE", help="how clients run: auto (default), vmap, sequential, chunked[:K], sharded[:<inner>]")
@@ -301,8 +316,11 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   for key in ("clients_per_round", "local_steps", "batch_size", "rounds", "eval_every", "checkpoint_every", "seeds") + (
       ("num_clients",) if config["num_clients"] is not None else ()):
     _check_number(config, key, integer=True)
-  if not isinstance(config["seed"], int) or isinstance(config["seed"], bool):
-    raise UsageError(f"seed must be an integer; got {config['seed']!r}")
+  seed = config["seed"]
+  if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_LIMIT - config["seeds"]:
+    raise UsageError(f"seed must be an integer from 0 to {SEED_LIMIT - config['seeds']}"
+                     + (f" (with --seeds {config['seeds']}, seeds seed … seed+{config['seeds'] - 1})"
+                        if config["seeds"] > 1 else "") + f"; got {seed!r}")
   if config["num_clients"] is not None and config["clients_per_round"] > config["num_clients"]:
     raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds num_clients={config['num_clients']}")
   _check_hyper(config, names)
