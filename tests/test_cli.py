@@ -6,6 +6,7 @@ real run from a config file and its resume run as a subprocess, in the slow tier
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -237,3 +238,28 @@ def test_the_results_table_writes_values_as_the_progress_lines_do():
   cells = [dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", line.strip()))) for line in (l2gd, fedavg)]
   assert cells[0]["train loss"] == "–" and cells[0]["test loss"] == "0.7500"
   assert cells[1]["test loss"] == "2.500e+33" and cells[1]["train loss"] == "nan"  # reported, and not a number
+
+
+def test_resume_help_docs_and_code_agree_on_what_may_change(tmp_path):
+  """--help said only --rounds may grow; docs/cli.md named two more; the code accepts five."""
+  from fedjax_opt.cli import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  out = tmp_path / "run"
+  out.mkdir()
+  saved = dict(config_lib.DEFAULTS, dataset="digits", num_clients=20, partition="dirichlet", alpha=0.5)
+  (out / "config.json").write_text(json.dumps(saved))
+  changed = {"rounds": 400, "checkpoint_every": 9, "quiet": True, "compile_cache": "off", "devices": 1}
+  resumed = config_lib.for_resume(str(out), changed)  # what the code accepts
+  assert {k: resumed[k] for k in changed} == changed
+  for key, value in (("eval_every", 5), ("batch_size", 7), ("seed", 3)):
+    with pytest.raises(config_lib.UsageError, match="conflicts with the run saved"):
+      config_lib.for_resume(str(out), {key: value})
+  flags = [f"--{k.replace('_', '-')}" for k in changed]
+  parser = config_lib.build_parser()
+  run = parser._subparsers._group_actions[0].choices["run"]  # pylint: disable=protected-access
+  help_text = next(a.help for a in run._actions if "--resume" in a.option_strings)  # pylint: disable=protected-access
+  docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
+  row = next(line for line in docs.splitlines() if line.startswith("| `run --out DIR --resume [--rounds R]`"))
+  for text in (help_text, row):
+    assert all(flag in text for flag in flags), text
+    assert "only --rounds" not in text

@@ -2,9 +2,9 @@
 
 A configuration is resolved once, as defaults ← TOML file ← flags, checked,
 and saved as `config.json` in the run folder. `--resume` reads the saved one
-back: the run continues with its own configuration, and only `--rounds` (to
-extend it), `--checkpoint-every` and `--quiet` may be given again; any other
-flag that differs from the saved value is an error, and the folder is left
+back: the run continues with its own configuration (`RESUME_RULE`: `--rounds`
+may grow, the flags of `MAY_CHANGE_ON_RESUME` may change); any other flag
+that differs from the saved value is an error, and the folder is left
 untouched.
 """
 
@@ -21,8 +21,9 @@ from typing import Any
 
 from fedjax_opt.cli import registry
 
-__all__ = ["DEFAULTS", "MODELS", "PARTITIONS", "SHAKESPEARE_ROLES", "UsageError", "build_parser", "check_writable",
-           "clear_previous", "finish", "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
+__all__ = ["DEFAULTS", "MAY_CHANGE_ON_RESUME", "MODELS", "PARTITIONS", "RESUME_RULE", "SHAKESPEARE_ROLES", "UsageError",
+           "build_parser", "check_writable", "clear_previous", "finish", "for_resume", "given_settings",
+           "hyper_parameters", "prepare_new", "write_json"]
 
 PARTITIONS = ("iid", "dirichlet", "shards", "labels", "power_law")
 MODELS = ("auto", "logreg", "mlp", "cnn", "rnn")
@@ -39,6 +40,11 @@ DEFAULTS: dict[str, Any] = dict(
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
 MAY_CHANGE_ON_RESUME = ("rounds", "checkpoint_every", "quiet", "compile_cache", "devices")
+"""The settings `--resume` lets differ from the saved run (`--rounds` only upwards)."""
+
+RESUME_RULE = ("--rounds may grow; " + ", ".join(f"--{k.replace('_', '-')}" for k in MAY_CHANGE_ON_RESUME[1:-1])
+               + f" and --{MAY_CHANGE_ON_RESUME[-1]} may change; no other flag")
+"""What `--resume` accepts, in words (the --help text, the errors and docs/cli.md say it)."""
 
 OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
                 "personalized_accuracy.png", "accuracy_time.png", "checkpoints")
@@ -187,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
   add("--model", metavar="NAME", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
   add("--out", metavar="DIR", help="the run folder (default runs/<dataset>-<time>)")
   add("--resume", action="store_true", default=None,
-      help="continue the run saved in --out with its saved configuration (only --rounds may grow)")
+      help=f"continue the run saved in --out with its saved configuration ({RESUME_RULE})")
   add("--overwrite", action="store_true", default=None, help="replace the run already in --out")
   add("--checkpoint-every", metavar="N", type=_positive("checkpoint-every", int, "integer"),
       help="evaluations between checkpoints (default 4)")
@@ -458,12 +464,12 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
           if not _same(saved["hyper"].get(algo, {}).get(k), v):
             raise UsageError(f"--set {algo}.{k}={v} conflicts with the run saved in {out} "
                              f"({algo}.{k}={saved['hyper'].get(algo, {}).get(k, 'default')}); --resume continues "
-                             f"the saved configuration, only --rounds may change")
+                             f"the saved configuration ({RESUME_RULE})")
       continue
     if not _same(saved[key], value):
       flag = "--async" if key == "asynchronous" else "--" + key.replace("_", "-")
       raise UsageError(f"{flag} {value} conflicts with the run saved in {out} ({key} = {saved[key]}); --resume "
-                       f"continues the saved configuration, only --rounds may change")
+                       f"continues the saved configuration ({RESUME_RULE})")
   if "rounds" in given and given["rounds"] < saved["rounds"]:
     raise UsageError(f"--rounds {given['rounds']} is fewer than the {saved['rounds']} rounds of the run saved in {out}; "
                      f"--resume can only extend a run")
