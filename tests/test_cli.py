@@ -263,3 +263,38 @@ def test_resume_help_docs_and_code_agree_on_what_may_change(tmp_path):
   for text in (help_text, row):
     assert all(flag in text for flag in flags), text
     assert "only --rounds" not in text
+
+
+def test_list_says_the_rule_auto_applies_and_how_synthetic_alpha_beta_are_chosen(cli):
+  """`list models` said "mlp for images" while digits got logistic regression; `list datasets` offered alpha=, beta=
+  for synthetic, which the command line refuses."""
+  import re  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from fedjax_opt.cli import config as config_lib  # pylint: disable=import-outside-toplevel
+  from fedjax_opt.cli import run as run_lib  # pylint: disable=import-outside-toplevel
+
+  auto = next(line for line in cli("list", "models").stdout.splitlines() if line.strip().startswith("auto"))
+  pixels = int(re.search(r"images of fewer than (\d+) pixels \(digits, 8×8\)", auto).group(1))
+  config = dict(config_lib.DEFAULTS, algorithms="fedavg", dataset="custom")
+
+  def images(*shape):
+    return types.SimpleNamespace(sequence_length=0, examples={"x": np.zeros((2, 3, *shape), np.float32)})
+
+  assert run_lib.model_choice(config, images(8, 8)) == "logreg"  # digits
+  assert run_lib.model_choice(config, images(28, 28)) == "mlp"  # mnist5k, fashion_mnist
+  assert run_lib.model_choice(config, images(pixels - 1, 1)) == "logreg"
+  assert run_lib.model_choice(config, images(pixels, 1)) == "mlp"
+  assert run_lib.model_choice(config, images(pixels)) == "logreg"  # a feature vector, however long
+  assert run_lib.model_choice(dict(config, algorithms="fedma"), images(8, 8)) == "mlp"
+  assert "whenever fedma runs" in auto
+  listing = cli("list", "datasets").stdout.splitlines()
+  synthetic = next(line for line in listing if line.strip().startswith("synthetic "))
+  assert "pass alpha=" not in synthetic and "synthetic_0.5_0.5" in synthetic and "fo.data.load" in synthetic
+  result = cli("run", "--dataset", "synthetic", "--alpha", "0.5")
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "--alpha does not apply to 'synthetic'" in lines[0]
+  assert "chosen by name: synthetic_0_0, synthetic_0.5_0.5, synthetic_1_1" in lines[0]

@@ -21,12 +21,20 @@ from typing import Any
 
 from fedjax_opt.cli import registry
 
-__all__ = ["DEFAULTS", "MAY_CHANGE_ON_RESUME", "MODELS", "PARTITIONS", "RESUME_RULE", "SHAKESPEARE_ROLES", "UsageError",
-           "build_parser", "check_writable", "clear_previous", "finish", "for_resume", "given_settings",
-           "hyper_parameters", "prepare_new", "write_json"]
+__all__ = ["AUTO_MODEL", "DEFAULTS", "MAY_CHANGE_ON_RESUME", "MLP_MIN_PIXELS", "MODELS", "PARTITIONS", "RESUME_RULE",
+           "SHAKESPEARE_ROLES", "UsageError", "build_parser", "check_writable", "clear_previous", "finish",
+           "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
 
 PARTITIONS = ("iid", "dirichlet", "shards", "labels", "power_law")
 MODELS = ("auto", "logreg", "mlp", "cnn", "rnn")
+
+MLP_MIN_PIXELS = 256
+"""`--model auto` trains the MLP on images of at least this many pixels (28×28), logistic regression below (8×8)."""
+
+AUTO_MODEL = (f"rnn for text; logreg for the ADMM family, feature vectors and images of fewer than "
+              f"{MLP_MIN_PIXELS} pixels (digits, 8×8); mlp for larger images (mnist5k, fashion_mnist, 28×28) and "
+              f"whenever fedma runs")
+"""The rule of `--model auto` in words (`fedjax-opt list models`; `run.model_choice` applies it)."""
 
 DEFAULTS: dict[str, Any] = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition=None, alpha=None, num_clients=None,
@@ -52,6 +60,11 @@ OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "
 
 SHAKESPEARE_ROLES = 100
 """Roles (clients) the command line samples from Shakespeare's ~1,070 unless --num-clients says otherwise."""
+
+SYNTHETIC_VARIANTS = ("FedProx Synthetic(α, β) is chosen by name: synthetic_0_0, synthetic_0.5_0.5, synthetic_1_1 "
+                      "(synthetic is α = β = 1 here; --alpha is the image splits' Dirichlet α); any α, β from "
+                      "Python: fo.data.load(\"synthetic\", alpha=, beta=)")
+"""How Synthetic(α, β) is chosen on the command line (`list datasets`, the refusal of --alpha)."""
 
 REMOVED_FLAGS = {"--prox-mu": "--set fedprox.mu=VALUE", "--feddyn-alpha": "--set feddyn.alpha=VALUE"}
 
@@ -293,7 +306,8 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   natural = info.name.startswith("synthetic") or info.name == "shakespeare"
   for key in ("partition", "alpha"):
     if natural and config[key] is not None:
-      raise UsageError(f"--{key} does not apply to {info.name!r}, whose clients are natural ({info.clients})")
+      raise UsageError(f"--{key} does not apply to {info.name!r}, whose clients are natural ({info.clients})"
+                       + (f"; {SYNTHETIC_VARIANTS}" if key == "alpha" and info.name.startswith("synthetic") else ""))
   if info.name == "shakespeare" and config["num_clients"] is None:
     config["num_clients"] = SHAKESPEARE_ROLES
   if config["planted"] is not None:

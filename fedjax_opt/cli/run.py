@@ -57,8 +57,8 @@ def _load_split(config: dict[str, Any]):
 
 
 def model_choice(config: dict[str, Any], dataset) -> str:
-  """The model name: `--model`, or by dataset (rnn for text, mlp for images, logreg for feature vectors; mlp
-  whenever FedMA runs)."""
+  """The model name: `--model`, or by dataset (`config_lib.AUTO_MODEL`: rnn for text; logreg for the ADMM family,
+  feature vectors and images under `MLP_MIN_PIXELS` pixels; mlp for larger images and whenever FedMA runs)."""
   import math as _math
 
   names = config["algorithms"].split(",")
@@ -75,7 +75,7 @@ def model_choice(config: dict[str, Any], dataset) -> str:
       choice = "mlp"
     else:
       shape = tuple(dataset.examples["x"].shape[2:])
-      choice = "mlp" if len(shape) >= 2 and _math.prod(shape) >= 256 else "logreg"
+      choice = "mlp" if len(shape) >= 2 and _math.prod(shape) >= config_lib.MLP_MIN_PIXELS else "logreg"
   if text and convex:
     raise UsageError(f"{', '.join(convex)} need(s) a convex model, and {config['dataset']!r} holds character "
                      f"sequences (a recurrent model): choose a dataset of images or feature vectors")
@@ -275,7 +275,8 @@ def cluster_recovery(state, groups, size: int) -> dict[str, Any]:
   if size == 1:
     return {**out, "ari": ari[0], "num_clusters": used[0], "unassigned_clients": unassigned[0],
             "cluster_of": found[0].tolist()}
-  return {**out, "ari": float(np.mean(ari)), "ari_per_seed": ari, "num_clusters": used, "unassigned_clients": unassigned}
+  return {**out, "ari": float(np.mean(ari)), "ari_per_seed": ari, "num_clusters": used,
+          "unassigned_clients": unassigned}
 
 
 def _prepared(config: dict[str, Any], say: Callable[..., None] = print):

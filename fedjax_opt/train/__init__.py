@@ -16,8 +16,8 @@ from fedjax_opt.train.config import Accounting, Checkpointing, Evaluation, Sampl
 from fedjax_opt.train.driver import is_host_driven, proportional_weights, train
 from fedjax_opt.train.evaluation import PERSONALIZED_PERCENTILE
 from fedjax_opt.train.history import History
-from fedjax_opt.train.safety import (BatchSizeWarning, DivergenceWarning, RoundTooLargeError, check_fits, compiled_bytes,
-                                     divergence)
+from fedjax_opt.train.safety import (BatchSizeWarning, DivergenceWarning, RoundTooLargeError, check_fits,
+                                     compiled_bytes, divergence)
 
 __all__ = [
     "train", "Sampling", "Evaluation", "Checkpointing", "Accounting", "History",
