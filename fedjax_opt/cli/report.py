@@ -18,7 +18,8 @@ class Interrupted(Exception):
 
 def _cell(row: dict[str, Any], key: str, spec: str = ".4f") -> str:
   """`0.8123`, `0.8123 ± 0.0040` for a sweep, `–` when the row has no such value (the progress lines' format)."""
-  from fedjax_opt.train.progress import format_value  # pylint: disable=import-outside-toplevel  (JAX: not for --help)
+  # Imported here: fedjax_opt.train starts JAX, which `--help` and the usage errors do without.
+  from fedjax_opt.train.progress import format_value  # pylint: disable=import-outside-toplevel
 
   value = row.get(key)
   if isinstance(value, list):
@@ -33,7 +34,7 @@ def _missing() -> str:
 
 
 def _count(row: dict[str, Any], key: str) -> str:
-  """A count, the largest over seeds for a sweep; `-` when the row has none."""
+  """A count, the largest over seeds for a sweep; `–` when the row has none."""
   value = row.get(key)
   if value is None:
     return _missing()
