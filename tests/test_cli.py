@@ -6,8 +6,10 @@ real run from a config file and its resume run as a subprocess, in the slow tier
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -41,6 +43,8 @@ def run_cli(*args, cwd=None):
     (["run", "--algorithms", "admm_consensus", "--model", "mlp"], "admm_consensus need(s) a convex model"),
     (["run", "--partition", "zipf"], "unknown partition 'zipf'; choose from iid, dirichlet"),
     (["run", "--rounds", "ten"], "--rounds must be a positive integer; got 'ten'"),
+    (["run", "--seed", "-1"], "--seed must be an integer from 0 to 2147483647; got '-1'"),
+    (["run", "--seed", "2147483648"], "--seed must be an integer from 0 to 2147483647; got '2147483648'"),
     (["run", "--config", "/nonexistent/exp.toml"], "cannot read config '/nonexistent/exp.toml'"),
     (["run", "--client-map", "chunked:0"], "bad --client-map 'chunked:0': client_map must be one of"),
     (["run", "--devices", "2", "--client-map", "vmap"],
@@ -79,6 +83,13 @@ def test_bad_config_values_exit_2(cli, tmp_path):
   negative.write_text("alpha = -0.5\n")
   result = cli("run", "--config", str(negative))
   assert result.returncode == 2 and "alpha must be a positive number; got -0.5" in result.stderr
+  negative_seed = tmp_path / "seed.toml"
+  negative_seed.write_text("seed = -1\n")
+  result = cli("run", "--config", str(negative_seed))
+  assert result.returncode == 2 and "seed must be an integer from 0 to 2147483647; got -1" in result.stderr
+  negative_seed.write_text("seed = 2147483647\nseeds = 2\n")
+  result = cli("run", "--config", str(negative_seed))
+  assert result.returncode == 2 and "seed must be an integer from 0 to 2147483646 (with --seeds 2" in result.stderr
   for value, shown in (("0", "0"), ('"many"', "'many'")):
     devices = tmp_path / "devices.toml"
     devices.write_text(f"devices = {value}\n")
@@ -138,6 +149,44 @@ def test_a_reused_out_folder_is_refused_and_left_untouched(cli, tmp_path):
   assert (out / "config.json").read_text() == '{"rounds": 7}'
 
 
+def _unwritable_folder(tmp_path):
+  """A folder in which nothing can be made: read-only permission bits, or (for root, whom they do not stop) /sys."""
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  locked.chmod(0o555)
+  for folder in (str(locked), "/sys"):
+    try:
+      os.rmdir(tempfile.mkdtemp(dir=folder))
+    except OSError:
+      return folder
+  raise AssertionError("no unwritable folder to test with")
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line_and_nothing_is_created(cli, tmp_path, monkeypatch):
+  (tmp_path / "notes.txt").write_text("mine")
+  before = sorted(p.name for p in tmp_path.iterdir())
+  under_a_file = tmp_path / "notes.txt" / "run"
+  result = cli("run", "--dataset", "digits", "--rounds", "1", "--out", str(under_a_file))
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      f"fedjax-opt: error: --out {under_a_file}: {tmp_path / 'notes.txt'} is a file, not a folder"]
+  unwritable = _unwritable_folder(tmp_path)
+  result = cli("run", "--dataset", "digits", "--rounds", "1", "--out", os.path.join(unwritable, "run"))
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      f"fedjax-opt: error: --out {unwritable}/run: cannot write in {unwritable} ("), result.stderr
+  assert not os.path.exists(os.path.join(unwritable, "run"))
+  monkeypatch.chdir(tmp_path)  # where the default folder, runs/<dataset>-<time>, would go
+  result = cli("run", "--dataset", "digits", "--rounds", "1", "--out", "")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      "fedjax-opt: error: --out is empty: give the run folder, or leave --out out for runs/<dataset>-<time>"]
+  (tmp_path / "locked").chmod(0o755)
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["locked"])
+  assert not os.listdir(tmp_path / "locked")
+
+
 def test_a_bad_hyper_parameter_value_is_the_factory_s_one_line(cli, tmp_path):
   result = cli("run", "--dataset", "digits", "--algorithms", "ditto", "--set", "ditto.lam=-1", "--out",
                    str(tmp_path / "out"))
@@ -173,3 +222,79 @@ def test_the_compile_cache_folder_from_the_flag_the_environment_or_the_home(monk
   assert compile_cache_dir(None) == str(tmp_path / "env")
   assert compile_cache_dir(str(tmp_path / "flag")) == str(tmp_path / "flag")
   assert compile_cache_dir("off") is None
+
+
+def test_the_results_table_writes_values_as_the_progress_lines_do():
+  """No train loss (L2GD, the ADMM family): `–`, as in the progress lines; a diverged loss in scientific notation."""
+  import re  # pylint: disable=import-outside-toplevel
+
+  from fedjax_opt.cli import report  # pylint: disable=import-outside-toplevel
+
+  base = dict(rounds=3, megabytes_sent=1.0, wall_seconds=1.0, compile_seconds=0.5, status="finished")
+  rows = [dict(base, algorithm="l2gd", test_accuracy=0.5, test_loss=0.75),  # no train_loss: not reported
+          dict(base, algorithm="fedavg", test_accuracy=0.25, test_loss=2.5e33, train_loss=float("nan"),
+               status="diverged at round 3")]
+  header, _, l2gd, fedavg = report.results_table(rows).splitlines()[:4]
+  cells = [dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", line.strip()))) for line in (l2gd, fedavg)]
+  assert cells[0]["train loss"] == "–" and cells[0]["test loss"] == "0.7500"
+  assert cells[1]["test loss"] == "2.500e+33" and cells[1]["train loss"] == "nan"  # reported, and not a number
+
+
+def test_resume_help_docs_and_code_agree_on_what_may_change(tmp_path):
+  """--help said only --rounds may grow; docs/cli.md named two more; the code accepts five."""
+  from fedjax_opt.cli import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  out = tmp_path / "run"
+  out.mkdir()
+  saved = dict(config_lib.DEFAULTS, dataset="digits", num_clients=20, partition="dirichlet", alpha=0.5)
+  (out / "config.json").write_text(json.dumps(saved))
+  changed = {"rounds": 400, "checkpoint_every": 9, "quiet": True, "compile_cache": "off", "devices": 1}
+  resumed = config_lib.for_resume(str(out), changed)  # what the code accepts
+  assert {k: resumed[k] for k in changed} == changed
+  for key, value in (("eval_every", 5), ("batch_size", 7), ("seed", 3)):
+    with pytest.raises(config_lib.UsageError, match="conflicts with the run saved"):
+      config_lib.for_resume(str(out), {key: value})
+  flags = [f"--{k.replace('_', '-')}" for k in changed]
+  parser = config_lib.build_parser()
+  run = parser._subparsers._group_actions[0].choices["run"]  # pylint: disable=protected-access
+  help_text = next(a.help for a in run._actions if "--resume" in a.option_strings)  # pylint: disable=protected-access
+  docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
+  row = next(line for line in docs.splitlines() if line.startswith("| `run --out DIR --resume [--rounds R]`"))
+  for text in (help_text, row):
+    assert all(flag in text for flag in flags), text
+    assert "only --rounds" not in text
+
+
+def test_list_says_the_rule_auto_applies_and_how_synthetic_alpha_beta_are_chosen(cli):
+  """`list models` said "mlp for images" while digits got logistic regression; `list datasets` offered alpha=, beta=
+  for synthetic, which the command line refuses."""
+  import re  # pylint: disable=import-outside-toplevel
+  import types  # pylint: disable=import-outside-toplevel
+
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  from fedjax_opt.cli import config as config_lib  # pylint: disable=import-outside-toplevel
+  from fedjax_opt.cli import run as run_lib  # pylint: disable=import-outside-toplevel
+
+  auto = next(line for line in cli("list", "models").stdout.splitlines() if line.strip().startswith("auto"))
+  pixels = int(re.search(r"images of fewer than (\d+) pixels \(digits, 8×8\)", auto).group(1))
+  config = dict(config_lib.DEFAULTS, algorithms="fedavg", dataset="custom")
+
+  def images(*shape):
+    return types.SimpleNamespace(sequence_length=0, examples={"x": np.zeros((2, 3, *shape), np.float32)})
+
+  assert run_lib.model_choice(config, images(8, 8)) == "logreg"  # digits
+  assert run_lib.model_choice(config, images(28, 28)) == "mlp"  # mnist5k, fashion_mnist
+  assert run_lib.model_choice(config, images(pixels - 1, 1)) == "logreg"
+  assert run_lib.model_choice(config, images(pixels, 1)) == "mlp"
+  assert run_lib.model_choice(config, images(pixels)) == "logreg"  # a feature vector, however long
+  assert run_lib.model_choice(dict(config, algorithms="fedma"), images(8, 8)) == "mlp"
+  assert "whenever fedma runs" in auto
+  listing = cli("list", "datasets").stdout.splitlines()
+  synthetic = next(line for line in listing if line.strip().startswith("synthetic "))
+  assert "pass alpha=" not in synthetic and "synthetic_0.5_0.5" in synthetic and "fo.data.load" in synthetic
+  result = cli("run", "--dataset", "synthetic", "--alpha", "0.5")
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "--alpha does not apply to 'synthetic'" in lines[0]
+  assert "chosen by name: synthetic_0_0, synthetic_0.5_0.5, synthetic_1_1" in lines[0]

@@ -64,6 +64,18 @@ def test_nbytes_counts_every_device_array():
   assert "MiB" in ds.summary()
 
 
+def test_the_summary_header_counts_the_examples():
+  """It read "2 clients, examples", the number missing."""
+  sizes = [400, 1200]
+  ds = data.pack(_clients(sizes), test_fraction=0.25, name="two")
+  assert ds.summary().splitlines()[0] == f"FederatedDataset 'two': 2 clients, {sum(sizes):,} examples"
+  streams = [np.arange(30) % 5, np.arange(25) % 5]
+  windows = sum(len(s) - 8 for s in streams) - 2 * 8  # each stream's L windows before its test set are dropped
+  text = data.pack_sequences(streams, 8, test_fraction=0.25, name="text")
+  assert text.summary().splitlines()[0] == (f"FederatedDataset 'text': 2 clients, {windows} next-token windows of "
+                                            f"length 8")
+
+
 def test_dataset_is_a_pytree_that_passes_through_jit():
   ds = data.pack(_clients([4, 6]), client_names=["alice", "bob"], name="toy")
   total = jax.jit(lambda d: d.train_count.sum() + d.examples["id"].sum())(ds)

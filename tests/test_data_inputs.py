@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -148,11 +149,84 @@ def test_load_leaf_refuses_out_of_range_labels_in_train_and_test_files(tmp_path)
   train, test = tmp_path / "train.json", tmp_path / "test.json"
   train.write_text(json.dumps(leaf(["w1", "w2"], [[0, 3], [61, 2]])))
   test.write_text(json.dumps(leaf(["w2"], [[62]])))
-  assert data.load_leaf(train, num_classes=62).num_classes == 62
-  with pytest.raises(ValueError, match=r"^test_clients\[1\] \('w2'\) 'y' holds label 62, .*num_classes=62"):
+  assert data.load_leaf(train, num_classes=62, test_fraction=0).num_classes == 62
+  with pytest.raises(ValueError, match=rf"^{test}: client 'w2' holds label 62, .*num_classes=62"):
     data.load_leaf(train, test, num_classes=62)
-  with pytest.raises(ValueError, match=r"^clients\[1\] \('w2'\) 'y' holds label 61, .*num_classes=10"):
-    data.load_leaf(train, num_classes=10)
+  with pytest.raises(ValueError, match=rf"^{train}: client 'w2' holds label 61, .*num_classes=10"):
+    data.load_leaf(train, num_classes=10, test_fraction=0)
+
+
+def _leaf_file(path, xs, ys):
+  """A LEAF JSON file of users u0, u1, ... with these x and y lists (json writes NaN and Infinity as such)."""
+  users = [f"u{k}" for k in range(len(xs))]
+  path.write_text(json.dumps({"users": users, "num_samples": [len(y) for y in ys],
+                              "user_data": {u: {"x": x, "y": y} for u, x, y in zip(users, xs, ys)}}))
+  return path
+
+
+def _one_line(err):
+  message = str(err.value)
+  assert "\n" not in message, message
+  return message
+
+
+def test_load_leaf_infers_num_classes_only_when_asked(tmp_path):
+  """One stray label (42 in a 3-class file) made 43 classes without a word; now K is given, or inferred on request."""
+  path = _leaf_file(tmp_path / "train.json", [[[0.0]] * 3, [[1.0]] * 3], [[0, 1, 2], [1, 42, 2]])
+  with pytest.raises(TypeError, match="num_classes"):
+    data.load_leaf(path, test_fraction=0)  # pylint: disable=missing-kwoa
+  with pytest.raises(ValueError) as err:
+    data.load_leaf(path, num_classes=3, test_fraction=0)
+  assert _one_line(err).startswith(f"{path}: client 'u1' holds label 42, outside [0, num_classes) with num_classes=3")
+  with pytest.warns(UserWarning, match=r"infers 43 classes from the largest label 42, but only 4 of them occur"):
+    inferred = data.load_leaf(path, num_classes=None, test_fraction=0)
+  assert inferred.num_classes == 43
+  fine = _leaf_file(tmp_path / "fine.json", [[[0.0]] * 3], [[0, 2, 1]])
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # every inferred class occurs: nothing to say
+    assert data.load_leaf(fine, num_classes=None, test_fraction=0).num_classes == 3
+  negative = _leaf_file(tmp_path / "negative.json", [[[0.0]] * 2], [[0, -1]])
+  with pytest.raises(ValueError, match=rf"^{negative}: client 'u0' holds label -1, which is negative"):
+    data.load_leaf(negative, num_classes=None, test_fraction=0)
+
+
+def test_load_leaf_refuses_nan_features_naming_client_and_index_or_drops_them(tmp_path):
+  nan, inf = float("nan"), float("inf")
+  xs = [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[6.0, 7.0, 8.0], [9.0, nan, 1.0], [2.0, 3.0, 4.0]]]
+  path = _leaf_file(tmp_path / "train.json", xs, [[0, 1], [1, 0, 1]])
+  with pytest.raises(ValueError) as err:
+    data.load_leaf(path, num_classes=2, test_fraction=0)
+  assert _one_line(err) == (f"{path}: client 'u1' example 1: 'x' holds nan at feature index 1; clean the data, or "
+                            f"pass drop_nonfinite=True to drop the examples that hold NaN or Inf.")
+  with pytest.warns(UserWarning, match=r"dropped 1 example\(s\) that hold NaN or Inf, of 1 client\(s\): 'u1' \(1\)"):
+    dropped = data.load_leaf(path, num_classes=2, test_fraction=0, drop_nonfinite=True)
+  np.testing.assert_array_equal(dropped.train_count, [2, 2])
+  kept = data.unpack(dropped)[1]
+  np.testing.assert_array_equal(kept["x"], np.array(xs[1], np.float32)[[0, 2]])
+  np.testing.assert_array_equal(kept["y"], [1, 1])
+  targets = _leaf_file(tmp_path / "targets.json", [[[0.0], [1.0]]], [[0.5, inf]])  # regression targets
+  with pytest.raises(ValueError, match=rf"^{targets}: client 'u0' example 1: 'y' is inf;"):
+    data.load_leaf(targets, num_classes=None, test_fraction=0)
+  every = _leaf_file(tmp_path / "every.json", [[[0.0]], [[nan]]], [[0], [1]])
+  with pytest.raises(ValueError, match=rf"^{every}: client 'u1' has no examples left after dropping those that hold"):
+    data.load_leaf(every, num_classes=2, test_fraction=0, drop_nonfinite=True)
+
+
+def test_load_leaf_names_an_empty_client_and_asks_for_a_test_split(tmp_path):
+  train = _leaf_file(tmp_path / "train.json", [[[0.0], [1.0]], [[2.0], [3.0]], []], [[0, 1], [1, 0], []])
+  with pytest.raises(ValueError) as err:
+    data.load_leaf(train, num_classes=2, test_fraction=0)
+  assert _one_line(err) == f"{train}: client 'u2' has no examples; remove it from 'users' and 'user_data'."
+  train = _leaf_file(tmp_path / "train.json", [[[0.0], [1.0]], [[2.0], [3.0]]], [[0, 1], [1, 0]])
+  with pytest.raises(ValueError) as err:
+    data.load_leaf(train, num_classes=2)
+  message = _one_line(err)
+  assert message.startswith(f"{train}: load_leaf needs a test split: pass test_path=") and "test_fraction=" in message
+  # A test file's user without examples just has no test examples.
+  test = _leaf_file(tmp_path / "test.json", [[[4.0]], []], [[1], []])
+  both = data.load_leaf(train, test, num_classes=2)
+  np.testing.assert_array_equal(both.test_count, [1, 0])
+  np.testing.assert_array_equal(data.load_leaf(train, num_classes=2, test_fraction=0.5).test_count, [1, 1])
 
 
 def test_central_test_labels_and_token_streams_are_checked_too():

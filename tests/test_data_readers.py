@@ -82,7 +82,7 @@ def test_load_leaf_matches_test_users_by_name(tmp_path):
   (tmp_path / "test").mkdir()
   _write_json(tmp_path / "train" / "part0.json", train)
   _write_json(tmp_path / "test" / "part0.json", test)
-  ds = data.load_leaf(tmp_path / "train", tmp_path / "test")
+  ds = data.load_leaf(tmp_path / "train", tmp_path / "test", num_classes=2)
   assert ds.client_names == ("a", "b")
   np.testing.assert_array_equal(ds.train_count, [3, 4])
   np.testing.assert_array_equal(ds.test_count, [0, 2])

@@ -41,3 +41,20 @@ def test_no_other_code_block_is_python_in_disguise():
     fences = re.findall(r"^```(\S*)", path.read_text(encoding="utf-8"), flags=re.M)
     openings = fences[0::2]
     assert all(openings), f"{path.name}: a code block opens with a bare ``` (name its language: python, bash, text)"
+
+
+def test_the_readme_describes_the_notebook_it_ships():
+  """It said the notebook "is the same with plots": the notebook runs digits, not the quickstart's MNIST 5k."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  notebook = json.loads((ROOT / "notebooks" / "quickstart.ipynb").read_text(encoding="utf-8"))
+  code = "\n".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
+  dataset = re.search(r'fo\.data\.load\("(\w+)"', code).group(1)
+  clients = re.search(r"num_clients=(\d+)", code).group(1)
+  rounds = re.search(r"rounds=(\d+)", code).group(1)
+  paragraphs = (ROOT / "README.md").read_text(encoding="utf-8").split("\n\n")
+  paragraph = " ".join(next(p for p in paragraphs if "`notebooks/quickstart.ipynb`" in p).split())
+  sentence = paragraph[paragraph.index("`notebooks/quickstart.ipynb`"):]  # to the end of its paragraph
+  assert f"`{dataset}`" in sentence and f"{clients} clients" in sentence and f"{rounds} rounds" in sentence, sentence
+  assert ("logistic_regression" in code) == ("logistic regression" in sentence)
+  assert "is the same" not in sentence

@@ -1,6 +1,7 @@
 """Planted groups (`fo.data.plant_groups`), the adjusted Rand index, and `fedjax-opt run --planted`."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -112,3 +113,28 @@ def test_cli_planted_errors_are_one_line(cli, value, needle, tmp_path):
   assert result.returncode == 2
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def test_clusters_count_only_assigned_clients_and_show_the_unassigned_apart():
+  """IFCA's clients never sampled hold cluster −1: 4 clusters in use, not 5, and 2 clients without a cluster."""
+  from typing import NamedTuple
+
+  from fedjax_opt.cli import report, run
+
+  class IfcaLike(NamedTuple):
+    cluster_of: np.ndarray
+
+  cluster_of = np.array([0, 1, 2, 3, -1, 3, -1, 0])
+  groups = np.array([0, 1, 2, 3, 0, 3, 1, 0])
+  found = run.cluster_recovery(IfcaLike(cluster_of), groups, 1)
+  assert found["num_clusters"] == len({0, 1, 2, 3}) and found["unassigned_clients"] == 2
+  assert found["ari"] == pytest.approx(adjusted_rand_score(groups, cluster_of))
+  sweep = run.cluster_recovery(IfcaLike(np.stack([cluster_of, np.arange(8) % 2])), groups, 2)
+  assert sweep["num_clusters"] == [4, 2] and sweep["unassigned_clients"] == [2, 0]
+  row = dict(algorithm="ifca", rounds=3, test_accuracy=0.5, test_loss=1.0, megabytes_sent=1.0, wall_seconds=1.0,
+             status="finished", **found)
+  header, _, line = report.results_table([row]).splitlines()[:3]
+  cells = dict(zip(re.split(r"\s{2,}", header.strip()), re.split(r"\s{2,}", line.strip())))
+  assert cells["clusters"] == "4" and cells["unassigned"] == "2"
+  fedem = dict(row, algorithm="fedem", num_clusters=3, unassigned_clients=0)
+  assert "unassigned" not in report.results_table([fedem]).splitlines()[0]  # nobody without a cluster: no column

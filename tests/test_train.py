@@ -256,3 +256,25 @@ def test_vector_round_metrics_keep_the_round_axis_across_chunks(setup):
   assert history.num_rounds == 6
   np.testing.assert_array_equal(history.round_metrics["per_round"], np.stack([want, want]))
   assert history.round_metrics["client_loss"].shape == (2, 6)
+
+
+def test_progress_lines_show_a_dash_for_no_train_loss_and_large_values_in_scientific_notation(setup, capsys):
+  """L2GD, L2SGD+, EASGD, FedU report no client loss: the line said `train_loss nan`; a huge loss was 34 digits."""
+  dataset, model, algo, params = setup
+
+  def without_loss(state):  # the setup algorithm without a train loss in its metrics
+    return state.replace(metrics={k: v for k, v in state.metrics.items() if k != "client_loss"})
+
+  quiet = fo.FederatedAlgorithm(lambda p, k: without_loss(algo.init(p, k)), lambda s, b: without_loss(algo.step(s, b)))
+  _, history = train(quiet, quiet.init(params, jax.random.key(1)), dataset, 3, SAMPLING,
+                     evaluation=Evaluation(every=3, metric_fns=_fns(model)), seed=SEED, label="no-loss")
+  line = capsys.readouterr().out.strip().splitlines()[-1]
+  assert line.startswith("[no-loss] round 3/3 | ") and "| train_loss – |" in line, line
+  assert "train_loss" not in history.evals[-1] and "nan" not in line  # absent, not a NaN
+  point = {"train_loss": 2.5e33, "test_loss": 0.00012345, "test_accuracy": 0.5}
+  from fedjax_opt.train.progress import format_point, format_value  # pylint: disable=import-outside-toplevel
+  assert format_point(point, 2.0).split(" | ") == [
+      "2.0 rounds/s", "train_loss 2.500e+33", "test_loss 1.234e-04", "test_accuracy 0.5000"]
+  assert format_point({"train_loss": [1.0, 3.0]}, 1.0).endswith("train_loss 2.0000 ± 1.0000")
+  assert [format_value(v) for v in (None, 0.0, float("nan"), float("inf"), -12345.0)] == [
+      "–", "0.0000", "nan", "inf", "-1.234e+04"]

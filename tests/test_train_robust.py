@@ -122,25 +122,49 @@ def test_a_diverging_run_stops_and_says_when_and_why(client_lr, tmp_path):
   dataset, algo, fns = _least_squares(client_lr)
   sampling = fo.Sampling(clients_per_round=3, local_steps=5, batch_size=4)
   evaluation = fo.Evaluation(every=5, metric_fns=fns)
-  state, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 200, sampling,
-                                   evaluation=evaluation, progress=False, checkpointing=fo.Checkpointing(str(tmp_path)))
+  with pytest.warns(train_lib.DivergenceWarning) as caught:
+    state, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 200, sampling,
+                                     evaluation=evaluation, progress=False, label="lsq",
+                                     checkpointing=fo.Checkpointing(str(tmp_path)))
   assert history.diverged_at_round is not None and history.diverged_at_round < 200
   assert int(state.round) == history.diverged_at_round == history.num_rounds
   assert history.diverged_reason
+  # Said at once, not only recorded: one warning with the round and the cause.
+  assert [str(w.message) for w in caught] == [
+      f"lsq diverged at round {history.diverged_at_round}: {history.diverged_reason}; training stopped there "
+      f"(History.diverged_at_round)"]
+  assert issubclass(train_lib.DivergenceWarning, RuntimeWarning)
   assert train_lib.History.from_dict(history.to_dict()).diverged_at_round == history.diverged_at_round
-  # Resuming a diverged run trains no further.
-  again, again_history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 300, sampling,
-                                         evaluation=evaluation, progress=False,
-                                         checkpointing=fo.Checkpointing(str(tmp_path), resume=True))
+  # Resuming a diverged run trains no further, and says why.
+  with pytest.warns(train_lib.DivergenceWarning, match=rf"restored run diverged at round {history.diverged_at_round} "
+                                                       rf"\(.+\); it is not trained further"):
+    again, again_history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 300, sampling,
+                                           evaluation=evaluation, progress=False,
+                                           checkpointing=fo.Checkpointing(str(tmp_path), resume=True))
   assert int(again.round) == history.diverged_at_round and again_history.diverged_at_round == history.diverged_at_round
 
 
 def test_a_sane_run_is_never_flagged():
   dataset, algo, fns = _least_squares(0.05)
-  _, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 40,
-                               fo.Sampling(clients_per_round=3, local_steps=5, batch_size=4),
-                               evaluation=fo.Evaluation(every=5, metric_fns=fns), progress=False)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no divergence and no padded batch to warn about
+    _, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 40,
+                                 fo.Sampling(clients_per_round=3, local_steps=5, batch_size=4),
+                                 evaluation=fo.Evaluation(every=5, metric_fns=fns), progress=False)
   assert history.diverged_at_round is None and history.num_rounds == 40
+
+
+def test_a_batch_larger_than_every_client_warns_once():
+  dataset, algo, fns = _least_squares(0.05)
+  assert dataset.max_train == 24  # 30 examples, 6 held out for test
+  with pytest.warns(train_lib.BatchSizeWarning) as caught:
+    _, history = train_lib.train(algo, algo.init(jnp.zeros(3), jax.random.key(0)), dataset, 4,
+                                 fo.Sampling(clients_per_round=3, local_steps=1, batch_size=25),
+                                 evaluation=fo.Evaluation(every=2, metric_fns=fns), progress=False)
+  assert history.num_rounds == 4  # two chunks, one warning
+  assert [str(w.message) for w in caught] == [
+      "batch_size=25 exceeds every client's train examples (the largest client holds 24): each step pads every "
+      "client's batch to 25 slots, which costs time and memory; batch_size=24 takes the same examples per step"]
 
 
 def test_the_divergence_rule_against_hand_made_histories():

@@ -58,7 +58,7 @@ def command_list(what: str | None = None) -> int:
     sections.append(("server optimizers (--set ALGO.server_optimizer=NAME)", server_optimizers.available()))
   if what in (None, "datasets"):
     sections.append(("datasets (--dataset)", {
-        i.name: f"{i.description}; clients: {i.clients}"
+        i.name: (config_lib.SYNTHETIC_VARIANTS if i.name == "synthetic" else i.description) + f"; clients: {i.clients}"
         + (f"; the command line samples {config_lib.SHAKESPEARE_ROLES} (--num-clients)" if i.name == "shakespeare"
            else "")
         + ("" if i.installed else f" [needs {i.requires}]")
@@ -70,7 +70,7 @@ def command_list(what: str | None = None) -> int:
         "labels": "each client holds k classes", "power_law": "power-law client sizes"}))
   if what in (None, "models"):
     sections.append(("models (--model)", {
-        "auto": "rnn for text, logreg for the ADMM family and feature vectors, mlp for images",
+        "auto": config_lib.AUTO_MODEL,
         "logreg": "multinomial logistic regression", "mlp": "2NN MLP, 200-200 hidden (McMahan et al. 2017)",
         "cnn": "EMNIST CNN (Reddi et al. 2021)", "rnn": "character GRU for next-character prediction"}))
   if what in (None, "algorithms"):
@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       out = args.out
     else:
       config = config_lib.finish(given)
-      out = args.out or os.path.join("runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
+      out = args.out if args.out is not None else os.path.join(
+          "runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
       config_lib.prepare_new(out, bool(args.overwrite))
     return run.command_run(config, out, bool(args.resume), bool(args.overwrite))
   except UsageError as e:

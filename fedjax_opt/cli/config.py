@@ -2,9 +2,9 @@
 
 A configuration is resolved once, as defaults ← TOML file ← flags, checked,
 and saved as `config.json` in the run folder. `--resume` reads the saved one
-back: the run continues with its own configuration, and only `--rounds` (to
-extend it), `--checkpoint-every` and `--quiet` may be given again; any other
-flag that differs from the saved value is an error, and the folder is left
+back: the run continues with its own configuration (`RESUME_RULE`: `--rounds`
+may grow, the flags of `MAY_CHANGE_ON_RESUME` may change); any other flag
+that differs from the saved value is an error, and the folder is left
 untouched.
 """
 
@@ -15,16 +15,26 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import tomllib
 from typing import Any
 
 from fedjax_opt.cli import registry
 
-__all__ = ["DEFAULTS", "MODELS", "PARTITIONS", "SHAKESPEARE_ROLES", "UsageError", "build_parser", "clear_previous",
-           "finish", "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
+__all__ = ["AUTO_MODEL", "DEFAULTS", "MAY_CHANGE_ON_RESUME", "MLP_MIN_PIXELS", "MODELS", "PARTITIONS", "RESUME_RULE",
+           "SHAKESPEARE_ROLES", "UsageError", "build_parser", "check_writable", "clear_previous", "finish",
+           "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
 
 PARTITIONS = ("iid", "dirichlet", "shards", "labels", "power_law")
 MODELS = ("auto", "logreg", "mlp", "cnn", "rnn")
+
+MLP_MIN_PIXELS = 256
+"""`--model auto` trains the MLP on images of at least this many pixels (28×28), logistic regression below (8×8)."""
+
+AUTO_MODEL = (f"rnn for text; logreg for the ADMM family, feature vectors and images of fewer than "
+              f"{MLP_MIN_PIXELS} pixels (digits, 8×8); mlp for larger images (mnist5k, fashion_mnist, 28×28) and "
+              f"whenever fedma runs")
+"""The rule of `--model auto` in words (`fedjax-opt list models`; `run.model_choice` applies it)."""
 
 DEFAULTS: dict[str, Any] = dict(
     algorithms="fedavg,fedadam", dataset="mnist5k", partition=None, alpha=None, num_clients=None,
@@ -38,6 +48,11 @@ DEFAULTS: dict[str, Any] = dict(
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
 
 MAY_CHANGE_ON_RESUME = ("rounds", "checkpoint_every", "quiet", "compile_cache", "devices")
+"""The settings `--resume` lets differ from the saved run (`--rounds` only upwards)."""
+
+RESUME_RULE = ("--rounds may grow; " + ", ".join(f"--{k.replace('_', '-')}" for k in MAY_CHANGE_ON_RESUME[1:-1])
+               + f" and --{MAY_CHANGE_ON_RESUME[-1]} may change; no other flag")
+"""What `--resume` accepts, in words (the --help text, the errors and docs/cli.md say it)."""
 
 OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
                 "personalized_accuracy.png", "accuracy_time.png", "checkpoints")
@@ -45,6 +60,11 @@ OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "
 
 SHAKESPEARE_ROLES = 100
 """Roles (clients) the command line samples from Shakespeare's ~1,070 unless --num-clients says otherwise."""
+
+SYNTHETIC_VARIANTS = ("FedProx Synthetic(α, β) is chosen by name: synthetic_0_0, synthetic_0.5_0.5, synthetic_1_1 "
+                      "(synthetic is α = β = 1 here; --alpha is the image splits' Dirichlet α); any α, β from "
+                      "Python: fo.data.load(\"synthetic\", alpha=, beta=)")
+"""How Synthetic(α, β) is chosen on the command line (`list datasets`, the refusal of --alpha)."""
 
 REMOVED_FLAGS = {"--prox-mu": "--set fedprox.mu=VALUE", "--feddyn-alpha": "--set feddyn.alpha=VALUE"}
 
@@ -72,6 +92,21 @@ def _positive(name: str, convert, what: str):
       raise argparse.ArgumentTypeError(f"--{name} must be a positive {what}; got {text!r}")
     return value
   return parse
+
+
+SEED_LIMIT = 2**31
+"""Seeds are integers in [0, SEED_LIMIT): every consumer (NumPy, `jax.random.key`, the samplers) takes them."""
+
+
+def _seed(text: str) -> int:
+  """An argparse type for --seed: an integer in [0, SEED_LIMIT), or one line naming --seed."""
+  try:
+    value = int(text)
+  except ValueError:
+    value = None
+  if value is None or not 0 <= value < SEED_LIMIT:
+    raise argparse.ArgumentTypeError(f"--seed must be an integer from 0 to {SEED_LIMIT - 1}; got {text!r}")
+  return value
 
 
 def _devices(text: str) -> int | str:
@@ -160,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="--async: a client's compute time, exp:MEAN (default exp:1), const:VALUE or lognormal:MU,SIGMA")
   add("--rounds", metavar="N", type=_positive("rounds", int, "integer"), help="rounds to train, in all (default 300)")
   add("--eval-every", metavar="N", type=_positive("eval-every", int, "integer"), help="rounds between evaluations (default 25)")
-  add("--seed", metavar="N", type=int, help="seeds the split, the models and the sampling (default 0)")
+  add("--seed", metavar="N", type=_seed, help="seeds the split, the models and the sampling (default 0)")
   add("--seeds", metavar="N", type=_positive("seeds", int, "integer"),
       help="runs per algorithm, seeds seed … seed+N-1, vmapped into one program (default 1)")
   add("--client-map", metavar="MODE", help="how clients run: auto (default), vmap, sequential, chunked[:K], sharded[:<inner>]")
@@ -171,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
   add("--model", metavar="NAME", help=f"one of {', '.join(MODELS)} (default auto: by dataset)")
   add("--out", metavar="DIR", help="the run folder (default runs/<dataset>-<time>)")
   add("--resume", action="store_true", default=None,
-      help="continue the run saved in --out with its saved configuration (only --rounds may grow)")
+      help=f"continue the run saved in --out with its saved configuration ({RESUME_RULE})")
   add("--overwrite", action="store_true", default=None, help="replace the run already in --out")
   add("--checkpoint-every", metavar="N", type=_positive("checkpoint-every", int, "integer"),
       help="evaluations between checkpoints (default 4)")
@@ -271,7 +306,8 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   natural = info.name.startswith("synthetic") or info.name == "shakespeare"
   for key in ("partition", "alpha"):
     if natural and config[key] is not None:
-      raise UsageError(f"--{key} does not apply to {info.name!r}, whose clients are natural ({info.clients})")
+      raise UsageError(f"--{key} does not apply to {info.name!r}, whose clients are natural ({info.clients})"
+                       + (f"; {SYNTHETIC_VARIANTS}" if key == "alpha" and info.name.startswith("synthetic") else ""))
   if info.name == "shakespeare" and config["num_clients"] is None:
     config["num_clients"] = SHAKESPEARE_ROLES
   if config["planted"] is not None:
@@ -300,8 +336,11 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   for key in ("clients_per_round", "local_steps", "batch_size", "rounds", "eval_every", "checkpoint_every", "seeds") + (
       ("num_clients",) if config["num_clients"] is not None else ()):
     _check_number(config, key, integer=True)
-  if not isinstance(config["seed"], int) or isinstance(config["seed"], bool):
-    raise UsageError(f"seed must be an integer; got {config['seed']!r}")
+  seed = config["seed"]
+  if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_LIMIT - config["seeds"]:
+    raise UsageError(f"seed must be an integer from 0 to {SEED_LIMIT - config['seeds']}"
+                     + (f" (with --seeds {config['seeds']}, seeds seed … seed+{config['seeds'] - 1})"
+                        if config["seeds"] > 1 else "") + f"; got {seed!r}")
   if config["num_clients"] is not None and config["clients_per_round"] > config["num_clients"]:
     raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds num_clients={config['num_clients']}")
   _check_hyper(config, names)
@@ -417,6 +456,7 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
   path = os.path.join(out, "config.json")
   if not os.path.isfile(path):
     raise UsageError(f"--out {out} holds no run to resume (no config.json); start one without --resume")
+  check_writable(out)
   try:
     with open(path) as f:
       saved = json.load(f)
@@ -438,12 +478,12 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
           if not _same(saved["hyper"].get(algo, {}).get(k), v):
             raise UsageError(f"--set {algo}.{k}={v} conflicts with the run saved in {out} "
                              f"({algo}.{k}={saved['hyper'].get(algo, {}).get(k, 'default')}); --resume continues "
-                             f"the saved configuration, only --rounds may change")
+                             f"the saved configuration ({RESUME_RULE})")
       continue
     if not _same(saved[key], value):
       flag = "--async" if key == "asynchronous" else "--" + key.replace("_", "-")
       raise UsageError(f"{flag} {value} conflicts with the run saved in {out} ({key} = {saved[key]}); --resume "
-                       f"continues the saved configuration, only --rounds may change")
+                       f"continues the saved configuration ({RESUME_RULE})")
   if "rounds" in given and given["rounds"] < saved["rounds"]:
     raise UsageError(f"--rounds {given['rounds']} is fewer than the {saved['rounds']} rounds of the run saved in {out}; "
                      f"--resume can only extend a run")
@@ -453,10 +493,33 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
   return config
 
 
+def check_writable(out: str) -> None:
+  """`--out` is a folder this process can make or write in, or one line (nothing is left behind).
+
+  The nearest folder of `out` that exists must be a folder (not a file) in
+  which a new entry can be made: a probe folder is made there and removed at
+  once, which also catches what permission bits do not say (read-only
+  mounts, a root user, /proc).
+  """
+  if out == "":
+    raise UsageError("--out is empty: give the run folder, or leave --out out for runs/<dataset>-<time>")
+  path = os.path.abspath(out)
+  existing = path
+  while not os.path.isdir(existing):
+    if os.path.exists(existing):
+      raise UsageError(f"--out {out} is a file, not a folder" if existing == path else
+                       f"--out {out}: {existing} is a file, not a folder")
+    existing = os.path.dirname(existing)
+  try:
+    probe = tempfile.mkdtemp(prefix=".fedjax-opt-probe-", dir=existing)
+  except OSError as e:
+    raise UsageError(f"--out {out}: cannot write in {existing} ({e.strerror})") from None
+  os.rmdir(probe)
+
+
 def prepare_new(out: str, overwrite: bool) -> None:
   """Checks that a new run may go into `out` (nothing is written yet)."""
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise UsageError(f"--out {out} is a file, not a folder")
+  check_writable(out)
   if _holds_run(out) and not overwrite:
     raise UsageError(f"--out {out} already holds a run; continue it with --resume, replace it with --overwrite, "
                      f"or choose another folder")

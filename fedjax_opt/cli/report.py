@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 
@@ -18,16 +17,28 @@ class Interrupted(Exception):
 
 
 def _cell(row: dict[str, Any], key: str, spec: str = ".4f") -> str:
-  """`0.8123`, `0.8123 ± 0.0040` for a sweep, `-` when the row has no such value."""
+  """`0.8123`, `0.8123 ± 0.0040` for a sweep, `–` when the row has no such value (the progress lines' format)."""
+  # Imported here: fedjax_opt.train starts JAX, which `--help` and the usage errors do without.
+  from fedjax_opt.train.progress import format_value  # pylint: disable=import-outside-toplevel
+
   value = row.get(key)
   if isinstance(value, list):
     value = sum(value) / len(value)
-  if value is None or math.isnan(value):  # absent, or NaN (e.g. no client loss: full-gradient methods)
-    return "-"
-  std = row.get(key + "_std")
-  if spec == ".4f" and not 1e-3 <= abs(value) < 1e4 and value != 0:
-    spec = ".3e"  # a diverged loss, or a tiny one
-  return f"{value:{spec}}" if std is None else f"{value:{spec}} ± {std:{spec}}"
+  return format_value(value, row.get(key + "_std"), spec)
+
+
+def _missing() -> str:
+  from fedjax_opt.train.progress import MISSING  # pylint: disable=import-outside-toplevel
+
+  return MISSING
+
+
+def _count(row: dict[str, Any], key: str) -> str:
+  """A count, the largest over seeds for a sweep; `–` when the row has none."""
+  value = row.get(key)
+  if value is None:
+    return _missing()
+  return str(value if isinstance(value, int) else max(value))
 
 
 def results_table(rows: list[dict[str, Any]]) -> str:
@@ -39,13 +50,14 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     columns += [("pers. acc", lambda r: _cell(r, "personalized_accuracy")),
                 ("pers. p10", lambda r: _cell(r, "personalized_accuracy_p10"))]
   if any("ari" in r for r in rows):
-    columns += [("clusters", lambda r: "-" if "num_clusters" not in r else
-                 str(r["num_clusters"] if isinstance(r["num_clusters"], int) else max(r["num_clusters"]))),
-                ("ARI", lambda r: _cell(r, "ari", ".3f"))]
+    columns.append(("clusters", lambda r: _count(r, "num_clusters")))
+    if any(_count(r, "unassigned_clients") not in (_missing(), "0") for r in rows):  # IFCA: clients never sampled
+      columns.append(("unassigned", lambda r: _count(r, "unassigned_clients")))
+    columns.append(("ARI", lambda r: _cell(r, "ari", ".3f")))
   if any("objective_gap" in r for r in rows):
     columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
   if any("dp_epsilon" in r for r in rows):
-    columns.append(("ε", lambda r: "-" if r.get("dp_epsilon") is None else f"{r['dp_epsilon']:.3g}"))
+    columns.append(("ε", lambda r: _missing() if r.get("dp_epsilon") is None else f"{r['dp_epsilon']:.3g}"))
   if any("consensus_distance" in r for r in rows):
     columns.append(("consensus", lambda r: _cell(r, "consensus_distance", ".2e")))
   if any("simulated_time" in r for r in rows):

@@ -57,8 +57,8 @@ def _load_split(config: dict[str, Any]):
 
 
 def model_choice(config: dict[str, Any], dataset) -> str:
-  """The model name: `--model`, or by dataset (rnn for text, mlp for images, logreg for feature vectors; mlp
-  whenever FedMA runs)."""
+  """The model name: `--model`, or by dataset (`config_lib.AUTO_MODEL`: rnn for text; logreg for the ADMM family,
+  feature vectors and images under `MLP_MIN_PIXELS` pixels; mlp for larger images and whenever FedMA runs)."""
   import math as _math
 
   names = config["algorithms"].split(",")
@@ -75,7 +75,7 @@ def model_choice(config: dict[str, Any], dataset) -> str:
       choice = "mlp"
     else:
       shape = tuple(dataset.examples["x"].shape[2:])
-      choice = "mlp" if len(shape) >= 2 and _math.prod(shape) >= 256 else "logreg"
+      choice = "mlp" if len(shape) >= 2 and _math.prod(shape) >= config_lib.MLP_MIN_PIXELS else "logreg"
   if text and convex:
     raise UsageError(f"{', '.join(convex)} need(s) a convex model, and {config['dataset']!r} holds character "
                      f"sequences (a recurrent model): choose a dataset of images or feature vectors")
@@ -237,10 +237,12 @@ def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size:
 
 
 def _summarize(last: dict[str, Any], key: str) -> dict[str, Any]:
-  """`{key: value}`, or for a sweep `{key: mean, key_std: std, key_per_seed: [...]}`."""
+  """`{key: value}`, or for a sweep `{key: mean, key_std: std, key_per_seed: [...]}`; `{}` when not reported."""
   import numpy as np
 
-  value = last.get(key, float("nan"))
+  if key not in last:  # e.g. no train loss: L2GD, the ADMM family
+    return {}
+  value = last[key]
   if not isinstance(value, list):
     return {key: value}
   values = np.asarray(value, np.float64)
@@ -256,8 +258,9 @@ def _last(values: Any) -> Any:
 
 
 def cluster_recovery(state, groups, size: int) -> dict[str, Any]:
-  """The clients' clustering against the planted groups ({} without either): `ari`, `num_clusters` (clusters in
-  use), `cluster_of` (each client's cluster; per seed for a sweep) and `planted_groups`."""
+  """The clients' clustering against the planted groups ({} without either): `ari`, `num_clusters` (clusters with
+  a client assigned), `unassigned_clients` (clients without a cluster, −1: IFCA's never sampled), `cluster_of`
+  (each client's cluster; per seed for a sweep) and `planted_groups`."""
   import numpy as np
 
   from fedjax_opt.core import clusters
@@ -266,11 +269,14 @@ def cluster_recovery(state, groups, size: int) -> dict[str, Any]:
   if groups is None or found[0] is None:
     return {}
   ari = [clusters.adjusted_rand_index(groups, f) for f in found]
-  used = [int(np.unique(f).size) for f in found]
+  used = [int(np.unique(f[f >= 0]).size) for f in found]
+  unassigned = [int(np.sum(f < 0)) for f in found]
   out = {"planted_groups": groups.tolist(), "cluster_of": [f.tolist() for f in found]}
   if size == 1:
-    return {**out, "ari": ari[0], "num_clusters": used[0], "cluster_of": found[0].tolist()}
-  return {**out, "ari": float(np.mean(ari)), "ari_per_seed": ari, "num_clusters": used}
+    return {**out, "ari": ari[0], "num_clusters": used[0], "unassigned_clients": unassigned[0],
+            "cluster_of": found[0].tolist()}
+  return {**out, "ari": float(np.mean(ari)), "ari_per_seed": ari, "num_clusters": used,
+          "unassigned_clients": unassigned}
 
 
 def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
@@ -454,8 +460,11 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   if overwrite and not resume:
     config_lib.clear_previous(out)
   created = not os.path.exists(out)
-  os.makedirs(out, exist_ok=True)
-  config_lib.write_json(os.path.join(out, "config.json"), config, indent=1)
+  try:
+    os.makedirs(out, exist_ok=True)
+    config_lib.write_json(os.path.join(out, "config.json"), config, indent=1)
+  except OSError as e:  # checked before (config.check_writable); the folder may have changed since
+    raise UsageError(f"--out {out}: cannot write there ({e.strerror})") from None
   say(dataset.summary())
   if groups is not None:
     kind = config["planted"].partition(":")[0]

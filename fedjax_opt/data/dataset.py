@@ -127,8 +127,9 @@ class FederatedDataset:
     """A few lines describing the dataset: clients, sizes, memory."""
     train = np.asarray(self.train_count)
     test = np.asarray(self.test_count)
-    layout = (f"next-token windows of length {self.sequence_length}"
-              if self.sequence_length else "examples")
+    total = f"{int(train.sum()) + int(test.sum()):,}"
+    layout = (f"{total} next-token windows of length {self.sequence_length}"
+              if self.sequence_length else f"{total} examples")
     features = ", ".join(f"{k}: {tuple(v.shape[2:])} {v.dtype}" for k, v in self.examples.items())
     lines = [
         f"FederatedDataset '{self.name}': {self.num_clients} clients, {layout}",
@@ -285,7 +286,8 @@ def _client_names(client_names: Sequence[str] | None, n: int) -> tuple[str, ...]
   return names
 
 
-def _check_num_classes(num_classes: Any) -> int | None:
+def check_num_classes(num_classes: Any) -> int | None:
+  """`num_classes` checked: a positive int, or None."""
   if num_classes is None:
     return None
   if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
@@ -405,7 +407,7 @@ def pack(
   n = len(train_parts)
   names = _client_names(client_names, n)
   _check_fraction(test_fraction)
-  num_classes = _check_num_classes(num_classes)
+  num_classes = check_num_classes(num_classes)
   _check_part_labels(train_parts, names, num_classes, "clients")
   if split not in ("random", "ordered"):
     raise ValueError(f"split must be 'random' or 'ordered'; got {split!r}.")
@@ -540,7 +542,7 @@ def pack_sequences(
     if s.ndim != 1 or s.dtype.kind not in "iu":
       raise ValueError(f"token_streams[{k}] must be a 1-D integer array; got shape {s.shape}, dtype {s.dtype}.")
   names = _client_names(client_names, len(streams))
-  num_classes = _check_num_classes(num_classes)
+  num_classes = check_num_classes(num_classes)
   for k, s in enumerate(streams):
     check_labels(s, num_classes, f"token_streams[{k}] ('{names[k]}')")
   splits = np.array([sequence_split(len(s), sequence_length, test_fraction) for s in streams], np.int64)

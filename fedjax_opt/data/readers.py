@@ -28,11 +28,12 @@ import glob
 import gzip
 import json
 import os
+import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-from fedjax_opt.data.dataset import FederatedDataset, pack
+from fedjax_opt.data.dataset import FederatedDataset, check_labels, check_num_classes, pack
 from fedjax_opt.data.shakespeare import LEAF_VOCAB, encode
 
 __all__ = ["ClientData", "load_leaf", "load_tff_hdf5", "read_idx", "read_idx_images", "read_leaf_json", "read_npz",
@@ -153,7 +154,8 @@ def _leaf_files(path: Any) -> list[str]:
   return [path]
 
 
-def _read_leaf_file(path: str, transform: Transform | None) -> tuple[list[str], list[dict[str, np.ndarray]]]:
+def _read_leaf_file(path: str, transform: Transform | None,
+                    skip_empty: bool = False) -> tuple[list[str], list[dict[str, np.ndarray]]]:
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
@@ -169,7 +171,7 @@ def _read_leaf_file(path: str, transform: Transform | None) -> tuple[list[str], 
   num_samples = data.get("num_samples")
   if num_samples is not None and (not isinstance(num_samples, list) or len(num_samples) != len(users)):
     raise _fail(path, f"'num_samples' must list one count per user ({len(users)} users).")
-  clients = []
+  names, clients = [], []
   for i, user in enumerate(users):
     user = str(user)
     if user not in user_data:
@@ -178,8 +180,13 @@ def _read_leaf_file(path: str, transform: Transform | None) -> tuple[list[str], 
     n = len(next(iter(arrays.values())))
     if num_samples is not None and int(num_samples[i]) != n:
       raise _fail(path, f"num_samples says user '{user}' has {num_samples[i]} examples; user_data has {n}.")
+    if n == 0:
+      if skip_empty:
+        continue
+      raise _fail(path, f"client '{user}' has no examples; remove it from 'users' and 'user_data'.")
+    names.append(user)
     clients.append(arrays)
-  return [str(u) for u in users], clients
+  return names, clients
 
 
 def read_leaf_json(path: Any, *, transform: Transform | None = None) -> ClientData:
@@ -196,11 +203,17 @@ def read_leaf_json(path: Any, *, transform: Transform | None = None) -> ClientDa
 
   Raises:
     ValueError: `"<file>: <problem>"` for wrong keys, counts that disagree,
-      ragged or non-numeric data, or a user listed twice.
+      ragged or non-numeric data, a user listed twice, or a user without
+      examples (`client 'u9' has no examples`).
   """
+  return _read_leaf(path, transform)
+
+
+def _read_leaf(path: Any, transform: Transform | None, skip_empty: bool = False) -> ClientData:
+  """`read_leaf_json`; `skip_empty` leaves out the users without examples (a test file's) instead of refusing them."""
   names, clients = [], []
   for file in _leaf_files(path):
-    file_names, file_clients = _read_leaf_file(file, transform)
+    file_names, file_clients = _read_leaf_file(file, transform, skip_empty)
     for name in file_names:
       if name in names:
         raise _fail(file, f"user '{name}' appears twice (also in an earlier file or entry).")
@@ -219,25 +232,111 @@ def _align(test: ClientData, names: Sequence[str], ref: Mapping[str, np.ndarray]
   return [by_name.get(name, empty) for name in names]
 
 
-def load_leaf(train_path: Any, test_path: Any = None, *, transform: Transform | None = None,
-              name: str = "leaf", **pack_options: Any) -> FederatedDataset:
+def _nonfinite(read: ClientData, path: Any, drop: bool, skip_empty: bool) -> tuple[ClientData, dict[str, int]]:
+  """Refuses (or, with `drop`, removes) the examples that hold NaN or Inf; returns (clients, dropped per client).
+
+  A client left without examples is refused, or with `skip_empty` (a test file's) left out.
+  """
+  out, kept_names, dropped = [], [], {}
+  for arrays, name in zip(read.clients, read.client_names):
+    n = len(next(iter(arrays.values())))
+    keep = np.ones(n, bool)
+    for key, a in arrays.items():
+      if a.dtype.kind != "f":
+        continue
+      finite = np.isfinite(a.reshape(n, -1))
+      bad = ~finite.all(axis=1)
+      if bad.any() and not drop:
+        i = int(np.argmax(bad))
+        j = int(np.argmin(finite[i]))
+        value = a.reshape(n, -1)[i, j].item()
+        index = j if a.ndim <= 2 else tuple(int(t) for t in np.unravel_index(j, a.shape[1:]))
+        place = f"'{key}' is {value}" if a.ndim == 1 else f"'{key}' holds {value} at feature index {index}"
+        raise _fail(path, f"client '{name}' example {i}: {place}; clean the data, or pass drop_nonfinite=True to "
+                          f"drop the examples that hold NaN or Inf.")
+      keep &= ~bad
+    if not keep.all():
+      dropped[name] = int(n - keep.sum())
+      if not keep.any():
+        if skip_empty:
+          continue
+        raise _fail(path, f"client '{name}' has no examples left after dropping those that hold NaN or Inf.")
+      arrays = {k: a[keep] for k, a in arrays.items()}
+    out.append(arrays)
+    kept_names.append(name)
+  return ClientData(out, tuple(kept_names)), dropped
+
+
+def _check_leaf_labels(clients: list[dict[str, np.ndarray]], names: Sequence[str], num_classes: int | None,
+                       path: Any) -> None:
+  for arrays, name in zip(clients, names):
+    if "y" in arrays:
+      try:
+        check_labels(arrays["y"], num_classes, f"client '{name}'")
+      except ValueError as err:
+        raise _fail(path, str(err)) from None
+
+
+def load_leaf(train_path: Any, test_path: Any = None, *, num_classes: int | None, transform: Transform | None = None,
+              drop_nonfinite: bool = False, name: str = "leaf", **pack_options: Any) -> FederatedDataset:
   """Reads LEAF train (and test) JSON and packs them; test users are matched by id.
+
+  Every check runs here, at load time, with a one-line ValueError that starts
+  with the file and names the client: a label outside `[0, num_classes)`
+  (negative labels always), an example holding NaN or Inf (its feature
+  index), a user without examples (`client 'u9' has no examples`; in the
+  test file such a user just has no test examples).
 
   Args:
     train_path: LEAF train file or folder.
     test_path: LEAF test file or folder (its users must appear in train), or None
-      to split with `test_fraction` (a `pack` option).
+      to split each client with `test_fraction=f` (a `pack` option). One of the
+      two is required: without either, the dataset would have no test split
+      (`test_fraction=0` asks for none).
+    num_classes: K, the number of classes (required): every integer label
+      must lie in `[0, K)`. None infers K from the labels (the largest label
+      + 1) and warns when some of those classes never occur (one stray label
+      42 in a 3-class file would make 43 classes).
     transform: see `read_leaf_json`.
+    drop_nonfinite: drop the examples that hold NaN or Inf (a warning says how
+      many, per client) instead of refusing the file.
     name: dataset name.
     **pack_options: passed to `pack` (test_fraction, max_padding_factor, ...).
   """
-  train = read_leaf_json(train_path, transform=transform)
+  if test_path is None and "test_fraction" not in pack_options:
+    raise _fail(train_path, "load_leaf needs a test split: pass test_path= (LEAF's test file or folder, e.g. "
+                            "data/test, which LEAF's split step writes) or test_fraction=f to hold out that share "
+                            "of each client's examples (test_fraction=0: no test split).")
+  num_classes = check_num_classes(num_classes)
+  if not isinstance(drop_nonfinite, bool):
+    raise TypeError(f"drop_nonfinite must be True or False; got {drop_nonfinite!r}.")
+  parts = [(train_path, read_leaf_json(train_path, transform=transform))]
+  if test_path is not None:
+    parts.append((test_path, _read_leaf(test_path, transform, skip_empty=True)))
+  read = []
+  for path, part in parts:
+    part, dropped = _nonfinite(part, path, drop_nonfinite, skip_empty=len(read) == 1)
+    if dropped:
+      listed = ", ".join(f"'{k}' ({v})" for k, v in list(dropped.items())[:5]) + (", ..." if len(dropped) > 5 else "")
+      warnings.warn(f"{os.fspath(path)}: dropped {sum(dropped.values())} example(s) that hold NaN or Inf, of "
+                    f"{len(dropped)} client(s): {listed}.", stacklevel=2)
+    _check_leaf_labels(part.clients, part.client_names, num_classes, path)
+    read.append(part)
+  train = read[0]
   test_clients = None
   if test_path is not None:
-    test = read_leaf_json(test_path, transform=transform)
-    test_clients = _align(test, train.client_names, train.clients[0], test_path)
+    test_clients = _align(read[1], train.client_names, train.clients[0], test_path)
+  if num_classes is None:
+    labels = [c["y"] for c in train.clients + (test_clients or []) if "y" in c and c["y"].dtype.kind in "iu"]
+    if labels:
+      present = np.unique(np.concatenate(labels))
+      inferred = int(present.max()) + 1 if present.size else 0
+      if present.size < inferred:
+        warnings.warn(f"{os.fspath(train_path)}: num_classes=None infers {inferred} classes from the largest label "
+                      f"{inferred - 1}, but only {present.size} of them occur; pass num_classes=K to have every "
+                      f"label checked against it.", stacklevel=2)
   return pack(train.clients, test_clients=test_clients, client_names=train.client_names, name=name,
-              **pack_options)
+              num_classes=num_classes, **pack_options)
 
 
 # ----------------------------------------------------------------------------

@@ -16,11 +16,12 @@ from fedjax_opt.train.config import Accounting, Checkpointing, Evaluation, Sampl
 from fedjax_opt.train.driver import is_host_driven, proportional_weights, train
 from fedjax_opt.train.evaluation import PERSONALIZED_PERCENTILE
 from fedjax_opt.train.history import History
-from fedjax_opt.train.safety import RoundTooLargeError, check_fits, compiled_bytes, divergence
+from fedjax_opt.train.safety import (BatchSizeWarning, DivergenceWarning, RoundTooLargeError, check_fits,
+                                     compiled_bytes, divergence)
 
 __all__ = [
     "train", "Sampling", "Evaluation", "Checkpointing", "Accounting", "History",
     "Checkpointer", "CheckpointError", "CheckpointWarning", "current_round",
-    "RoundTooLargeError", "check_fits", "compiled_bytes", "divergence",
+    "RoundTooLargeError", "DivergenceWarning", "BatchSizeWarning", "check_fits", "compiled_bytes", "divergence",
     "is_host_driven", "proportional_weights", "PERSONALIZED_PERCENTILE", "holds_dp_mean", "run_sampling",
 ]

@@ -30,8 +30,10 @@
   the state and the history (`checkpoint`).
 * Safety (`safety`): the first chunk's memory is checked before it runs
   (`RoundTooLargeError`); after each chunk the run is checked for divergence
-  and stops there (`History.diverged_at_round`). Ctrl-C checkpoints the last
-  completed chunk.
+  and stops there (`History.diverged_at_round`, and a `DivergenceWarning`
+  with the round and the cause; a resumed run that had diverged warns too).
+  A batch size above every client's train examples warns once
+  (`BatchSizeWarning`). Ctrl-C checkpoints the last completed chunk.
 * Proportional sampling. With `client_sampling="proportional"` (C draws
   with replacement, P(k) = n_k / n: Scheme I of Li et al., ICLR 2020,
   arXiv:1907.02189) the expectation of the *plain* mean of the drawn clients'
@@ -61,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -79,7 +82,7 @@ from fedjax_opt.train.config import Accounting, Checkpointing, Evaluation, Sampl
 from fedjax_opt.train.evaluation import EvalProgram, evaluate
 from fedjax_opt.train.history import History
 from fedjax_opt.train.progress import Progress, format_point, host_value
-from fedjax_opt.train.safety import check_fits, divergence
+from fedjax_opt.train.safety import BatchSizeWarning, DivergenceWarning, check_fits, divergence, padded_batch
 
 __all__ = ["is_host_driven", "proportional_weights", "train"]
 
@@ -282,6 +285,10 @@ def train(
       clients this run draws after that round, and `History.privacy` what
       was accounted (`fedjax_opt.train.accounting`).
 
+  A `sampling.batch_size` above every client's train examples warns once
+  (`BatchSizeWarning`, before the first chunk runs): every step would be
+  padded to it for nothing.
+
   A KeyboardInterrupt (Ctrl-C) checkpoints the last completed chunk (when
   checkpointing) and is raised again.
 
@@ -323,6 +330,10 @@ def train(
                         seed=seed, length=length)
 
   start_round = current_round(state)
+  if history.diverged_at_round is not None:
+    warnings.warn(f"{label}: the restored run diverged at round {history.diverged_at_round} "
+                  f"({history.diverged_reason}); it is not trained further", DivergenceWarning, stacklevel=2)
+  padding = padded_batch(sampling.batch_size, dataset.max_train)
   bar = Progress(progress, rounds, start_round, label)
   chunks_done = 0
   committed = (state, history)  # (state, history) of the last completed chunk: replaced in one assignment
@@ -342,13 +353,16 @@ def train(
                           f"{'steps' if sampling.local_steps else 'epochs'} × batch {sampling.batch_size})",
                    "lower batch_size, local_steps or clients_per_round")
         checked_memory = True
+      if padding is not None:
+        warnings.warn(padding, BatchSizeWarning, stacklevel=2)
+        padding = None
       t0 = time.perf_counter()
       new_state, metrics = chunk(state, dataset)
       metrics = jax.device_get(metrics)
       elapsed = time.perf_counter() - t0
-      point = {"round": current_round(new_state), "seconds": history.train_seconds + elapsed,
-               "train_loss": (host_value(np.mean(metrics["client_loss"], axis=-1)) if "client_loss" in metrics
-                              else float("nan"))}
+      point = {"round": current_round(new_state), "seconds": history.train_seconds + elapsed}
+      if "client_loss" in metrics:  # absent for algorithms that report no train loss (L2GD, the ADMM family, ...)
+        point["train_loss"] = host_value(np.mean(metrics["client_loss"], axis=-1))
       if metric_fns:
         point.update({k: host_value(v) for k, v in evaluated(new_state, history).items()})
       new_history = history.extended(metrics, point, elapsed)
@@ -373,6 +387,9 @@ def train(
     raise
   finally:
     bar.close()
+  if history.diverged_at_round is not None and history.diverged_at_round > start_round:  # it diverged in this call
+    warnings.warn(f"{label} diverged at round {history.diverged_at_round}: {history.diverged_reason}; training "
+                  f"stopped there (History.diverged_at_round)", DivergenceWarning, stacklevel=2)
   if privacy is not None:  # a resumed run with no round left to train: its restored points
     history = privacy.recorded(history)
   return state, history

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["Progress", "format_point", "host_value"]
+__all__ = ["MISSING", "Progress", "format_point", "format_value", "host_value"]
+
+MISSING = "–"
+"""What a progress line or the results table shows for a value that was not reported (no train loss: L2GD, ...)."""
 
 
 class Progress:
@@ -41,16 +45,36 @@ class Progress:
       self._bar.stop()
 
 
+def format_value(value: Any, std: Any = None, spec: str = ".4f") -> str:
+  """`0.8123`, `0.8123 ± 0.0040` (a sweep), `MISSING` for None (a value not reported).
+
+  Under the default spec a magnitude outside [1e-3, 1e4) is written in
+  scientific notation (`1.235e+33`, not 34 digits of fixed point); NaN and
+  Inf are written as such (a diverged loss).
+  """
+  if value is None:
+    return MISSING
+  value = float(value)
+  if spec == ".4f" and value != 0 and math.isfinite(value) and not 1e-3 <= abs(value) < 1e4:
+    spec = ".3e"
+  text = f"{value:{spec}}"
+  return text if std is None else f"{text} ± {float(std):{spec}}"
+
+
 def format_point(metrics: Mapping[str, Any], rate: float) -> str:
-  """The progress line's text: rounds per second and the point's losses and accuracies (mean ± std for a sweep)."""
+  """The progress line's text: rounds per second and the point's losses and accuracies (mean ± std for a sweep).
+
+  `train_loss` is always shown, `MISSING` when the algorithm reports none; the others when evaluated.
+  """
   parts = [f"{rate:,.1f} rounds/s"]
   for key in ("train_loss", "test_loss", "test_accuracy", "central_accuracy", "personalized_test_accuracy"):
-    if key in metrics:
-      value = np.asarray(metrics[key], np.float64)
-      if value.ndim:  # a sweep: mean ± std over members
-        parts.append(f"{key} {np.mean(value):.4f} ± {np.std(value):.4f}")
+    if key in metrics or key == "train_loss":
+      value = metrics.get(key)
+      if value is not None and np.ndim(value):  # a sweep: mean ± std over members
+        value = np.asarray(value, np.float64)
+        parts.append(f"{key} {format_value(np.mean(value), np.std(value))}")
       else:
-        parts.append(f"{key} {float(value):.4f}")
+        parts.append(f"{key} {format_value(value)}")
   return " | ".join(parts)
 
 

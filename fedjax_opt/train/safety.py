@@ -19,13 +19,31 @@ import numpy as np
 
 from fedjax_opt.train.history import History
 
-__all__ = ["RoundTooLargeError", "check_fits", "compiled_bytes", "divergence"]
+__all__ = ["BatchSizeWarning", "DivergenceWarning", "RoundTooLargeError", "check_fits", "compiled_bytes", "divergence",
+           "padded_batch"]
 
 PyTree = Any
 
 
 class RoundTooLargeError(MemoryError):
   """A compiled chunk would need more memory than the device has (raised before it runs)."""
+
+
+class DivergenceWarning(RuntimeWarning):
+  """`train` stopped a run that diverged: the round and the cause (also in `History.diverged_at_round`, `_reason`)."""
+
+
+class BatchSizeWarning(UserWarning):
+  """The batch size exceeds every client's train split: each step is mostly padding, and slower for it."""
+
+
+def padded_batch(batch_size: int | None, max_train: int) -> str | None:
+  """Why `batch_size` only adds padding (it exceeds `max_train`, the largest client's train examples), or None."""
+  if batch_size is None or max_train < 1 or batch_size <= max_train:
+    return None
+  return (f"batch_size={batch_size} exceeds every client's train examples (the largest client holds {max_train}): "
+          f"each step pads every client's batch to {batch_size} slots, which costs time and memory; "
+          f"batch_size={max_train} takes the same examples per step")
 
 
 def _available_bytes() -> int | None:
