@@ -127,7 +127,7 @@ def _log_prior(prior: Any, n: int, k: int) -> jax.Array:
   """`[N, K]` normalized log prior (uniform by default), checked when concrete."""
   if prior is None:
     return jnp.full((n, k), -np.log(k))
-  shape = tuple(jnp.shape(prior))
+  shape = tuple(np.shape(prior))  # a list too (a TOML value)
   if shape not in ((k,), (n, k)):
     raise ValueError(f"prior must have shape [K] = ({k},) or [N, K] = ({n}, {k}); got shape {shape}.")
   if is_concrete(prior):
