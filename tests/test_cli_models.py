@@ -110,8 +110,8 @@ def test_fedmd_with_two_architectures_is_the_run_built_in_python(cli, tmp_path):
   np.testing.assert_allclose(row["personalized_accuracy_per_client"][0], want, atol=1e-6)
   assert row["personalized_accuracy"] == pytest.approx(np.mean(want), abs=1e-6)
   everyone = {key: np.concatenate([c[key] for c in test]) for key in ("x", "y")}
-  client0 = np.argmax(np.asarray(mlp.apply(fo.algorithms.fedmd_client_params(state, 0, architecture_of), everyone["x"])),
-                     axis=1)
+  client0 = fo.algorithms.fedmd_client_params(state, 0, architecture_of)
+  client0 = np.argmax(np.asarray(mlp.apply(client0, everyone["x"])), axis=1)
   assert row["test_accuracy"] == pytest.approx(np.mean(client0 == everyone["y"]), abs=1e-6)
   # Scores, not models: 6 clients upload 100 × 10 float32 scores, one consensus comes down, every round.
   assert row["megabytes_sent"] == pytest.approx(4 * (6 + 1) * 32 * 100 * 10 / 8e6)

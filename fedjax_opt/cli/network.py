@@ -1,11 +1,12 @@
 """The command line's decentralized and asynchronous runs: `--topology`, `--async` and `--delay`.
 
 * `--topology NAME` is the graph of the decentralized algorithms (gossip,
-  dpsgd, gradient_tracking, d_fedem, p2p_bayes): every client is a node, every node
-  trains (p2p_bayes: updates its beliefs) every round on S batches of B examples, and talks only to its neighbours through
-  the graph's Metropolis–Hastings mixing matrix (`fedjax_opt.graphs`;
-  `matchings` is a time-varying sequence of matrices). The
-  default is `ring` whenever a decentralized algorithm is named.
+  dpsgd, gradient_tracking, d_fedem, p2p_bayes): every client is a node, every
+  node trains (p2p_bayes: updates its beliefs) every round on S batches of B
+  examples, and talks only to its neighbours through the graph's
+  Metropolis–Hastings mixing matrix (`fedjax_opt.graphs`; `matchings` is a
+  time-varying sequence of matrices). The default is `ring` whenever a
+  decentralized algorithm is named.
 * `--async` runs every algorithm on a simulated wall clock
   (`fedjax_opt.core.asynchrony`). The asynchronous algorithms (fedbuff,
   fedasync, co_op, zeno_plus_plus) need it: M = --clients-per-round clients

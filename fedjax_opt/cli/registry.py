@@ -33,8 +33,8 @@ import math
 from typing import Any, Callable, Mapping, NamedTuple
 
 __all__ = ["ARCHITECTURES", "Architectures", "CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES",
-           "HyperParameterError", "PSEUDO", "REGISTRY", "Spec", "WIRED", "architecture_model", "build", "candidates_fit",
-           "check_registry", "describe_defaults", "resolve"]
+           "HyperParameterError", "PSEUDO", "REGISTRY", "Spec", "WIRED", "architecture_model", "build",
+           "candidates_fit", "check_registry", "describe_defaults", "resolve"]
 
 
 class _RunClientLR:
@@ -431,8 +431,9 @@ def _fedmd_tables(hyper):
 
 
 def _p2p_wire(ctx, hyper):
-  """The K candidates: the fit θ̂ (float64 L-BFGS of the pooled ridge risk) at a random index t, and K − 1 others
-  θ̂ + spread · ‖θ̂‖ · u_k, u_k uniform on the unit sphere; t and the u_k from `numpy.random.default_rng(seed)`."""
+  """The K candidates: the fit θ̂ (float64 L-BFGS of the pooled ridge risk) at a random index t, and K − 1
+  others θ̂ + spread · ‖θ̂‖ · u_k, u_k uniform on the unit sphere; t, then the u_k, from
+  `numpy.random.default_rng(seed)` (docs/cli.md)."""
   import jax
   import jax.flatten_util
   import jax.numpy as jnp
