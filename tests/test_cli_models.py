@@ -63,6 +63,78 @@ def test_fedmd_public_set_is_drawn_from_the_pooled_train_split():
   assert "public_size" in registry.REGISTRY["fedmd"].settable()
 
 
+MD = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-steps", "2", "--batch-size",
+      "8", "--rounds", "4", "--eval-every", "2", "--quiet", "--algorithms", "fedmd", "--set", "fedmd.public_size=200",
+      "--set", "fedmd.public_per_round=100", "--set", "fedmd.digest_batch_size=50", "--set", "fedmd.digest_steps=2"]
+
+
+def test_fedmd_with_two_architectures_is_the_run_built_in_python(cli, tmp_path):
+  """In process. `fedmd.architectures=mlp,logreg`: client k has architecture k mod 2, architecture a starts from
+  its model's init(fold_in(key, a)), key = key(seed + 1); test acc is client 0's MLP; each client is scored with
+  its own architecture on its own test split (against NumPy's argmax of its model's scores)."""
+  import jax
+  import optax
+
+  import fedjax_opt as fo
+  from fedjax_opt.cli import run as run_lib
+
+  out = tmp_path / "run"
+  result = cli("run", *MD, "--set", "fedmd.architectures=mlp,logreg", "--out", out)
+  assert result.returncode == 0, result.stderr
+  (row,) = json.loads((out / "results.json").read_text())
+  saved = json.loads((out / "history.json").read_text())["fedmd"]
+  assert row["hyper_parameters"]["architectures"] == "mlp,logreg"
+
+  dataset = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=6, seed=0)
+  mlp, logreg = fo.models.mlp_2nn(num_classes=10, input_dim=64), fo.models.logistic_regression(64, 10)
+  architecture_of = np.arange(6) % 2
+  algo = fo.algorithms.fedmd((mlp.loss_fn, logreg.loss_fn), apply_fn=(mlp.apply, logreg.apply), num_clients=6,
+                             public_data=run_lib.pooled_sample(dataset, 0)(200), public_per_round=100,
+                             digest_steps=2, digest_batch_size=50, client_optimizer=optax.sgd(0.05),
+                             architecture_of=architecture_of)
+  key = jax.random.key(1)
+  state = algo.init((mlp.init(jax.random.fold_in(key, 0)), logreg.init(jax.random.fold_in(key, 1))), key)
+  state, history = fo.train(algo, state, dataset, 4, fo.Sampling(clients_per_round=6, client_sampling="all",
+                                                                  local_steps=2, batch_size=8),
+                            evaluation=fo.Evaluation(every=2, metric_fns={"loss": mlp.loss_fn,
+                                                                          "accuracy": mlp.accuracy_fn}),
+                            seed=0, progress=False)
+  assert saved["round_metrics"] == {k: np.asarray(v).tolist() for k, v in history.round_metrics.items()}
+  assert [e["test_accuracy"] for e in saved["evals"]] == [e["test_accuracy"] for e in history.evals]
+  test = fo.data.unpack(dataset, "test")
+  want = []
+  for k in range(6):
+    model = (mlp, logreg)[architecture_of[k]]
+    scores = np.asarray(model.apply(fo.algorithms.fedmd_client_params(state, k, architecture_of), test[k]["x"]))
+    want.append(float(np.mean(np.argmax(scores, axis=1) == test[k]["y"])))
+  np.testing.assert_allclose(row["personalized_accuracy_per_client"][0], want, atol=1e-6)
+  assert row["personalized_accuracy"] == pytest.approx(np.mean(want), abs=1e-6)
+  everyone = {key: np.concatenate([c[key] for c in test]) for key in ("x", "y")}
+  client0 = fo.algorithms.fedmd_client_params(state, 0, architecture_of)
+  client0 = np.argmax(np.asarray(mlp.apply(client0, everyone["x"])), axis=1)
+  assert row["test_accuracy"] == pytest.approx(np.mean(client0 == everyone["y"]), abs=1e-6)
+  # Scores, not models: 6 clients upload 100 × 10 float32 scores, one consensus comes down, every round.
+  assert row["megabytes_sent"] == pytest.approx(4 * (6 + 1) * 32 * 100 * 10 / 8e6)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "fedmd.architectures=mlp,resnet"], "fedmd: architectures must be model names separated by commas, "
+                                                  "from logreg, mlp, cnn (e.g. mlp,logreg); got 'mlp,resnet'"),
+    (["--set", "fedmd.architectures=3"], "fedmd: architectures must be model names separated by commas"),
+    (["--set", "fedmd.architectures=mlp,logreg,mlp"], "fedmd: architectures lists mlp twice"),
+    (["--num-clients", "2", "--clients-per-round", "2", "--set", "fedmd.architectures=mlp,logreg,cnn"],
+     "fedmd: architectures names 3 architectures for 2 clients"),
+    (["--dataset", "synthetic_1_1", "--num-clients", "6", "--set", "fedmd.architectures=cnn,logreg"],
+     "fedmd: architecture 'cnn' needs image data; the dataset's examples have shape (60,)"),
+])
+def test_fedmd_bad_architectures_are_one_line(cli, tmp_path, args, needle):
+  result = cli("run", *MD, *args, "--out", tmp_path / "x")
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and needle in lines[0], result.stderr
+  assert not (tmp_path / "x").exists()
+
+
 FEDMA = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-steps", "2",
          "--batch-size", "16", "--eval-every", "1", "--quiet", "--algorithms", "fedma", "--set", "fedma.sigma=0.001",
          "--set", "fedma.iterations=1", "--set", "fedma.max_width=260"]

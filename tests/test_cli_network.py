@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from scipy.special import logsumexp
 
 import fedjax_opt as fo
 from fedjax_opt.cli import config as config_lib
@@ -210,3 +211,98 @@ def test_async_runs_are_reproducible_resume_and_beat_the_synchronous_clock(tmp_p
   assert np.all(np.diff(times) > 0) and len(times) == 10
   assert (a / "accuracy_time.png").stat().st_size > 0
   assert "sim. time" in first.stdout
+
+
+# ---- P2P Bayes (`--algorithms p2p_bayes`) ----------------------------------------------------------------------
+
+P2P = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "--local-steps", "2", "--batch-size",
+       "8", "--rounds", "4", "--eval-every", "2", "--quiet", "--algorithms", "p2p_bayes",
+       "--set", "p2p_bayes.num_hypotheses=4", "--set", "p2p_bayes.spread=0.2", "--set", "p2p_bayes.fit_l2=0.01"]
+
+
+def test_p2p_bayes_run_is_the_run_built_in_python_and_reports_each_node_s_belief_on_the_fit(cli, tmp_path):
+  """In process. The candidates as docs/cli.md says: the float64 L-BFGS fit of the pooled ridge risk at index t,
+  the others moved by spread · ‖fit‖ in directions drawn with `numpy.random.default_rng(seed)`; on a ring."""
+  import jax.flatten_util
+
+  from fedjax_opt.cli import run as run_lib
+
+  out = tmp_path / "run"
+  result = cli("run", *P2P, "--out", out)
+  assert result.returncode == 0, result.stderr
+  (row,) = json.loads((out / "results.json").read_text())
+  saved = json.loads((out / "history.json").read_text())["p2p_bayes"]
+  assert row["family"] == "decentralized" and row["model"] == "logistic_regression" and row["rounds"] == 4
+
+  dataset = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=6, seed=0)
+  model = fo.models.logistic_regression(64, 10)
+  ridge = lambda p, b: model.loss_fn(p, b) + 0.5 * 0.01 * sum(jnp.sum(x**2) for x in jax.tree.leaves(p))
+  fit, _ = fo.objectives.minimize(lambda p, d: jnp.mean(ridge(p, d)), model.init(jax.random.key(0)),
+                                  run_lib.pooled_sample(dataset, 0)(dataset.num_train_examples))
+  flat, unravel = jax.flatten_util.ravel_pytree(fit)
+  rng = np.random.default_rng(0)
+  truth = int(rng.integers(4))
+  u = rng.normal(size=(4, flat.size))
+  thetas = np.asarray(flat, np.float64) + 0.2 * np.linalg.norm(np.asarray(flat, np.float64)) * (
+      u / np.linalg.norm(u, axis=1, keepdims=True))
+  thetas[truth] = np.asarray(flat, np.float64)
+  hypotheses = jax.tree.map(lambda *r: jnp.stack(r), *[unravel(jnp.asarray(t, jnp.float32)) for t in thetas])
+  algo = fo.algorithms.p2p_bayes(model.loss_fn, hypotheses=hypotheses, graph=fo.graphs.ring(6), true_hypothesis=truth)
+  state = algo.init(model.init(jax.random.key(0)), jax.random.key(1))
+  state, history = fo.train(algo, state, dataset, 4, fo.Sampling(clients_per_round=6, client_sampling="all",
+                                                                  local_steps=2, batch_size=8),
+                            evaluation=fo.Evaluation(every=2, metric_fns={"loss": model.loss_fn,
+                                                                          "accuracy": model.accuracy_fn},
+                                                     personalized_params=fo.personalized_params),
+                            seed=0, progress=False)
+  assert saved["round_metrics"] == {k: np.asarray(v).tolist() for k, v in history.round_metrics.items()}
+  assert [e["test_accuracy"] for e in saved["evals"]] == [e["test_accuracy"] for e in history.evals]
+  assert row["test_accuracy"] == history.last_eval["test_accuracy"]
+  assert row["personalized_accuracy"] == history.last_eval["personalized_test_accuracy"]
+  # Each node's belief on the fit after the last round, and the round from which it stays above 0.99 (NumPy).
+  beliefs = np.asarray(history.round_metrics["true_belief"], np.float64)  # [R, N]
+  want = []
+  for node in beliefs.T:
+    above = [r for r in range(1, 5) if all(node[r - 1:] > 0.99)]
+    want.append(above[0] if above else None)
+  assert row["rounds_to_concentrate_per_node"] == [want] and row["true_belief_per_node"] == [beliefs[-1].tolist()]
+  assert row["true_belief_min"] == beliefs[-1].min() and row["true_belief_max"] == beliefs[-1].max()
+  assert row["true_belief_median"] == pytest.approx(np.median(beliefs[-1]), rel=1e-12)
+  finite = sorted(np.inf if r is None else r for r in want)
+  assert row["rounds_to_concentrate_min"] == (None if finite[0] == np.inf else finite[0])
+  assert row["rounds_to_concentrate_max"] == (None if finite[-1] == np.inf else finite[-1])
+  # The fit has the lowest mean train loss of the candidates (float64 NumPy softmax cross-entropy), and every node's
+  # belief in it has grown from the uniform prior 1/4.
+  train = fo.data.unpack(dataset, "train")
+  x = np.concatenate([c["x"] for c in train]).reshape(-1, 64).astype(np.float64)
+  y = np.concatenate([c["y"] for c in train])
+  hyp = jax.tree.map(lambda a: np.asarray(a, np.float64), hypotheses)["linear"]
+  logits = np.einsum("pd,kdc->kpc", x, hyp["kernel"]) + hyp["bias"][:, None]
+  nll = (logsumexp(logits, axis=2) - np.take_along_axis(logits, y[None, :, None], axis=2)[..., 0]).mean(1)
+  assert np.argmin(nll) == truth
+  assert beliefs[-1].min() > 0.25
+  # Messages: K = 4 float32 log-beliefs to each of 2 ring neighbours, per node and round.
+  assert row["megabytes_sent"] == pytest.approx(4 * 6 * 2 * 4 * 4 / 1e6)
+  assert "θ* belief" in result.stdout and "rounds to θ*" in result.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "p2p_bayes.num_hypotheses=1"], "p2p_bayes: num_hypotheses must be an integer >= 2 (the fit and at "
+                                              "least one other); got 1"),
+    (["--set", "p2p_bayes.num_hypotheses=2.5"], "p2p_bayes.num_hypotheses must be an integer; got 2.5"),
+    (["--set", "p2p_bayes.spread=0"], "p2p_bayes: spread must be > 0"),
+    (["--set", "p2p_bayes.spread=abc"], "p2p_bayes.spread must be a finite number; got 'abc'"),
+    (["--set", "p2p_bayes.fit_l2=-1"], "p2p_bayes: fit_l2 must be >= 0; got -1.0"),
+    (["--set", "p2p_bayes.concentration=1"], "p2p_bayes: concentration must lie in (0, 1); got 1.0"),
+    (["--set", "p2p_bayes.true_hypothesis=0"], "p2p_bayes has no hyper-parameter 'true_hypothesis'"),
+    (["--set", "p2p_bayes.prior=[0.5, 0.5]"], "p2p_bayes: prior must have shape [K] = (8,) or [N, K] = (6, 8)"),
+    (["--model", "mlp"], "p2p_bayes need(s) a convex model: use --model logreg (got mlp)"),
+    (["--dataset", "shakespeare"], "p2p_bayes need(s) a convex model"),
+])
+def test_p2p_bayes_bad_settings_are_one_line(cli, tmp_path, args, needle):
+  base = [a for a in P2P if not a.startswith("p2p_bayes.") and a != "--set"]
+  result = cli("run", *base, *args, "--out", tmp_path / "x")
+  assert result.returncode == 2
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and needle in lines[0], result.stderr
+  assert not (tmp_path / "x").exists()

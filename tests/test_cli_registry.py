@@ -5,6 +5,7 @@ import pathlib
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,9 +24,8 @@ def test_every_factory_of_fo_algorithms_is_on_the_command_line_or_named_here():
   factories = {name for name in fo.algorithms.__all__ if inspect.isfunction(getattr(fo.algorithms, name))
                and inspect.signature(getattr(fo.algorithms, name)).return_annotation == "FederatedAlgorithm"}
   # admm_sharing is vertical FL (clients hold feature blocks of the same samples); l2sgd is L2SGD+ without its
-  # variance reduction, a building block for tests; p2p_bayes learns a belief over a finite set of candidate models,
-  # not a model trained on a dataset's clients.
-  assert factories - on_cli == {"admm_sharing", "l2sgd", "p2p_bayes"}
+  # variance reduction, a building block for tests.
+  assert factories - on_cli == {"admm_sharing", "l2sgd"}
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +140,46 @@ def test_a_run_uses_the_client_count_that_list_shows(name):
   dataset = run_lib.load_dataset(config)
   assert dataset.num_clients == info.default_num_clients
   assert f"{info.default_num_clients} " in info.clients  # the words `fedjax-opt list datasets` prints
+
+
+def test_fedmd_with_three_architectures_steps_and_scores_each_client_with_its_own(digits):
+  """`architectures=mlp,logreg,cnn`: client k has architecture k mod 3; the evaluation table has a row per client,
+  and the scoring model gives each row its own architecture's loss (state.params: client 0's MLP)."""
+  config = config_lib.finish({"algorithms": "fedmd", "dataset": "digits", "num_clients": 6, "clients_per_round": 3,
+                              "local_steps": 2, "batch_size": 5, "rounds": 10,
+                              "hyper": {"fedmd": {"architectures": "mlp,logreg,cnn", "public_size": 40,
+                                                  "public_per_round": 20, "digest_batch_size": 10}}})
+  model = run_lib.build_model(config, digits)
+  hyper = config_lib.hyper_parameters(config, "fedmd")
+  ctx = registry.Context(loss_fn=model.loss_fn, num_clients=6, max_train=digits.max_train, local_steps=2, rounds=10,
+                         client_map="auto", apply_fn=model.apply, model=model, pooled=run_lib.pooled_sample(digits, 0),
+                         example_shape=tuple(digits.examples["x"].shape[2:]))
+  algo = registry.build("fedmd", ctx, hyper)
+  state = algo.init(model.init(jax.random.key(0)), jax.random.key(1))
+  mlp = fo.models.mlp_2nn(num_classes=10, input_dim=64)
+  logreg = fo.models.logistic_regression(64, 10)
+  cnn = fo.models.emnist_cnn(num_classes=10, image_shape=(8, 8))
+  models = (mlp, logreg, cnn)
+  key = jax.random.key(1)
+  for a, m in enumerate(models):  # two clients each, every one from its architecture's init(fold_in(key, a))
+    want = m.init(jax.random.fold_in(key, a))
+    for table, leaf in zip(jax.tree.leaves(state.local_params[a]), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(table, np.stack([leaf, leaf]))
+  kwargs = run_lib.sampling(registry.REGISTRY["fedmd"], hyper, config, digits)
+  batches = jax.eval_shape(lambda k: fo.data.sample_round(k, digits, **kwargs), jax.random.key(2))
+  after = jax.eval_shape(algo.step, state, batches)
+  assert jax.tree.structure(after) == jax.tree.structure(state)
+  spec = registry.REGISTRY["fedmd"]
+  table = spec.personalized_params(hyper)(state)
+  assert isinstance(table, registry.Architectures)
+  np.testing.assert_array_equal(table.architecture, np.arange(6) % 3)
+  scored = spec.scoring_model(model, hyper, digits)
+  batch = {"x": jnp.asarray(digits.examples["x"][0, :4]), "y": jnp.asarray(digits.examples["y"][0, :4])}
+  for k in range(6):
+    row = jax.tree.map(lambda t, k=k: t[k], table)
+    own = models[k % 3]
+    params = fo.algorithms.fedmd_client_params(state, k, np.arange(6) % 3)
+    np.testing.assert_array_equal(scored.loss_fn(row, batch), own.loss_fn(params, batch))
+    np.testing.assert_array_equal(scored.accuracy_fn(row, batch), own.accuracy_fn(params, batch))
+  client0 = fo.algorithms.fedmd_client_params(state, 0, np.arange(6) % 3)
+  np.testing.assert_array_equal(scored.loss_fn(state.params, batch), mlp.loss_fn(client0, batch))

@@ -164,6 +164,35 @@ def test_a_node_with_nan_data_keeps_its_belief_and_is_cut_out(rng):
     np.testing.assert_array_equal(np.asarray(state.log_beliefs)[bad], np.full(4, -np.log(4), np.float32))
 
 
+def test_true_belief_is_each_node_s_belief_on_the_named_hypothesis_after_every_round(rng):
+  """`true_hypothesis=t`: metrics["true_belief"] `[N]` = b_i(θ_t), against the float64 NumPy recursion; the rest of
+  the round is unchanged, and without it there is no such metric."""
+  batches = _rounds(rng, 5, 2)
+  ring = _ring()
+  plain = p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=ring)
+  tracked = p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=ring, true_hypothesis=TRUE)
+  start = {"w": jnp.zeros(2), "b": jnp.zeros(())}
+
+  def body(algo):
+    return lambda state, b: (lambda s: (s, s.metrics))(algo.step(state, b))
+
+  run = lambda algo: jax.jit(lambda s, b: jax.lax.scan(body(algo), s, b))(algo.init(start, jax.random.key(0)), batches)
+  state, metrics = run(tracked)
+  plain_state, plain_metrics = run(plain)
+  assert "true_belief" not in plain_metrics and set(metrics) == set(plain_metrics) | {"true_belief"}
+  np.testing.assert_array_equal(state.log_beliefs, plain_state.log_beliefs)
+  want = np.full((N, 4), -np.log(4))
+  ll = _log_lik(batches)
+  for r in range(5):
+    local = want + ll[r]
+    local -= logsumexp(local, axis=1, keepdims=True)
+    want = ring @ local
+    want -= logsumexp(want, axis=1, keepdims=True)
+    assert metrics["true_belief"][r].shape == (N,)
+    np.testing.assert_allclose(metrics["true_belief"][r], np.exp(want[:, TRUE]), atol=1e-5)
+  assert tracked.init(start, jax.random.key(0)).metrics["true_belief"].shape == (N,)
+
+
 def test_bad_arguments():
   w = _ring()
   with pytest.raises(ValueError, match="leading"):
@@ -174,6 +203,10 @@ def test_bad_arguments():
     p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w, prior=np.full(4, 0.3))
   with pytest.raises(ValueError, match="prior must have shape"):
     p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w, prior=np.full(3, 1 / 3))
+  with pytest.raises(ValueError, match=r"true_hypothesis must index one of the K = 4 hypotheses, in \[0, 4\); got 4"):
+    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w, true_hypothesis=4)
+  with pytest.raises(TypeError, match="true_hypothesis must be a Python int"):
+    p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w, true_hypothesis=1.0)
   with pytest.raises(ValueError, match="doubly stochastic"):
     p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=0.5 * w)
   algo = p2p_bayes(lsq_loss, hypotheses=HYPOTHESES, graph=w)

@@ -55,7 +55,9 @@ probable hypothesis is `params`), `bytes_sent` (per node, averaged: K log-belief
 to each neighbour), `bits_up` (the same in bits: (1/N) Σ_j #{i ≠ j : W̃_ij ≠ 0}
 × 32 K for float32 beliefs), `bits_down` (per node, averaged: the K
 log-beliefs of each neighbour it averages, (1/N) Σ_i #{j ≠ i : W̃_ij ≠ 0} × 32 K),
-`num_nonfinite`. No model is sent: the hypotheses are known to every node.
+`num_nonfinite`; with `true_hypothesis=t` also `true_belief` `[N]`, each node's
+belief b_i(θ_t) after the round (the curve of the paper's figures: it tends to 1
+when θ_t is the truth). No model is sent: the hypotheses are known to every node.
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ import numpy as np
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
-from fedjax_opt.core.validation import (check_full_participation, check_key, check_loss_fn, check_per_example_loss,
-                                        is_concrete)
+from fedjax_opt.core.validation import (check_full_participation, check_int, check_key, check_loss_fn,
+                                        check_per_example_loss, is_concrete)
 
 __all__ = ["P2PBayesState", "P2P_BAYES_METRICS", "p2p_bayes"]
 
@@ -83,7 +85,7 @@ P2P_BAYES_METRICS = {
     "bits_down": jnp.float32,
     "num_nonfinite": jnp.int32,
 }
-"""The diagnostics of a P2P Bayesian round (module docstring)."""
+"""The diagnostics of a P2P Bayesian round (module docstring); `true_hypothesis=t` adds `true_belief` `[N]`."""
 
 
 @flax.struct.dataclass
@@ -96,7 +98,7 @@ class P2PBayesState:
     log_beliefs: `[N, K]`, log b_i(θ_k), each row normalized (logsumexp = 0).
     round: k, rounds applied, int32.
     key: PRNG key (nothing is drawn; kept for the common state contract).
-    metrics: `P2P_BAYES_METRICS`.
+    metrics: `P2P_BAYES_METRICS` (and `true_belief` `[N]` with `true_hypothesis`).
   """
 
   params: PyTree
@@ -125,7 +127,7 @@ def _log_prior(prior: Any, n: int, k: int) -> jax.Array:
   """`[N, K]` normalized log prior (uniform by default), checked when concrete."""
   if prior is None:
     return jnp.full((n, k), -np.log(k))
-  shape = tuple(jnp.shape(prior))
+  shape = tuple(np.shape(prior))  # a list too (a TOML value)
   if shape not in ((k,), (n, k)):
     raise ValueError(f"prior must have shape [K] = ({k},) or [N, K] = ({n}, {k}); got shape {shape}.")
   if is_concrete(prior):
@@ -149,6 +151,7 @@ def p2p_bayes(
     hypotheses: PyTree,
     graph: Any,
     prior: Any = None,
+    true_hypothesis: int | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """P2P federated learning on graphs (Lalitha et al. 2019): Bayesian update, then geometric averaging of beliefs.
@@ -171,6 +174,9 @@ def p2p_bayes(
       of the batches.
     prior: b_i^0, probabilities `[K]` (every node) or `[N, K]`, > 0 and summing
       to 1; None: uniform.
+    true_hypothesis: None, or t in [0, K): the metrics then hold `true_belief`
+      `[N]`, each node's belief b_i(θ_t) after the round (when θ_t is the truth,
+      how close each node is to having learnt it). It changes nothing else.
     client_map: how the nodes' likelihoods are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
@@ -184,13 +190,20 @@ def p2p_bayes(
     TypeError: `graph` missing or not a Graph / matrix; `loss_fn` not callable;
       (at `init`) params not shaped like one hypothesis.
     ValueError: hypotheses without a common leading axis; a bad prior; a bad
-      mixing matrix; (at `step`) C != N or client_id != arange(N).
+      mixing matrix; `true_hypothesis` not in [0, K); (at `step`) C != N or
+      client_id != arange(N).
   """
   check_loss_fn(loss_fn)
   k = _num_hypotheses(hypotheses)
   mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
   log_prior = _log_prior(prior, n, k)
+  if true_hypothesis is not None:
+    true_hypothesis = check_int(true_hypothesis, "true_hypothesis", 0)
+    if true_hypothesis >= k:
+      raise ValueError(f"p2p_bayes: true_hypothesis must index one of the K = {k} hypotheses, in [0, {k}); got "
+                       f"{true_hypothesis}.")
+  metric_types = dict(P2P_BAYES_METRICS, **({} if true_hypothesis is None else {"true_belief": jnp.float32}))
   mode = client_map_lib.resolve(client_map)
   one = jax.tree.map(lambda h: jax.ShapeDtypeStruct(jnp.shape(h)[1:], jnp.result_type(h)), hypotheses)
 
@@ -226,7 +239,7 @@ def p2p_bayes(
         log_beliefs=log_beliefs,
         round=jnp.zeros((), jnp.int32),
         key=key,
-        metrics={m: jnp.zeros((), dt) for m, dt in P2P_BAYES_METRICS.items()},
+        metrics={m: jnp.zeros((n,) if m == "true_belief" else (), dt) for m, dt in metric_types.items()},
     )
 
   def step(state: P2PBayesState, batches: ClientBatches) -> P2PBayesState:
@@ -257,7 +270,9 @@ def p2p_bayes(
         "bits_down": 8 * received,
         "num_nonfinite": jnp.sum(~ok),
     }
+    if true_hypothesis is not None:
+      values["true_belief"] = beliefs[:, true_hypothesis]
     return state.replace(params=best, local_params=table, log_beliefs=log_beliefs, round=state.round + 1,
-                         metrics={m: jnp.asarray(values[m]).astype(dt) for m, dt in P2P_BAYES_METRICS.items()})
+                         metrics={m: jnp.asarray(values[m]).astype(dt) for m, dt in metric_types.items()})
 
   return FederatedAlgorithm(init, step)

@@ -185,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
   add("--dp-count-noise", metavar="X", type=float,
       help="DP, adaptive clipping: noise σ_b on the count of unclipped clients (default max(m/20, 2σ))")
   add("--topology", metavar="NAME",
-      help="decentralized algorithms (gossip, dpsgd, gradient_tracking, d_fedem): the graph of the clients, one "
-           "of ring (default), torus, exponential, complete, erdos_renyi, matchings (a random matching per round)")
+      help="decentralized algorithms (gossip, dpsgd, gradient_tracking, d_fedem, p2p_bayes): the graph of the "
+           "clients, one of ring (default), torus, exponential, complete, erdos_renyi, matchings (a random matching "
+           "per round)")
   add("--async", dest="asynchronous", action="store_true", default=None,
       help="simulate a wall clock: asynchronous algorithms (fedbuff, fedasync, co_op, zeno_plus_plus) with "
            "--clients-per-round clients in flight, synchronous rounds waiting for their slowest client; "

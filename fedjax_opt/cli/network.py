@@ -1,11 +1,12 @@
 """The command line's decentralized and asynchronous runs: `--topology`, `--async` and `--delay`.
 
 * `--topology NAME` is the graph of the decentralized algorithms (gossip,
-  dpsgd, gradient_tracking, d_fedem): every client is a node, every node trains every
-  round on S batches of B examples, and talks only to its neighbours through
-  the graph's Metropolis–Hastings mixing matrix (`fedjax_opt.graphs`;
-  `matchings` is a time-varying sequence of matrices). The
-  default is `ring` whenever a decentralized algorithm is named.
+  dpsgd, gradient_tracking, d_fedem, p2p_bayes): every client is a node, every
+  node trains (p2p_bayes: updates its beliefs) every round on S batches of B
+  examples, and talks only to its neighbours through the graph's
+  Metropolis–Hastings mixing matrix (`fedjax_opt.graphs`; `matchings` is a
+  time-varying sequence of matrices). The default is `ring` whenever a
+  decentralized algorithm is named.
 * `--async` runs every algorithm on a simulated wall clock
   (`fedjax_opt.core.asynchrony`). The asynchronous algorithms (fedbuff,
   fedasync, co_op, zeno_plus_plus) need it: M = --clients-per-round clients
@@ -78,7 +79,7 @@ def check(config: dict[str, Any], names: list[str], registry: Any) -> None:
       raise NetworkError(f"unknown topology {config['topology']!r}; choose from {', '.join(TOPOLOGIES)}")
     if not decentralized:
       raise NetworkError("--topology applies to the decentralized algorithms (gossip, dpsgd, gradient_tracking, "
-                         f"d_fedem); none is in --algorithms ({','.join(names)})")
+                         f"d_fedem, p2p_bayes); none is in --algorithms ({','.join(names)})")
   elif decentralized:
     config["topology"] = "ring"
   if not isinstance(config["asynchronous"], bool):

@@ -15,8 +15,10 @@ plus the few that build an object the factory takes (`PSEUDO`):
 `server_optimizer` (`fo.server_optimizers.get(server_optimizer,
 learning_rate=server_lr)`), `finetune_lr` and `personalize_lr` (FedAvg +
 fine-tuning), `local_lr` and `example_lr` (L2GD / L2SGD+'s local step, from
-which α is derived unless α is given) and `l2` (a ridge term (l2/2)‖θ‖² added
-to every example's loss, for the convex family). A default of `CLIENT_LR`
+which α is derived unless α is given), `l2` (a ridge term (l2/2)‖θ‖² added
+to every example's loss, for the convex family), FedMD's `public_size` and
+`architectures`, and P2P Bayes' candidate models (`num_hypotheses`, `spread`,
+`fit_l2`) and its report (`concentration`). A default of `CLIENT_LR`
 means "the run's `--client-lr`". Any other keyword of the factory whose
 default is a plain value (`scaffold.control_update`, `per_fedavg.variant`,
 `admm_consensus.relaxation`, ...) may be set too; the factory's own checks
@@ -28,10 +30,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
-__all__ = ["CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES", "HyperParameterError", "PSEUDO", "REGISTRY",
-           "Spec", "WIRED", "build", "check_registry", "describe_defaults", "resolve"]
+__all__ = ["ARCHITECTURES", "Architectures", "CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES",
+           "HyperParameterError", "PSEUDO", "REGISTRY", "Spec", "WIRED", "architecture_model", "build",
+           "candidates_fit", "check_registry", "describe_defaults", "resolve"]
 
 
 class _RunClientLR:
@@ -53,13 +56,19 @@ PSEUDO = {
     "example_lr": "L2SGD+: the per-example step α/n; α is derived from it unless alpha is set",
     "l2": "ridge (l2/2)‖θ‖² added to every example's loss (the convex family: a unique minimiser)",
     "public_size": "FedMD: |D₀|, the public examples, drawn once from the pooled train split (the run's seed)",
+    "architectures": "FedMD: the clients' models, e.g. mlp,logreg (from logreg, mlp, cnn): client k has the "
+                     "(k mod A)-th; none: every client has the run's --model",
+    "num_hypotheses": "P2P Bayes: K candidate models, the fit and K − 1 others (the fit at a random index)",
+    "spread": "P2P Bayes: each other candidate is the fit moved by spread · ‖fit‖ in a random direction",
+    "fit_l2": "P2P Bayes: the ridge (fit_l2/2)‖θ‖² of the fit, a float64 L-BFGS solve on the pooled train split",
+    "concentration": "P2P Bayes: a node has concentrated once its belief on the fit stays above this (report only)",
 }
 """Hyper-parameters that are not factory parameters: each builds what the factory takes."""
 
 WIRED = ("loss_fn", "num_clients", "num_examples", "client_map", "client_optimizer", "server_optimizer", "graph",
          "aggregator", "storage_dtype", "prox", "finetune_client_optimizer", "finetune_server_optimizer",
          "personalize_optimizer", "schedule", "validation_data", "validation_mask", "apply_fn", "public_data",
-         "digest_optimizer", "architecture_of", "layers")
+         "digest_optimizer", "architecture_of", "layers", "hypotheses", "true_hypothesis")
 """Factory parameters the command line fills itself (never `--set`)."""
 
 FAMILIES = {
@@ -68,7 +77,8 @@ FAMILIES = {
     "admm": "convex models (logistic regression, ridge l2); every client every round on its whole train split; "
             "objective gap to a centralized solve",
     "decentralized": "no server: every client is a node of --topology and trains every round; evaluated on the "
-                     "nodes' average and per node; consensus distance",
+                     "nodes' average and per node; consensus distance (p2p_bayes: the network's most believed "
+                     "candidate and each node's; each node's belief on the fit)",
     "matched": "matched averaging on the host (an MLP or CNN): C sampled clients train, then their hidden units are "
                "matched layer by layer and the global layers grow; one round uploads each layer once per client",
     "asynchronous": "--async: clients arrive on a simulated clock, one server event per arrival; --rounds R runs "
@@ -94,6 +104,8 @@ class Context:
   apply_fn: Any = None  # the model's `apply(params, x) -> scores` (FedMD's public scores)
   pooled: Any = None  # `pooled(n) -> {"x", "y"}`: n pooled train examples at random (the run's seed)
   model: Any = None  # the run's `fo.models.Model` (FedMA applies it for any widths)
+  seed: int = 0  # the run's --seed (P2P Bayes' candidates)
+  example_shape: tuple = ()  # the shape of one example x (FedMD's architectures)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +143,16 @@ class Spec:
       `state.params` and personalized models (FedEM's mixtures of components).
     train_model: None, or `train_model(model) -> Model` whose loss the factory is given instead of the
       run's model's (FedMA: the same network applied for any widths); ValueError: the model does not fit.
+      `wire` may also return `loss_fn` (FedMD's losses, one per architecture), which then wins.
+    convex: the algorithm needs a convex model (`--model logreg`; `auto` picks it).
+    wrap: None, or `wrap(algorithm, context, hyper) -> algorithm`, applied to what the factory built (FedMD's
+      architectures: an `init` that starts each architecture from its own model).
+    scorer: None, or `scorer(model, hyper, dataset) -> Model` scoring `state.params` and the personalized
+      models when it depends on the hyper-parameters (FedMD's architectures); wins over `eval_model`.
+    tables: None, or `tables(hyper) -> (state -> per-client table)` for evaluation "table" when
+      `fo.personalized_params` does not give one table of N rows (FedMD with several architectures).
+    summary: None, or `summary(round_metrics, hyper, seeds) -> {results key: value}`, more of the result
+      row (P2P Bayes' beliefs on the fit).
   """
 
   family: str
@@ -148,6 +170,27 @@ class Spec:
   data_steps: Callable[[dict, int], int] | None = None
   eval_model: Callable[[Any], Any] | None = None
   train_model: Callable[[Any], Any] | None = None
+  convex: bool = False
+  wrap: Callable[[Any, Context, dict], Any] | None = None
+  scorer: Callable[[Any, dict, Any], Any] | None = None
+  tables: Callable[[dict], Callable[[Any], Any]] | None = None
+  summary: Callable[[Mapping[str, Any], dict, int], dict] | None = None
+
+  def scoring_model(self, model: Any, hyper: dict, dataset: Any) -> Any:
+    """The `fo.models.Model` whose loss and accuracy score this algorithm's models (the run's `model` by default)."""
+    if self.scorer is not None:
+      return self.scorer(model, hyper, dataset)
+    return model if self.eval_model is None else self.eval_model(model)
+
+  def personalized_params(self, hyper: dict) -> Callable[[Any], Any]:
+    """`state -> [N, ...]`: each client's own model, the table evaluation "table" scores."""
+    if self.tables is not None:
+      table = self.tables(hyper)
+      if table is not None:
+        return table
+    from fedjax_opt.core.per_client import personalized_params
+
+    return personalized_params
 
   def settable(self) -> dict[str, Any]:
     """Every hyper-parameter a user may set, with its default (`inspect.Parameter.empty`: none)."""
@@ -249,9 +292,209 @@ def _zeno_wire(ctx, hyper):
   return {**_async_wire(ctx, hyper), "validation_data": ctx.validation}
 
 
+ARCHITECTURES = ("logreg", "mlp", "cnn")
+"""FedMD's `architectures`: `fo.models` for the dataset's examples (logistic regression, the 2NN MLP, the EMNIST
+CNN)."""
+
+
+def _architecture_names(hyper: dict) -> list[str] | None:
+  """`fedmd.architectures` as names (None: not set), or a ValueError naming the bad value."""
+  value = hyper.get("architectures")
+  if value is None:
+    return None
+  names = value.split(",") if isinstance(value, str) else value
+  if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) for n in names):
+    names = None
+  else:
+    names = [n.strip() for n in names]
+  if names is None or not all(n in ARCHITECTURES for n in names):
+    raise ValueError(f"architectures must be model names separated by commas, from {', '.join(ARCHITECTURES)} "
+                     f"(e.g. mlp,logreg); got {value!r}")
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise ValueError(f"architectures lists {', '.join(twice)} twice; each architecture is one group of clients")
+  return names
+
+
+def architecture_model(name: str, example_shape: tuple, num_classes: int, text: bool = False):
+  """The `fo.models.Model` of FedMD architecture `name` for examples of `example_shape` and `num_classes`."""
+  from fedjax_opt import models
+
+  shape = tuple(example_shape)
+  if text:
+    raise ValueError("architectures apply to datasets of images or feature vectors; this one holds character "
+                     "sequences")
+  features = math.prod(shape)
+  if name == "logreg":
+    return models.logistic_regression(features, num_classes)
+  if name == "mlp":
+    return models.mlp_2nn(num_classes=num_classes, input_dim=features)
+  if len(shape) < 2:
+    raise ValueError(f"architecture 'cnn' needs image data; the dataset's examples have shape {shape}")
+  return models.emnist_cnn(num_classes=num_classes, image_shape=shape[:2])
+
+
+def _fedmd_models(ctx, hyper) -> list | None:
+  names = _architecture_names(hyper)
+  if names is None:
+    return None
+  if len(names) > ctx.num_clients:
+    raise ValueError(f"architectures names {len(names)} architectures for {ctx.num_clients} clients: each "
+                     f"architecture needs a client (client k has the (k mod A)-th)")
+  text = getattr(ctx.model, "name", None) == "char_rnn"
+  return [architecture_model(n, ctx.example_shape, ctx.model.num_classes, text) for n in names]
+
+
 def _fedmd_wire(ctx, hyper):
-  return {"apply_fn": ctx.apply_fn, "public_data": ctx.pooled(hyper["public_size"]),
-          "client_optimizer": _sgd(hyper["client_lr"])}
+  out = {"apply_fn": ctx.apply_fn, "public_data": ctx.pooled(hyper["public_size"]),
+         "client_optimizer": _sgd(hyper["client_lr"])}
+  models = _fedmd_models(ctx, hyper)
+  if models is not None:  # client k has architecture k mod A
+    import numpy as np
+
+    many = len(models) > 1
+    out.update(loss_fn=tuple(m.loss_fn for m in models) if many else models[0].loss_fn,
+               apply_fn=tuple(m.apply for m in models) if many else models[0].apply,
+               architecture_of=np.arange(ctx.num_clients) % len(models) if many else None)
+  return out
+
+
+def _fedmd_wrap(algo, ctx, hyper):
+  """With `architectures`, architecture a starts from `models[a].init(fold_in(key, a))`, key = init's key."""
+  models = _fedmd_models(ctx, hyper)
+  if models is None:
+    return algo
+  import jax
+
+  def init(params, key):
+    del params  # the run's model is not one of the clients' (each architecture starts from its own model)
+    starts = tuple(m.init(jax.random.fold_in(key, a)) for a, m in enumerate(models))
+    return algo.init(starts if len(starts) > 1 else starts[0], key)
+
+  return algo._replace(init=init)
+
+
+class Architectures(NamedTuple):
+  """One row per client of FedMD with several architectures: `models[a]` is a table `[N, ...]` of architecture
+  a's models, whose row k is client k's model when `architecture[k] == a` (row 0 of a's clients otherwise)."""
+
+  architecture: Any
+  models: tuple
+
+
+def _fedmd_scorer(model, hyper, dataset):
+  """Client 0's model (architecture 0) for `state.params`; each client's own architecture for `Architectures`."""
+  names = _architecture_names(hyper)
+  if names is None:
+    return model
+  models = [architecture_model(n, dataset.examples["x"].shape[2:], dataset.num_classes,
+                               dataset.sequence_length > 0) for n in names]
+  if len(models) == 1:
+    return models[0]
+
+  def per_architecture(fns):
+    def fn(params, batch):
+      if not isinstance(params, Architectures):  # state.params: client 0's model, of architecture 0
+        return fns[0](params, batch)
+      import jax.numpy as jnp
+
+      values = jnp.stack([f(p, batch) for f, p in zip(fns, params.models)])  # [A, B]
+      return values[params.architecture]
+
+    return fn
+
+  return models[0]._replace(loss_fn=per_architecture([m.loss_fn for m in models]),
+                            accuracy_fn=per_architecture([m.accuracy_fn for m in models]),
+                            name="+".join(m.name for m in models))
+
+
+def _fedmd_tables(hyper):
+  """FedMD's tuple of A tables `[n_a, ...]` as one `Architectures` table of N rows (None: one architecture)."""
+  names = _architecture_names(hyper)
+  if names is None or len(names) == 1:
+    return None
+  count = len(names)
+
+  def table(state):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    n = sum(jax.tree.leaves(t)[0].shape[0] for t in state.local_params)
+    arch = np.arange(n) % count
+    row = np.arange(n) // count  # client k is row k // A of its architecture's clients (a, a + A, a + 2A, ...)
+    models = tuple(jax.tree.map(lambda t, a=a: t[np.where(arch == a, row, 0)], state.local_params[a])
+                   for a in range(count))
+    return Architectures(jnp.asarray(arch, jnp.int32), models)
+
+  return table
+
+
+def _p2p_wire(ctx, hyper):
+  """The K candidates: the fit θ̂ (float64 L-BFGS of the pooled ridge risk) at a random index t, and K − 1
+  others θ̂ + spread · ‖θ̂‖ · u_k, u_k uniform on the unit sphere; t, then the u_k, from
+  `numpy.random.default_rng(seed)` (docs/cli.md)."""
+  import jax
+  import jax.flatten_util
+  import jax.numpy as jnp
+  import numpy as np
+
+  k, spread, fit_l2 = hyper["num_hypotheses"], hyper["spread"], hyper["fit_l2"]
+  if k < 2:
+    raise ValueError(f"num_hypotheses must be an integer >= 2 (the fit and at least one other); got {k}")
+  if spread <= 0:
+    raise ValueError(f"spread must be > 0 (how far the other candidates are from the fit); got {spread}")
+  if fit_l2 < 0:
+    raise ValueError(f"fit_l2 must be >= 0; got {fit_l2}")
+  if not 0 < hyper["concentration"] < 1:
+    raise ValueError(f"concentration must lie in (0, 1); got {hyper['concentration']}")
+  fit, _ = candidates_fit(ctx.model, ctx.pooled(2**62), fit_l2, ctx.seed)
+  flat32, unravel = jax.flatten_util.ravel_pytree(fit)
+  flat = np.asarray(flat32, np.float64)
+  rng = np.random.default_rng(ctx.seed)
+  truth = int(rng.integers(k))
+  directions = rng.normal(size=(k, flat.size))
+  thetas = flat + spread * np.linalg.norm(flat) * directions / np.linalg.norm(directions, axis=1, keepdims=True)
+  thetas[truth] = flat
+  rows = [unravel(jnp.asarray(t, flat32.dtype)) for t in thetas]
+  return {"hypotheses": jax.tree.map(lambda *r: jnp.stack(r), *rows), "true_hypothesis": truth}
+
+
+def candidates_fit(model, pooled: dict, fit_l2: float, seed: int):
+  """(θ̂, F(θ̂)): the minimiser of the mean of `model.loss_fn` + (fit_l2/2)‖θ‖² over `pooled`, float64 L-BFGS
+  from `model.init(jax.random.key(seed))` (`fo.objectives.minimize`)."""
+  import jax
+  import jax.numpy as jnp
+
+  from fedjax_opt import objectives
+
+  loss = _ridge(model.loss_fn, fit_l2)
+  return objectives.minimize(lambda p, data: jnp.mean(loss(p, data)), model.init(jax.random.key(seed)), pooled)
+
+
+def _p2p_summary(round_metrics, hyper, seeds):
+  """Each node's belief on the fit after the last round and the round from which it stays above `concentration`
+  (None: not by the end), per seed, and min / median / max over every node (None counts as never)."""
+  import numpy as np
+
+  beliefs = np.asarray(round_metrics["true_belief"], np.float64)  # [R, N], or [K, R, N] for K seeds
+  members = [beliefs] if seeds == 1 else list(beliefs)
+  last, first = [], []
+  for b in members:
+    stays = np.flip(np.logical_and.accumulate(np.flip(b > hyper["concentration"], 0), axis=0), 0)  # above to the end
+    last.append(b[-1].tolist())
+    first.append([int(np.argmax(s)) + 1 if s[-1] else None for s in stays.T])
+  every_last = np.concatenate([np.asarray(v) for v in last])
+  every_first = np.array([np.inf if r is None else r for v in first for r in v], np.float64)
+
+  def number(x):  # a round (an int), a median between two (a float), or None for never
+    return None if not np.isfinite(x) else int(x) if float(x).is_integer() else float(x)
+
+  out = {"true_belief_per_node": last, "rounds_to_concentrate_per_node": first}
+  for name, fn in (("min", np.min), ("median", np.median), ("max", np.max)):
+    out[f"true_belief_{name}"] = float(fn(every_last))
+    out[f"rounds_to_concentrate_{name}"] = number(fn(every_first))
+  return out
 
 
 def _fedma_model(model):
@@ -344,8 +587,8 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           "personalized", "no model is shared: clients distil towards the mean of their scores on "
           "public examples, then train on their own (Li & Wang 2019); test acc is client 0's model", a.fedmd,
           {"public_size": 1000, "public_per_round": 500, "digest_steps": 10, "digest_batch_size": 50,
-           "client_lr": CLIENT_LR}, _fedmd_wire, evaluation="table", sampling="all",
-          communication="metrics"),
+           "client_lr": CLIENT_LR, "architectures": None}, _fedmd_wire, evaluation="table", sampling="all",
+          communication="metrics", wrap=_fedmd_wrap, scorer=_fedmd_scorer, tables=_fedmd_tables),
       "l2gd": lambda a: Spec(
           "personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
           a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
@@ -365,19 +608,19 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       "admm_consensus": lambda a: Spec(
           "admm", "consensus ADMM, inexact local steps, pooled-risk objective (Boyd et al. 2011)",
           a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local}, _client_local,
-          sampling="full", messages=(1, 1), objective="pooled"),
+          sampling="full", messages=(1, 1), objective="pooled", convex=True),
       "gadmm": lambda a: Spec(
           "admm", "group ADMM on a chain of workers, no server (Elgabli et al. 2020)", a.gadmm,
           {"rho": 0.1, "objective": "examples", **admm_local}, _client_local, graph="chain",
-          sampling="full", messages=(1, 0), objective="pooled"),
+          sampling="full", messages=(1, 0), objective="pooled", convex=True),
       "cq_ggadmm": lambda a: Spec(
           "admm", "censored and quantized GADMM on a chain (Issaid et al. 2020)", a.cq_ggadmm,
           {"rho": 0.1, "tau0": 0.5, "xi": 0.9, "bits": 8, "objective": "examples", **admm_local},
-          _client_local, graph="chain", sampling="full", communication="bits", objective="pooled"),
+          _client_local, graph="chain", sampling="full", communication="bits", objective="pooled", convex=True),
       "mixture_admm": lambda a: Spec(
           "admm", "ADMM on the mixture of global and local models (personalized)", a.mixture_admm,
           {"lam": 0.1, "rho": 0.1, **admm_local}, _client_local,
-          evaluation="table", sampling="full", messages=(1, 1), objective="mixture"),
+          evaluation="table", sampling="full", messages=(1, 1), objective="mixture", convex=True),
       # ---- decentralized (--topology) -------------------------------------------------------------------------
       "gossip": lambda a: Spec(
           "decentralized", "local SGD, then averaging with the neighbours: x ← W(x + Δ) (decentralized "
@@ -396,6 +639,12 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
           _client, graph="topology", evaluation="table", sampling="nodes", communication="bytes",
           eval_model=a.fedem_mixture_model),
+      "p2p_bayes": lambda a: Spec(
+          "decentralized", "beliefs over K candidate models (the fit and K − 1 moved away from it): Bayes' "
+          "rule on each node's batches, then geometric averaging with the neighbours (Lalitha et al. 2019)",
+          a.p2p_bayes, {"num_hypotheses": 8, "spread": 0.5, "fit_l2": 1e-3, "concentration": 0.99}, _p2p_wire,
+          graph="topology", evaluation="table", sampling="nodes", communication="bytes", convex=True,
+          summary=_p2p_summary),
       # ---- matched averaging (host-driven) --------------------------------------------------------------------
       "fedma": lambda a: Spec(
           "matched", "match hidden units layer by layer (BBP-MAP, Hungarian), average, retrain the layers "
@@ -550,6 +799,7 @@ def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
     loss_fn = _ridge(ctx.loss_fn if spec.train_model is None else spec.train_model(ctx.model).loss_fn,
                      hyper.get("l2", 0.0))
     kwargs = spec.wire(ctx, hyper)
+    loss_fn = kwargs.pop("loss_fn", loss_fn)
     if spec.graph is not None:
       kwargs["graph"] = ctx.graph if spec.graph == "topology" else _builder_graph(spec.graph, ctx.num_clients)
     for key, value in hyper.items():  # a value set by the user wins over the wiring; None leaves the wiring
@@ -561,7 +811,8 @@ def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
       kwargs["client_map"] = ctx.client_map
     if ctx.aggregator is not None and "aggregator" in params:
       kwargs["aggregator"] = ctx.aggregator
-    return spec.factory(loss_fn, **kwargs)
+    algo = spec.factory(loss_fn, **kwargs)
+    return algo if spec.wrap is None else spec.wrap(algo, ctx, hyper)
   except (ValueError, TypeError) as e:
     message = str(e).splitlines()[0] if str(e) else type(e).__name__
     raise HyperParameterError(f"{name}: {message}") from None

@@ -41,6 +41,14 @@ def _count(row: dict[str, Any], key: str) -> str:
   return str(value if isinstance(value, int) else max(value))
 
 
+def _spread(row: dict[str, Any], key: str, spec: str) -> str:
+  """`min/median/max` of `key_min`, `key_median`, `key_max` (`-` for a missing or None value)."""
+  if key + "_median" not in row:
+    return "-"
+  return "/".join("-" if row.get(f"{key}_{s}") is None else f"{row[f'{key}_{s}']:{spec}}"
+                  for s in ("min", "median", "max"))
+
+
 def results_table(rows: list[dict[str, Any]]) -> str:
   """The table printed at the end of a run (columns for personalized and objective values when present)."""
   columns = [("algorithm", lambda r: r["algorithm"]), ("rounds", lambda r: str(r["rounds"])),
@@ -62,6 +70,9 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     columns.append(("consensus", lambda r: _cell(r, "consensus_distance", ".2e")))
   if any("simulated_time" in r for r in rows):
     columns.append(("sim. time", lambda r: _cell(r, "simulated_time", ".1f")))
+  if any("true_belief_median" in r for r in rows):
+    columns += [("θ* belief", lambda r: _spread(r, "true_belief", ".3f")),
+                ("rounds to θ*", lambda r: _spread(r, "rounds_to_concentrate", "g"))]
   columns += [("MB sent", lambda r: f"{r['megabytes_sent']:,.3f}" if r["megabytes_sent"] < 1 else f"{r['megabytes_sent']:,.1f}"), ("compile s", lambda r: f"{r.get('compile_seconds', float('nan')):.1f}"),
               ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
               ("status", lambda r: r["status"])]
@@ -75,6 +86,10 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 
   rule = "-" * len(fmt(header))
   notes = [f"{r['algorithm']} {r['status']}: {r['diverged_reason']}" for r in rows if r.get("diverged_reason")]
+  if any("true_belief_median" in r for r in rows):
+    notes.append("θ* belief: each node's belief on the true candidate (p2p_bayes: the fit) after the last round; "
+                 "rounds to θ*: the round from which it stays above p2p_bayes.concentration (default 0.99; - never); "
+                 "min/median/max over nodes")
   private = [r for r in rows if r.get("privacy")]
   if private:
     p = private[0]["privacy"]

@@ -62,7 +62,7 @@ def model_choice(config: dict[str, Any], dataset) -> str:
   import math as _math
 
   names = config["algorithms"].split(",")
-  convex = [n for n in names if registry.REGISTRY[n].family == "admm"]
+  convex = [n for n in names if registry.REGISTRY[n].convex]
   matched = [n for n in names if registry.REGISTRY[n].family == "matched"]
   choice = config["model"]
   text = dataset.sequence_length > 0  # windows of a token stream (Shakespeare)
@@ -189,7 +189,7 @@ def _members(state, n: int) -> list:
 
 
 def personalized_per_client(spec: registry.Spec, algo, state, dataset, metric_fns,
-                            size: int) -> list[list[float | None]]:
+                            size: int, table_fn: Callable | None = None) -> list[list[float | None]]:
   """Each client's personalized test accuracy (None: no test example), per sweep member."""
   import jax
   import numpy as np
@@ -200,7 +200,8 @@ def personalized_per_client(spec: registry.Spec, algo, state, dataset, metric_fn
   out = []
   for member in _members(state, size):
     if spec.evaluation == "table":
-      result = jax.jit(lambda t, d: evaluate.personalized(t, d, metric_fns))(fo.personalized_params(member), dataset)
+      table = (table_fn or fo.personalized_params)(member)
+      result = jax.jit(lambda t, d: evaluate.personalized(t, d, metric_fns))(table, dataset)
     else:
       result = jax.jit(lambda p, d, adapt=algo.personalize: evaluate.adapted(p, adapt, d, metric_fns))(
           member.params, dataset)
@@ -300,7 +301,8 @@ def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
                            local_steps=config["local_steps"], rounds=config["rounds"],
                            client_map=effective_client_map(config), aggregator=aggregator,
                            clients_per_round=config["clients_per_round"], apply_fn=model.apply, model=model,
-                           pooled=pooled_sample(dataset, config["seed"]), **network_context(config, dataset))
+                           pooled=pooled_sample(dataset, config["seed"]), seed=config["seed"],
+                           example_shape=tuple(dataset.examples["x"].shape[2:]), **network_context(config, dataset))
   except network.NetworkError as e:
     raise UsageError(str(e)) from None
   built = []
@@ -490,12 +492,11 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
   rows, histories, extras = [], {}, {}
   for name, spec, hyper, algo in built:
     algo_run, init_state, data_seed = _initial_state(algo, model, config)
-    scored = model if spec.eval_model is None else spec.eval_model(model)  # FedEM: its mixtures
+    scored = spec.scoring_model(model, hyper, dataset)  # FedEM: its mixtures; FedMD: each client's architecture
     metric_fns = {"loss": scored.loss_fn, "accuracy": scored.accuracy_fn}
     hooks = {}
     if spec.evaluation == "table":
-      import fedjax_opt as fo
-      hooks["personalized_params"] = fo.personalized_params
+      hooks["personalized_params"] = spec.personalized_params(hyper)
     elif spec.evaluation == "adapt":
       hooks["personalize"] = algo.personalize
     t0 = time.perf_counter()
@@ -539,8 +540,11 @@ def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool)
         row.update({k.replace(key, short): v for k, v in _summarize(last, key).items()})
       if diverged is None:
         row["personalized_accuracy_per_client"] = personalized_per_client(
-            spec, algo, state, dataset, {"accuracy": scored.accuracy_fn}, config["seeds"])
+            spec, algo, state, dataset, {"accuracy": scored.accuracy_fn}, config["seeds"],
+            spec.personalized_params(hyper))
     row.update(cluster_recovery(state, groups, config["seeds"]))
+    if spec.summary is not None:  # P2P Bayes: the beliefs on the fit
+      row.update(spec.summary(history.round_metrics, hyper, config["seeds"]))
     if spec.objective is not None and diverged is None:
       row.update(objective_gap(spec, hyper, model, state, dataset, config["seeds"]))
     bits = bits_per_round(spec, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),

@@ -131,6 +131,126 @@ class ClientBatches:
   weight: jax.Array
   client_id: jax.Array
 
+  @classmethod
+  def from_clients(cls, clients: Any, *, batch_size: int, steps: int | None = None, client_ids: Any = None,
+                   weights: Any = None) -> ClientBatches:
+    """One round's `ClientBatches` from per-client arrays: padding, mask, weights and ids filled in.
+
+        batches = fo.ClientBatches.from_clients([{"x": x0, "y": y0}, {"x": x1, "y": y1}], batch_size=32)
+
+    Client k's examples go in order, step by step: slot (s, b) of client k
+    holds its example s·B + b, the mask is True on the slots that hold one,
+    and padding holds zeros.
+
+    * S·B > n_k (always for all but the largest client when `steps` is None):
+      client k's last step is partly padding and its later steps are all
+      padding. A step without a real example is no step (`core.local`), so the
+      client simply trains for ceil(n_k / B) steps; a client with n_k = 0
+      takes no step and no part.
+    * S·B < n_k (an explicit `steps` too small for client k): only its first
+      S·B examples are in the round; the others are not used. Its weight stays
+      n_k, its data size, as in `fo.data.sample_round`; shuffle the arrays
+      first, or call this again with the rest, to use other examples.
+
+    Built on the host with NumPy, from concrete arrays (not inside `jax.jit`);
+    `fo.data.pack` and `fo.train` are the path for a dataset sampled round
+    after round.
+
+    Args:
+      clients: a list of C per-client pytrees (e.g. `{"x": [n_k, ...], "y":
+        [n_k]}`), all of one structure; the leaves of client k share their
+        leading size n_k (≥ 0), and a leaf has the same trailing shape for
+        every client. A leaf's dtype is the common dtype of the clients' (NumPy
+        promotion).
+      batch_size: B ≥ 1, example slots per step.
+      steps: S ≥ 1, steps per client; None: ceil(max_k n_k / B) (at least 1),
+        which holds every client's whole data.
+      client_ids: `[C]` ints ≥ 0, the rows of the algorithm's per-client
+        tables; None: 0 … C−1.
+      weights: `[C]` finite numbers ≥ 0 (0: not taking part); None: n_k.
+
+    Returns:
+      `ClientBatches` with data `[C, S, B, ...]`, mask `[C, S, B]` bool, weight
+      `[C]` float32 and client_id `[C]` int32, as JAX arrays.
+
+    Raises:
+      TypeError: `clients` is not a list of pytrees of arrays; a count is not an int.
+      ValueError: one line naming the client and leaf at fault: no clients, no
+        arrays, different structures, leaves of one client of different
+        leading sizes, different trailing shapes across clients; or bad
+        `client_ids` / `weights`.
+    """
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    from fedjax_opt.core.validation import check_int, check_optional_int  # pylint: disable=import-outside-toplevel
+
+    where = "ClientBatches.from_clients"
+    if isinstance(clients, (dict, str)) or not isinstance(clients, (list, tuple)):
+      raise TypeError(f"{where}: clients must be a list of per-client pytrees of [n_k, ...] arrays; got "
+                      f"{type(clients).__name__}.")
+    if not clients:
+      raise ValueError(f"{where}: clients is empty; give at least one client.")
+    batch_size = check_int(batch_size, "batch_size", 1)
+    steps = check_optional_int(steps, "steps", 1)
+    structure = jax.tree.structure(clients[0])
+    leaves = []
+    for k, client in enumerate(clients):
+      if jax.tree.structure(client) != structure:
+        raise ValueError(f"{where}: clients[{k}] has structure {jax.tree.structure(client)}; clients[0] has "
+                         f"{structure}.")
+      paths = jax.tree_util.tree_flatten_with_path(client)[0]
+      if not paths:
+        raise ValueError(f"{where}: clients[{k}] holds no arrays.")
+      arrays = []
+      for path, leaf in paths:
+        name = f"clients[{k}]{jax.tree_util.keystr(path)}"
+        a = np.asarray(leaf)
+        if a.ndim == 0 or not (np.issubdtype(a.dtype, np.number) or a.dtype == np.bool_):
+          raise ValueError(f"{where}: {name} must be a numeric array [n_k, ...] (examples first); got "
+                           f"{'a scalar' if a.ndim == 0 else f'dtype {a.dtype}'}.")
+        arrays.append((name, a))
+      sizes = {name: a.shape[0] for name, a in arrays}
+      if len(set(sizes.values())) != 1:
+        raise ValueError(f"{where}: the leaves of clients[{k}] must share their leading size n_k (examples); got "
+                         f"{sizes}.")
+      leaves.append(arrays)
+    for i, (name0, ref) in enumerate(leaves[0]):
+      for arrays in leaves[1:]:
+        name, a = arrays[i]
+        if a.shape[1:] != ref.shape[1:]:
+          raise ValueError(f"{where}: {name} has example shape {a.shape[1:]}; {name0} has {ref.shape[1:]}.")
+    counts = np.array([arrays[0][1].shape[0] for arrays in leaves], np.int64)
+    c = len(clients)
+    s = steps if steps is not None else max(1, -(-int(counts.max()) // batch_size))
+    used = np.minimum(counts, s * batch_size)
+    slot = np.arange(s * batch_size).reshape(s, batch_size)
+    mask = slot[None] < used[:, None, None]
+    data = []
+    for i, (_, ref) in enumerate(leaves[0]):
+      dtype = np.result_type(*[arrays[i][1].dtype for arrays in leaves])
+      out = np.zeros((c, s * batch_size) + ref.shape[1:], dtype)
+      for k, arrays in enumerate(leaves):
+        out[k, :used[k]] = arrays[i][1][:used[k]]
+      data.append(jnp.asarray(out.reshape((c, s, batch_size) + ref.shape[1:])))
+    if client_ids is None:
+      ids = np.arange(c)
+    else:
+      ids = np.asarray(client_ids)
+      if ids.shape != (c,) or not np.issubdtype(ids.dtype, np.integer) or np.any(ids < 0):
+        raise ValueError(f"{where}: client_ids must be {c} integers >= 0 (one per client); got {client_ids!r}.")
+    if weights is None:
+      w = counts.astype(np.float64)
+    else:
+      try:
+        w = np.asarray(weights, np.float64)
+      except (TypeError, ValueError):
+        w = np.full((), np.nan)
+      if w.shape != (c,) or not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"{where}: weights must be {c} finite numbers >= 0 (one per client); got {weights!r}.")
+    return cls(data=jax.tree.unflatten(structure, data), mask=jnp.asarray(mask),
+               weight=jnp.asarray(w, jnp.float32), client_id=jnp.asarray(ids, jnp.int32))
+
   @property
   def num_clients(self) -> int:
     """C, the number of clients in the round (static)."""
