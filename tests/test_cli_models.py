@@ -68,6 +68,7 @@ MD = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", "
       "--set", "fedmd.public_per_round=100", "--set", "fedmd.digest_batch_size=50", "--set", "fedmd.digest_steps=2"]
 
 
+@pytest.mark.slow  # a whole command-line run
 def test_fedmd_with_two_architectures_is_the_run_built_in_python(cli, tmp_path):
   """In process. `fedmd.architectures=mlp,logreg`: client k has architecture k mod 2, architecture a starts from
   its model's init(fold_in(key, a)), key = key(seed + 1); test acc is client 0's MLP; each client is scored with

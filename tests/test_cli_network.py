@@ -220,6 +220,7 @@ P2P = ["--dataset", "digits", "--num-clients", "6", "--clients-per-round", "3", 
        "--set", "p2p_bayes.num_hypotheses=4", "--set", "p2p_bayes.spread=0.2", "--set", "p2p_bayes.fit_l2=0.01"]
 
 
+@pytest.mark.slow  # a whole command-line run
 def test_p2p_bayes_run_is_the_run_built_in_python_and_reports_each_node_s_belief_on_the_fit(cli, tmp_path):
   """In process. The candidates as docs/cli.md says: the float64 L-BFGS fit of the pooled ridge risk at index t,
   the others moved by spread · ‖fit‖ in directions drawn with `numpy.random.default_rng(seed)`; on a ring."""
