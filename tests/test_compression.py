@@ -302,20 +302,23 @@ def test_identity_compression_leaves_fedavg_unchanged_bit_for_bit():
   assert C.residuals(want.aggregator_state) is None
 
 
-# compressors × aggregators: the diagonal (top_k and sign with the weighted mean, whose programs the NumPy and NaN
-# tests below reuse; qsgd and rand_k with the mean) in the default tier, every cell in the slow tier.
-@pytest.mark.parametrize("compressor,aggregator",
-                         diagonal([TOP_1, C.qsgd(bits=3), COMPRESSORS["sign"], C.rand_k(k=2)],
-                                  ["weighted_mean", "mean"]),
-                         ids=lambda v: getattr(v, "name", v))
-def test_compression_gives_the_same_state_stacked_and_streamed(compressor, aggregator):
+# compressors × (aggregator, loop mode): the diagonal (top_k and sign with the weighted mean, whose programs the NumPy
+# and NaN tests below reuse; qsgd and rand_k with the mean; each loop mode twice) in the default tier, every cell in
+# the slow tier.
+STREAMS = [("weighted_mean", "sequential"), ("mean", "chunked:3"), ("weighted_mean", "chunked:3"), ("mean", "sequential")]
+
+
+@pytest.mark.parametrize("compressor,stream", diagonal([TOP_1, C.qsgd(bits=3), COMPRESSORS["sign"], C.rand_k(k=2)],
+                                                       STREAMS),
+                         ids=lambda v: "-".join(v) if v in STREAMS else getattr(v, "name", v))
+def test_compression_gives_the_same_state_stacked_and_streamed(compressor, stream):
   """vmap stacks the updates; sequential and chunked:3 (4 clients) stream them: the same state, residuals and bits."""
+  aggregator, mode = stream
   want = _run(compressor, True, "vmap", aggregator=aggregator)
-  for mode in ("sequential", "chunked:3"):
-    got = _run(compressor, True, mode, aggregator=aggregator)
-    for a, b in zip(jax.tree.leaves((got.params, C.residuals(got.aggregator_state), got.metrics)),
-                    jax.tree.leaves((want.params, C.residuals(want.aggregator_state), want.metrics))):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6, err_msg=mode)
+  got = _run(compressor, True, mode, aggregator=aggregator)
+  for a, b in zip(jax.tree.leaves((got.params, C.residuals(got.aggregator_state), got.metrics)),
+                  jax.tree.leaves((want.params, C.residuals(want.aggregator_state), want.metrics))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6, err_msg=mode)
 
 
 def _numpy_fedavg_round(params, data, weights, lr, compress, residuals):

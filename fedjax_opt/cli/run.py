@@ -280,6 +280,12 @@ def cluster_recovery(state, groups, size: int) -> dict[str, Any]:
           "unassigned_clients": unassigned}
 
 
+def _example_shape(dataset) -> tuple:
+  """The shape of one example's features x, or () for a dataset without them (text: token windows)."""
+  x = dataset.examples.get("x") if isinstance(dataset.examples, dict) else None
+  return () if x is None else tuple(x.shape[2:])
+
+
 def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
   """(dataset, model, [(name, spec, hyper, algorithm)], planted groups or None): built and checked before running."""
   dataset, groups = load_dataset_and_groups(config)
@@ -302,7 +308,7 @@ def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
                            client_map=effective_client_map(config), aggregator=aggregator,
                            clients_per_round=config["clients_per_round"], apply_fn=model.apply, model=model,
                            pooled=pooled_sample(dataset, config["seed"]), seed=config["seed"],
-                           example_shape=tuple(dataset.examples["x"].shape[2:]), **network_context(config, dataset))
+                           example_shape=_example_shape(dataset), **network_context(config, dataset))
   except network.NetworkError as e:
     raise UsageError(str(e)) from None
   built = []
