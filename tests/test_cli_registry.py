@@ -142,6 +142,7 @@ def test_a_run_uses_the_client_count_that_list_shows(name):
   assert f"{info.default_num_clients} " in info.clients  # the words `fedjax-opt list datasets` prints
 
 
+@pytest.mark.slow  # three models trained and scored
 def test_fedmd_with_three_architectures_steps_and_scores_each_client_with_its_own(digits):
   """`architectures=mlp,logreg,cnn`: client k has architecture k mod 3; the evaluation table has a row per client,
   and the scoring model gives each row its own architecture's loss (state.params: client 0's MLP)."""

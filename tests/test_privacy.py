@@ -11,6 +11,8 @@ import optax
 import pytest
 from scipy import stats
 
+from conftest import diagonal
+
 import fedjax_opt as fo
 from fedjax_opt.core import aggregate_updates
 
@@ -115,26 +117,28 @@ def _inputs(rng, c=5, s=2, b=3, d=3):
   return {"w": jnp.zeros(d), "b": jnp.zeros(())}, batches
 
 
-@pytest.mark.parametrize("adaptive", [None, P.AdaptiveClipping(0.5, 0.3, 2.0)])
-def test_streaming_equals_the_stacked_round_through_fedavg(adaptive):
+# (fixed clip, adaptive clipping) × loop modes: the diagonal in the default tier, every cell in the slow tier.
+@pytest.mark.parametrize("adaptive,loop", diagonal([None, P.AdaptiveClipping(0.5, 0.3, 2.0)], ["sequential", "chunked:3"]),
+                         ids=lambda v: v if isinstance(v, str) else ("fixed" if v is None else "adaptive"))
+def test_streaming_equals_the_stacked_round_through_fedavg(adaptive, loop):
   params, batches = _inputs(np.random.default_rng(3))
   x = batches.data["x"].at[1, 0, 0, 0].set(jnp.nan)  # client 1: a non-finite update (dropped, not counted)
   mask = batches.mask.at[3].set(False)  # client 3: no data this round (no step, no part)
   batches = batches.replace(data={**batches.data, "x": x}, mask=mask)
   states = {}
-  for mode in ("vmap", "sequential", "chunked:3"):
+  for mode in ("vmap", loop):
     algo = fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.05), client_map=mode,
                                 aggregator=P.dp_mean(0.3, 0.8, expected_clients=3, adaptive=adaptive))
     state = algo.init(params, jax.random.key(5))
+    step = jax.jit(algo.step)
     for _ in range(3):
-      state = jax.jit(algo.step)(state, batches)
+      state = step(state, batches)
     states[mode] = state
   assert int(states["vmap"].metrics["num_clients"]) == 3 and int(states["vmap"].metrics["num_nonfinite"]) == 1
-  for mode in ("sequential", "chunked:3"):
-    for name in ("w", "b"):
-      np.testing.assert_allclose(states[mode].params[name], states["vmap"].params[name], rtol=2e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(states[mode].aggregator_state), jax.tree.leaves(states["vmap"].aggregator_state)):
-      np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+  for name in ("w", "b"):
+    np.testing.assert_allclose(states[loop].params[name], states["vmap"].params[name], rtol=2e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(states[loop].aggregator_state), jax.tree.leaves(states["vmap"].aggregator_state)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
 def test_zero_weight_and_nonfinite_clients_contribute_nothing_and_are_not_counted():
