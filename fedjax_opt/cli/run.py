@@ -91,23 +91,16 @@ def model_choice(config: dict[str, Any], dataset) -> str:
 
 def build_model(config: dict[str, Any], dataset):
   """The model the config names."""
-  import math as _math
-
   from fedjax_opt import models
 
   choice = model_choice(config, dataset)
   k = dataset.num_classes
   if choice == "rnn":
     return models.char_rnn(vocab_size=k, sequence_length=dataset.sequence_length)
-  shape = tuple(dataset.examples["x"].shape[2:])
-  features = _math.prod(shape)
-  if choice == "logreg":
-    return models.logistic_regression(features, k)
-  if choice == "mlp":
-    return models.mlp_2nn(num_classes=k, input_dim=features)
-  if len(shape) < 2:
+  shape = _example_shape(dataset)
+  if choice == "cnn" and len(shape) < 2:
     raise UsageError(f"model 'cnn' needs image data; dataset {config['dataset']!r} has feature shape {shape}")
-  return models.emnist_cnn(num_classes=k, image_shape=shape[:2])
+  return registry.architecture_model(choice, shape, k)
 
 
 def sampling(spec: registry.Spec, hyper: dict[str, Any], config: dict[str, Any], dataset) -> dict[str, Any]:
