@@ -235,7 +235,8 @@ def clustered_fl(
 
     # The split test and the bipartition are discrete decisions on the clients' updates.
     mean_norm, max_norm, clean = refuse_derivative(
-        (mean_norm, max_norm, clean), "CFL's split test (ε₁, ε₂ thresholds) and minimax bipartition")
+        (mean_norm, max_norm, clean),
+        "CFL's split test (ε₁, ε₂ thresholds) and minimax bipartition (a run is piecewise constant in them)")
     similarity = clusters.cosine_similarity(clean)
     parts = jax.vmap(lambda m: clusters.minimax_bipartition(similarity, m))(member)  # fields [K, ...]
     in_use = jnp.arange(k) < state.num_clusters

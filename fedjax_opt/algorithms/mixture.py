@@ -284,7 +284,7 @@ def _warn_above(alpha: Any, bound: Any, name: str) -> None:
 def _flip_coin(state: Any, p: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(next key, ξ_k, key for this iteration's sampling)."""
   key, coin_key, sample_key = jax.random.split(state.key, 3)
-  p = refuse_derivative(p, "the coin ξ ~ Bernoulli(p) (p decides which step is taken)")
+  p = refuse_derivative(p, "the coin ξ ~ Bernoulli(p) (a comparison with p decides which step is taken)")
   return key, jax.random.bernoulli(coin_key, p), sample_key
 
 

@@ -9,7 +9,10 @@ CQ-GGADMM's censoring test, Zeno++'s acceptance test, L2GD's coin with
 probability p. There the run is piecewise constant in the decision, and
 automatic differentiation silently returns the derivative of one piece (the
 jumps between pieces, which are what changes with the hyper-parameter, are
-missed). So a step passes the value that decides through
+missed). A step that builds its update with `stop_gradient` (Per-FedAvg's
+straight-through surrogates) computes a derivative that is not the
+derivative of its value. So a step passes the value that decides (or that
+the surrogate is built on) through
 `refuse_derivative(x, what)`: an identity for every computation that does not
 differentiate `x`, and a `NotDifferentiableError` with one line naming `what`
 when a derivative (forward or reverse mode, any transformation) reaches it.
@@ -27,7 +30,7 @@ __all__ = ["NotDifferentiableError", "refuse_derivative"]
 
 
 class NotDifferentiableError(ValueError):
-  """A derivative reached a discrete decision of a step (`refuse_derivative`)."""
+  """A derivative reached a decision of a step it cannot pass (`refuse_derivative`)."""
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -37,7 +40,7 @@ def refuse_derivative(x: Any, what: str) -> Any:
   Args:
     x: the array (or pytree) a discrete decision is taken on.
     what: the decision and why it breaks differentiation, one clause, e.g.
-      "IFCA assigns each client to its lowest-loss cluster (an argmin)".
+      "the client is assigned to its lowest-loss cluster (an argmin: a run is piecewise constant in it)".
   """
   return x
 
@@ -46,5 +49,5 @@ def refuse_derivative(x: Any, what: str) -> Any:
 def _refuse_jvp(what: str, primals: Any, tangents: Any) -> Any:
   del primals, tangents
   raise NotDifferentiableError(
-      f"{what}: a run is piecewise constant in that decision, so it has no hyper-gradient (fo.hyper refuses it); "
-      "tune these hyper-parameters by grid search instead (fo.sweep).")
+      f"not differentiable: {what}, so a run has no usable hyper-gradient through it (fo.hyper refuses it); tune "
+      "these hyper-parameters by grid search instead (fo.sweep).")
