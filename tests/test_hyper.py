@@ -116,7 +116,12 @@ START = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+DEFAULT_TIER = {"fedadam", "fedprox"}
+"""The cases of the default tier; the others (a few seconds of compilation each) run in the slow tier."""
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in DEFAULT_TIER else pytest.mark.slow)
+                                  for n in sorted(CASES)])
 def test_hyper_gradient_matches_float64_central_differences(name):
   """The issue's list: FedAvg(M) (client lr, server lr, logit momentum), FedAdam (client and server lr),
   FedProx (μ, reverse and forward mode), Ditto (λ, η), consensus ADMM (ρ), L2GD (λ, α); 20 rounds, 1e-4."""
@@ -257,3 +262,66 @@ def test_bad_arguments_are_refused_with_a_clear_error():
   with pytest.raises(ValueError, match="schedule must be one of"):
     fo.hyper.tune(_fedavg_sgd, GLOBAL, {"client_lr": 0.1, "server_lr": 1.0}, params, jax.random.key(0), batches,
                   batches, rounds=2, outer_steps=1, schedule="nightly")
+
+
+# ---- tune: closed-form optima ----------------------------------------------------------------------------------
+
+C_TRAIN, C_VAL, X0, TUNE_ROUNDS = 1.0, 0.5, 0.0, 5
+
+
+def _scalar_loss(params, batch):
+  return 0.5 * jnp.square(params["w"] - batch["y"])
+
+
+def _scalar_fedavg(h):
+  return fo.algorithms.fedavg(_scalar_loss, client_optimizer=optax.sgd(h["lr"]))
+
+
+def _scalar_batches(c):
+  """Two clients, one step of one example y = c each: a round is x ← x − η (x − c)."""
+  return fo.ClientBatches(data={"y": jnp.full((2, 1, 1), c, jnp.float64)}, mask=jnp.ones((2, 1, 1), bool),
+                          weight=jnp.ones((2,)), client_id=jnp.arange(2, dtype=jnp.int32))
+
+
+SCALAR_OBJECTIVE = fo.hyper.validation_loss(_scalar_loss)
+
+
+def test_offline_tuning_finds_the_closed_form_best_step_size_from_both_sides():
+  """x_R = c + (1 − η)^R (x_0 − c), so the validation loss ½(x_R − c_val)² is 0 at (1 − η*)^R = (c_val − c)/(x_0 − c):
+  η* = 1 − 0.5^(1/5) ≈ 0.1294. Two starts, 10× too small and ≈ 4× too large, tuned side by side (one program)."""
+  best = 1 - ((C_VAL - C_TRAIN) / (X0 - C_TRAIN)) ** (1 / TUNE_ROUNDS)
+  with jax.enable_x64(True):
+    steps = 80
+    result = fo.hyper.tune(_scalar_fedavg, SCALAR_OBJECTIVE, {"lr": [best / 10, 0.5]}, {"w": jnp.float64(X0)},
+                           jax.random.key(0), _scalar_batches(C_TRAIN), _scalar_batches(C_VAL), rounds=TUNE_ROUNDS,
+                           outer_steps=steps, optimizer=optax.sgd(4.0))
+    np.testing.assert_allclose(np.asarray(result.hyper_params["lr"]), [best, best], rtol=1e-3)
+    assert result.trajectory["lr"].shape == (2, steps + 1) and result.values.shape == (2, steps)
+    np.testing.assert_allclose(np.asarray(result.trajectory["lr"][:, 0]), [best / 10, 0.5], rtol=1e-12)
+    # The values are the closed form's at the trajectory's step sizes.
+    lr = np.asarray(result.trajectory["lr"][:, :-1], np.float64)
+    expected = 0.5 * (C_TRAIN + (1 - lr) ** TUNE_ROUNDS * (X0 - C_TRAIN) - C_VAL) ** 2
+    np.testing.assert_allclose(np.asarray(result.values), expected, rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(float(result.state.params["w"][0]), C_VAL, atol=1e-4)
+
+
+def test_online_tuning_climbs_to_the_one_round_optimum_and_continues_one_run():
+  """Online with windows of one round and validation = training data: the window's J(η) = ½ (1 − η)² (x_t − c)²
+  is smallest at η = 1 whatever x_t (hypergradient descent's setting). From η = 0.1 the step size climbs past 0.9 and
+  the run, carried across windows, reaches c far sooner than at the starting step size."""
+  windows = 40
+  with jax.enable_x64(True):
+    result = fo.hyper.tune(_scalar_fedavg, SCALAR_OBJECTIVE, {"lr": 0.1}, {"w": jnp.float64(X0)}, jax.random.key(0),
+                           _scalar_batches(C_TRAIN), _scalar_batches(C_TRAIN), rounds=1, outer_steps=windows,
+                           schedule="online", optimizer=optax.adam(0.2))
+    lr = np.asarray(result.trajectory["lr"][0], np.float64)
+    assert np.all(np.diff(lr[:10]) > 0) and lr.max() > 0.9
+    assert int(result.state.round[0]) == windows
+    # Replay of the run in NumPy: x ← x − η_t (x − c) with the trajectory's η_t, and the values at each window's end.
+    x, values = X0, []
+    for t in range(windows):
+      x = x - lr[t] * (x - C_TRAIN)
+      values.append(0.5 * (x - C_TRAIN) ** 2)
+    np.testing.assert_allclose(np.asarray(result.values[0]), values, rtol=1e-9, atol=1e-30)
+    np.testing.assert_allclose(float(result.state.params["w"][0]), x, rtol=1e-12)
+    assert abs(x - C_TRAIN) < 1e-3 * (1 - 0.1) ** windows

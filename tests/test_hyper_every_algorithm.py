@@ -5,8 +5,9 @@ hyper-parameters (the paper's symbols, or the client optimizer's learning rate f
 their own), in `REFUSED` with the decision that makes its step non-differentiable, or in `NOTHING_TO_TUNE`.
 For a supported one, one jitted float64 program runs `fo.hyper.value_and_grad` over 4 rounds of the example's
 inputs and the 2P runs at u ± ε e_i; the gradient must match their central differences to 1e-4 relative. A
-refused one must raise `fo.hyper.NotDifferentiableError` in one line when traced. A few run in the default
-tier; the others are slow (CI's second tier). docs/algorithms.md ("Hyper-gradients") has the same table.
+refused one must raise `fo.hyper.NotDifferentiableError` in one line when traced. The refusals run in the
+default tier, the gradient checks in the slow one (CI's second tier). docs/algorithms.md ("Hyper-gradients") has
+the same table.
 """
 
 from __future__ import annotations
@@ -118,9 +119,10 @@ relative, would dominate a central difference at ε = 1e-5, so these two are che
 
 NOTHING_TO_TUNE = {"p2p_bayes": "beliefs over a fixed set of hypotheses; no continuous hyper-parameter"}
 
-DEFAULT_TIER = {"scaffold", "admm_sharing"}
-"""The supported factories checked in the default tier (the others in the slow tier); test_hyper.py checks
-FedAvg(M)/FedAdam, FedProx and (slow) Ditto, consensus ADMM and L2GD over 20 rounds."""
+DEFAULT_TIER = set()
+"""The supported factories checked in the default tier: none, each is a few seconds of compilation; the default
+tier's gradient checks are test_hyper.py's (FedAdam, FedProx over 20 rounds, the truncated gradient), and the
+refusals below run there too."""
 
 
 def test_every_factory_is_classified():

@@ -494,7 +494,8 @@ def zeno_plus_plus(
       g = _rescale_to(g, global_norm(v))
     inner = sum(jnp.vdot(vi, gi) for vi, gi in zip(jax.tree.leaves(v), jax.tree.leaves(g)))
     square = sum(jnp.vdot(gi, gi) for gi in jax.tree.leaves(g))
-    score = refuse_derivative(gamma * inner - rho * square + gamma * eps, "Zeno++'s acceptance test (score >= 0: a run is piecewise constant in it)")
+    score = refuse_derivative(gamma * inner - rho * square + gamma * eps,
+                              "Zeno++'s acceptance test (score >= 0: a run is piecewise constant in it)")
     accepted = score >= 0
     stepped = jax.tree.map(lambda x, gi: (x - gamma * gi).astype(jnp.result_type(x)), params, g)
     return asynchrony.Decision(select_tree(accepted, stepped, params), server, accepted, accepted)

@@ -364,8 +364,8 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
                                           (keys, change))
       candidate = jax.tree.map(jnp.add, sent_old, change)
     if compress:  # CQ-GGADMM: a discrete decision per worker
-      change, threshold = refuse_derivative(
-          (change, threshold), "CQ-GGADMM's censoring test and stochastic quantizer (a run is piecewise constant in them)")
+      change, threshold = refuse_derivative((change, threshold), "CQ-GGADMM's censoring test and stochastic "
+                                            "quantizer (a run is piecewise constant in them)")
     transmit = finite & (_row_norms(change) >= threshold)
     sent = per_client.scatter(sent, ids, candidate, transmit).table
     return theta, sent, (objective, transmit, finite)

@@ -62,8 +62,8 @@ __all__ = ["HESSIANS", "VARIANTS", "hessian_vector_product", "meta_gradient", "p
 
 VARIANTS = ("fo", "hf", "maml")
 HESSIANS = ("exact", "finite_difference")
-STRAIGHT_THROUGH = ("Per-FedAvg's 'fo' and 'hf' updates are built with stop_gradient (a surrogate whose gradient is the "
-                    "update; only variant='maml' is an honest function of w and α)")
+STRAIGHT_THROUGH = ("Per-FedAvg's 'fo' and 'hf' updates are built with stop_gradient (a surrogate whose gradient is "
+                    "the update; only variant='maml' is an honest function of w and α)")
 
 ROLES = {"fo": "D, D'", "maml": "D, D'", "hf": "D, D', D''"}
 

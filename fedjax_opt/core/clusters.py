@@ -99,7 +99,8 @@ def lowest_loss(losses: jax.Array) -> jax.Array:
 
   Not differentiable: a derivative reaching `losses` raises (`core.differentiation`).
   """
-  losses = refuse_derivative(losses, "the client is assigned to its lowest-loss cluster (an argmin: a run is piecewise constant in it)")
+  losses = refuse_derivative(losses, "the client is assigned to its lowest-loss cluster (an argmin: a run is "
+                             "piecewise constant in it)")
   return jnp.argmin(jnp.where(jnp.isfinite(losses), losses, jnp.inf)).astype(jnp.int32)
 
 
