@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 __getattr__, __dir__, __all__ = _lazy.attach(
     __name__,
     submodules=("aggregators", "algorithms", "attacks", "compression", "core", "data", "distributed", "evaluate",
-                "graphs", "models", "objectives", "privacy", "server_optimizers", "sweep"),
+                "graphs", "hyper", "models", "objectives", "privacy", "server_optimizers", "sweep"),
     names={
         ".core.types": ("ClientBatches", "FederatedAlgorithm"),
         ".core": ("client_map",),
@@ -29,7 +29,7 @@ __getattr__, __dir__, __all__ = _lazy.attach(
 
 if TYPE_CHECKING:
   from fedjax_opt import (aggregators, algorithms, attacks, compression, core, data, distributed, evaluate, graphs,
-                          models, objectives, privacy, server_optimizers, sweep)
+                          hyper, models, objectives, privacy, server_optimizers, sweep)
   from fedjax_opt.core import client_map
   from fedjax_opt.core.per_client import personalized_params
   from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm

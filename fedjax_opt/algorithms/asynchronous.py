@@ -50,6 +50,7 @@ import optax
 
 from fedjax_opt.core import asynchrony
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.server import apply_server_update
 from fedjax_opt.core.tree import global_norm, select_tree
@@ -493,7 +494,9 @@ def zeno_plus_plus(
       g = _rescale_to(g, global_norm(v))
     inner = sum(jnp.vdot(vi, gi) for vi, gi in zip(jax.tree.leaves(v), jax.tree.leaves(g)))
     square = sum(jnp.vdot(gi, gi) for gi in jax.tree.leaves(g))
-    accepted = gamma * inner - rho * square >= -gamma * eps
+    score = refuse_derivative(gamma * inner - rho * square + gamma * eps,
+                              "Zeno++'s acceptance test (score >= 0: a run is piecewise constant in it)")
+    accepted = score >= 0
     stepped = jax.tree.map(lambda x, gi: (x - gamma * gi).astype(jnp.result_type(x)), params, g)
     return asynchrony.Decision(select_tree(accepted, stepped, params), server, accepted, accepted)
 

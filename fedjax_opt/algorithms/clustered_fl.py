@@ -85,6 +85,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import clusters
+from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
@@ -232,6 +233,10 @@ def clustered_fl(
     mean_norm = jnp.linalg.norm(mean_update, axis=1)
     max_norm = jnp.max(jnp.where(member, jnp.where(finite, norms, 0.0)[None, :], 0.0), axis=1)
 
+    # The split test and the bipartition are discrete decisions on the clients' updates.
+    mean_norm, max_norm, clean = refuse_derivative(
+        (mean_norm, max_norm, clean),
+        "CFL's split test (ε₁, ε₂ thresholds) and minimax bipartition (a run is piecewise constant in them)")
     similarity = clusters.cosine_similarity(clean)
     parts = jax.vmap(lambda m: clusters.minimax_bipartition(similarity, m))(member)  # fields [K, ...]
     in_use = jnp.arange(k) < state.num_clusters

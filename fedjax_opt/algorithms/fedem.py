@@ -399,7 +399,7 @@ def d_fedem(
     received = jnp.mean(mixing_lib.messages_received(w).astype(jnp.float32)) * message_bytes
     metrics = {
         "client_loss": (jnp.sum(jnp.where(used, loss, 0)) / jnp.maximum(jnp.sum(used), 1)).astype(jnp.float32),
-        "consensus_distance": mixing_lib.consensus_distance(new_comps),
+        "consensus_distance": jnp.asarray(mixing_lib.consensus_distance(new_comps), jnp.float32),
         "bytes_sent": jnp.asarray(sent, jnp.float32),
         "bits_up": jnp.asarray(8 * sent, jnp.float32),
         "bits_down": jnp.asarray(8 * received, jnp.float32),

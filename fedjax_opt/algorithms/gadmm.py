@@ -147,6 +147,7 @@ from fedjax_opt import graphs as graphs_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core import per_client
+from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import global_norm
@@ -362,6 +363,9 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
       change = client_map_lib.map_clients(mode, lambda _, worker: stochastic_quantize(*worker, bits), None,
                                           (keys, change))
       candidate = jax.tree.map(jnp.add, sent_old, change)
+    if compress:  # CQ-GGADMM: a discrete decision per worker
+      change, threshold = refuse_derivative((change, threshold), "CQ-GGADMM's censoring test and stochastic "
+                                            "quantizer (a run is piecewise constant in them)")
     transmit = finite & (_row_norms(change) >= threshold)
     sent = per_client.scatter(sent, ids, candidate, transmit).table
     return theta, sent, (objective, transmit, finite)

@@ -99,6 +99,7 @@ import optax
 
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
+from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import tree_bits
@@ -283,6 +284,7 @@ def _warn_above(alpha: Any, bound: Any, name: str) -> None:
 def _flip_coin(state: Any, p: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(next key, ξ_k, key for this iteration's sampling)."""
   key, coin_key, sample_key = jax.random.split(state.key, 3)
+  p = refuse_derivative(p, "the coin ξ ~ Bernoulli(p) (a comparison with p decides which step is taken)")
   return key, jax.random.bernoulli(coin_key, p), sample_key
 
 

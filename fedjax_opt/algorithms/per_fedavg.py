@@ -53,6 +53,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
+from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_int, check_loss_fn, check_optimizer, check_positive
@@ -61,6 +62,9 @@ __all__ = ["HESSIANS", "VARIANTS", "hessian_vector_product", "meta_gradient", "p
 
 VARIANTS = ("fo", "hf", "maml")
 HESSIANS = ("exact", "finite_difference")
+STRAIGHT_THROUGH = ("Per-FedAvg's 'fo' and 'hf' updates are built with stop_gradient (a surrogate whose gradient is "
+                    "the update; only variant='maml' is an honest function of w and α)")
+
 ROLES = {"fo": "D, D'", "maml": "D, D'", "hf": "D, D', D''"}
 
 
@@ -208,11 +212,16 @@ def per_fedavg(
                                      "server_optimizer")
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
   m = 3 if variant == "hf" else 2
+  straight_through = variant != "maml"
+  if straight_through:  # the surrogate's stop_gradients drop how w and α move w̃ for any outer derivative
+    alpha = refuse_derivative(alpha, STRAIGHT_THROUGH)
   meta = _meta_loss(loss_fn, alpha, variant, hessian, delta)
   meta_optimizer = optax.sgd(beta)
   adapt_optimizer = optax.sgd(alpha)
 
   def client_update(params, data, mask):
+    if straight_through:
+      params = refuse_derivative(params, STRAIGHT_THROUGH)
     batch, outer_mask = _group(data, mask, variant)
     return local_train(meta, meta_optimizer, params, batch, outer_mask)
 

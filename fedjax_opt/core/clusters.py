@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, masked_mean_loss
 from fedjax_opt.core.server import Aggregated, aggregate_updates, apply_server_update
 from fedjax_opt.core.types import Aggregator, LossFn, PyTree, StagedState
@@ -94,7 +95,12 @@ def cluster_losses(loss_fn: LossFn, cluster_params: PyTree, data: PyTree, mask: 
 
 
 def lowest_loss(losses: jax.Array) -> jax.Array:
-  """ĵ = argmin_j F_k(θ_j) (int32; ties: the lowest j). A non-finite loss never wins; all non-finite: 0."""
+  """ĵ = argmin_j F_k(θ_j) (int32; ties: the lowest j). A non-finite loss never wins; all non-finite: 0.
+
+  Not differentiable: a derivative reaching `losses` raises (`core.differentiation`).
+  """
+  losses = refuse_derivative(losses, "the client is assigned to its lowest-loss cluster (an argmin: a run is "
+                             "piecewise constant in it)")
   return jnp.argmin(jnp.where(jnp.isfinite(losses), losses, jnp.inf)).astype(jnp.int32)
 
 
