@@ -94,6 +94,8 @@ def test_cocoa_reaches_the_centralized_solution_with_a_falling_nonnegative_gap(r
   assert np.all(np.diff(duals) >= -1e-5)
   assert gaps[-1] < 1e-3 * gaps[0] and gap < 1e-3 * gaps[0]
   assert np.all(np.asarray(metrics["num_clients"]) == N)
+  model = 32 * (D + 1)  # Δw_k up, w down
+  assert np.all(np.asarray(metrics["bits_up"]) == model) and np.all(np.asarray(metrics["bits_down"]) == model)
   # the first reported gap is the certificate at (w, α) = (0, 0): (1/n) Σ ℓ_i(0) (the conjugate terms are 0)
   _, y = _pooled(clients)
   np.testing.assert_allclose(gaps[0], np.mean(0.5 * y**2) if loss == "squared" else 1.0, rtol=1e-5)

@@ -109,6 +109,8 @@ def test_dane_with_exact_local_solves_on_a_quadratic_is_the_closed_form_iteratio
   np.testing.assert_allclose(_history(history), want, rtol=2e-4, atol=2e-4)
   assert np.all(np.asarray(metrics["step_size"]) == 1) and np.all(np.asarray(metrics["num_clients"]) == N)
   np.testing.assert_allclose(np.asarray(metrics["client_loss"])[0], _objective(clients, _flat(params)), rtol=1e-5)
+  model = 32 * (D + 1)
+  assert np.all(np.asarray(metrics["bits_up"]) == 2 * model) and np.all(np.asarray(metrics["bits_down"]) == 2 * model)
 
 
 def test_dane_and_fadl_need_every_client_and_one_local_solver():
@@ -206,6 +208,9 @@ def test_fadl_searches_along_the_dane_direction_and_is_dane_when_the_unit_step_h
   assert steps[0] < 1
   np.testing.assert_array_equal(np.asarray(metrics["step_size"]), steps.astype(np.float32))
   np.testing.assert_allclose(_history(history), want, rtol=2e-4, atol=2e-4)
+  model = 32 * (D + 1)  # up: ∇f_k, w_k and J + 1 = 11 losses; down: w_t, g_t, d_t
+  assert np.all(np.asarray(metrics["bits_up"]) == 2 * model + 32 * 11)
+  assert np.all(np.asarray(metrics["bits_down"]) == 3 * model)
   # IID clients with a proximal term: the unit step is accepted in every round, and FADL is DANE (η = 1).
   easy = _clients(rng, [10, 10, 10, 10], shift=0.0)
   history, metrics = run(params, pack(easy, S, B), jnp.asarray([1.0, 0.5], jnp.float32))

@@ -44,7 +44,8 @@ def _giant_np(clients, theta, rounds, beta=1e-4, num=10):
     local = [_local(x, y, theta) for x, y in clients]
     g = sum(pk * lk[1] for pk, lk in zip(p, local))
     direction = sum(pk * np.linalg.solve(lk[2], g) for pk, lk in zip(p, local))
-    alpha = next((2.0**-j for j in range(num) if f(theta - 2.0**-j * direction) <= f(theta) - beta * 2.0**-j * g @ direction), 0.0)
+    alphas = [2.0**-j for j in range(num)]
+    alpha = next((a for a in alphas if f(theta - a * direction) <= f(theta) - beta * a * g @ direction), 0.0)
     theta = theta - alpha * direction
     history.append(theta)
     steps.append(alpha)
@@ -66,7 +67,8 @@ def _run(cg_iters):
   return run
 
 
-@pytest.mark.parametrize("cg_iters", [None, D + 1])
+# CG with P iterations against NumPy's solve (default tier); the direct solve of the [P, P] Hessian (slow tier).
+@pytest.mark.parametrize("cg_iters", [pytest.param(None, marks=pytest.mark.slow), D + 1])
 def test_giant_steps_along_the_average_of_the_local_newton_directions(rng, cg_iters):
   clients = logistic_clients(rng, [8, 12, 10, 9], D)
   params = {"w": jnp.asarray(rng.normal(size=D), jnp.float32), "b": jnp.asarray(-0.3, jnp.float32)}
@@ -78,6 +80,7 @@ def test_giant_steps_along_the_average_of_the_local_newton_directions(rng, cg_it
   np.testing.assert_array_equal(np.asarray(metrics["step_size"]), steps.astype(np.float32))
   assert np.all(np.asarray(metrics["num_clients"]) == N)
   assert np.all(np.asarray(metrics["bits_up"]) == 2 * 32 * (D + 1) + 32 * 11)  # g_k, p_k and J + 1 = 11 losses
+  assert np.all(np.asarray(metrics["bits_down"]) == 3 * 32 * (D + 1))  # w_t, g_t, p_t
 
 
 def test_conjugate_gradient_solves_a_positive_definite_system_as_solve_does(rng):

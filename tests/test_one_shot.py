@@ -66,6 +66,7 @@ def test_one_shot_average_of_exact_ridge_solutions_is_the_divide_and_conquer_est
   assert float(second.metrics["bits_up"]) == 0 and float(second.metrics["bits_down"]) == 0
 
 
+@pytest.mark.slow
 def test_one_shot_average_of_local_training_runs(rng):
   clients = make_clients(rng, [6, 9, 8, 10], D)
   batches = pack(clients, S, B)
