@@ -39,7 +39,8 @@ L is the largest local smoothness constant.
 Communication: the bits one client sends plus receives, summed over rounds, from each algorithm's own
 `bits_up` / `bits_down` metrics (32 per float).
 
-    python benchmarks/distributed_baselines.py            # 100 rounds, the three data sets: several minutes
+    python benchmarks/distributed_baselines.py            # 100 rounds, the three data sets: MNIST 5k takes long
+    python benchmarks/distributed_baselines.py --datasets heart_scale,synthetic   # about 4 minutes on 2 cores
     python benchmarks/distributed_baselines.py --quick    # heart_scale ridge alone, 12 rounds: a smoke test
 
 Writes benchmarks/results/distributed_baselines.json (settings, per task and method: the hyper-parameter grid,
@@ -110,18 +111,32 @@ def loss_fn(loss):
   return ridge if loss == "ridge" else logistic
 
 
-def datasets(quick: bool) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-  """name → (features, binary label in {0, 1}, label that drives the split)."""
+DATASETS = ("heart_scale", "synthetic", "mnist5k")
+
+
+def datasets(quick: bool, names: tuple[str, ...] = DATASETS) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """name → (features, binary label in {0, 1}, label that drives the split), for the data sets in `names`."""
   out = {}
   heart = data_lib.read_svmlight(HEART_SCALE, labels="raw")
   y = (np.asarray(heart["y"]) > 0).astype(np.int64)
   out["heart_scale"] = (np.asarray(heart["x"], np.float64), y, y)
   if quick:
     return out
+  if "synthetic" in names:
+    _synthetic(out)
+  if "mnist5k" in names:
+    _mnist(out)
+  return {name: value for name, value in out.items() if name.split("(")[0] in names}
+
+
+def _synthetic(out: dict) -> None:
   syn = data_lib.generate_synthetic(1.0, 1.0, num_clients=NUM_CLIENTS, num_features=20, num_classes=2, seed=0)
   x = np.concatenate([c["x"] for c in syn.clients]).astype(np.float64)
   y = np.concatenate([c["y"] for c in syn.clients]).astype(np.int64)
   out["synthetic(1,1)"] = ((x - x.mean(0)) / x.std(0), y, y)
+
+
+def _mnist(out: dict) -> None:
   try:
     mnist = data_lib.mnist5k_arrays(flatten=True).train
   except ImportError as err:
@@ -130,7 +145,6 @@ def datasets(quick: bool) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]
     digits = np.asarray(mnist["y"], np.int64)
     out["mnist5k"] = (np.asarray(mnist["x"], np.float64).reshape(len(digits), -1), (digits < 5).astype(np.int64),
                       digits)
-  return out
 
 
 def problem(name: str, x: np.ndarray, y01: np.ndarray, split_labels: np.ndarray, loss: str) -> Problem:
@@ -301,6 +315,8 @@ def main(argv: list[str] | None = None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="heart_scale ridge alone, 12 rounds: a smoke test")
   parser.add_argument("--rounds", type=int, default=None, help="override the number of rounds")
+  parser.add_argument("--datasets", default=",".join(DATASETS),
+                      help=f"comma-separated subset of {','.join(DATASETS)} (MNIST 5k, P = 785, is the slow one)")
   parser.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   args = parser.parse_args(argv)
   with jax.enable_x64(True):
@@ -311,7 +327,7 @@ def run(args: argparse.Namespace) -> None:
   start = time.perf_counter()
   rounds = args.rounds or (12 if args.quick else 100)
   results = {}
-  for name, (x, y01, split_labels) in datasets(args.quick).items():
+  for name, (x, y01, split_labels) in datasets(args.quick, tuple(args.datasets.split(","))).items():
     for loss in ("ridge",) if args.quick else ("ridge", "logistic"):
       prob = problem(name, x, y01, split_labels, loss)
       parts = {how: split(prob, how) for how in SPLITS}
@@ -347,7 +363,7 @@ def run(args: argparse.Namespace) -> None:
   with open(path, "w") as f:
     json.dump({"backend": jax.default_backend(), "jax": jax.__version__, "seconds": time.perf_counter() - start,
                "settings": {"clients": NUM_CLIENTS, "l2": L2, "local_steps": LOCAL_STEPS, "rounds": rounds,
-                            "splits": SPLITS, "tolerances": TOLERANCES},
+                            "splits": SPLITS, "tolerances": TOLERANCES, "datasets": args.datasets},
                "tasks": results}, f, indent=1)
   print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s in all)")
 
