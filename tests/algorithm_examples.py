@@ -63,6 +63,13 @@ EXAMPLES = {
     "l2sgd": lambda **kw: fo.algorithms.l2sgd(loss_fn, 0.1, 0.1, 0.5, num_clients=N, **kw),
     "l2sgd_plus": lambda **kw: fo.algorithms.l2sgd_plus(loss_fn, 0.1, 0.1, 0.5, num_clients=N, num_examples=S * B,
                                                         **kw),
+    # classical distributed baselines (every client every round except FedDANE and one-shot averaging)
+    "dane": lambda **kw: fo.algorithms.dane(loss_fn, 1.0, 0.5, num_clients=N, **kw),
+    "feddane": lambda **kw: fo.algorithms.feddane(loss_fn, 0.5, client_optimizer=_sgd(), **kw),
+    "fadl": lambda **kw: fo.algorithms.fadl(loss_fn, 0.5, num_clients=N, line_search_steps=3, **kw),
+    "giant": lambda **kw: fo.algorithms.giant(loss_fn, num_clients=N, cg_iters=2, line_search_steps=3, **kw),
+    "cocoa": lambda **kw: fo.algorithms.cocoa(0.1, num_clients=N, num_examples=S * B, **kw),
+    "one_shot_average": lambda **kw: fo.algorithms.one_shot_average(loss_fn, **kw),
     "admm_consensus": lambda **kw: fo.algorithms.admm_consensus(loss_fn, 1.0, num_clients=N,
                                                                 client_optimizer=_sgd(), **kw),
     "admm_sharing": lambda **kw: fo.algorithms.admm_sharing(1.0, num_samples=B, **kw),

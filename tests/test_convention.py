@@ -48,8 +48,9 @@ PAPER_SYMBOLS = {"mu", "alpha", "beta", "lam", "rho", "eta", "eta_l", "eta_g", "
                  "eps"}
 """The positional hyper-parameters: a paper's symbols spelled in ASCII."""
 
-NO_LOSS_FN = {"admm_sharing"}
-"""Factories whose loss is built in (named by `loss=`): sharing ADMM solves its loss's prox at the server."""
+NO_LOSS_FN = {"admm_sharing", "cocoa"}
+"""Factories whose loss is built in (named by `loss=`): sharing ADMM solves its loss's prox at the server, CoCoA+
+needs its loss's convex conjugate."""
 
 HELPERS = {
     "hessian_vector_product", "meta_gradient", "l2gd_max_step_size", "l2sgd_plus_step_size", "optimal_p",

@@ -81,6 +81,8 @@ def _own_rows(name, state):
   """The poisoned client's own per-client state, or None where the algorithm keeps none."""
   if name == "admm_sharing":
     return state.params[POISONED]
+  if name == "cocoa":  # the client's block of dual variables
+    return state.duals[POISONED]
   if hasattr(state, "local_params"):
     return jax.tree.map(lambda t: t[POISONED], state.local_params)
   return None

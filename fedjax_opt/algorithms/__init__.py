@@ -21,6 +21,12 @@ __getattr__, __dir__, __all__ = _lazy.attach(__name__, names={
     ".fednova": ("fednova",),
     ".scaffold": ("scaffold", "ScaffoldState"),
     ".feddyn": ("feddyn", "FedDynState"),
+    # classical distributed baselines: Newton-type (DANE, FedDANE, FADL, GIANT), primal-dual (CoCoA+), one-shot
+    ".dane": ("dane", "feddane", "fadl"),
+    ".giant": ("giant",),
+    ".cocoa": ("cocoa", "CoCoAState"),
+    ".one_shot": ("one_shot_average", "OneShotState"),
+    "fedjax_opt.core.newton": ("NewtonState",),
     # personalization
     ".mixture": ("l2gd", "l2sgd", "l2sgd_plus", "L2GDState", "L2SGDPlusState", "l2gd_max_step_size",
                  "l2sgd_plus_step_size", "optimal_p"),
@@ -60,6 +66,8 @@ if TYPE_CHECKING:
   from fedjax_opt.algorithms.admm_sharing import ADMMSharingState, admm_sharing
   from fedjax_opt.algorithms.asynchronous import AsyncState, co_op, fedasync, fedbuff, zeno_plus_plus
   from fedjax_opt.algorithms.clustered_fl import ClusteredFLState, clustered_fl
+  from fedjax_opt.algorithms.cocoa import CoCoAState, cocoa
+  from fedjax_opt.algorithms.dane import dane, fadl, feddane
   from fedjax_opt.algorithms.decentralized import (DecentralizedState, consensus_distance, dpsgd, gossip,
                                                    gradient_tracking)
   from fedjax_opt.algorithms.ditto import DittoState, ditto
@@ -77,15 +85,18 @@ if TYPE_CHECKING:
   from fedjax_opt.algorithms.fedprox import fedprox
   from fedjax_opt.algorithms.fedu import FedUState, fedu, laplacian_penalty
   from fedjax_opt.algorithms.gadmm import GADMMState, cq_ggadmm, gadmm, stochastic_quantize
+  from fedjax_opt.algorithms.giant import giant
   from fedjax_opt.algorithms.ifca import IFCAState, ifca
   from fedjax_opt.algorithms.matched_averaging import FedMAState, MatchedAveraging, bbp_map, fedma, pfnm
   from fedjax_opt.algorithms.matched_averaging import matchable as fedma_model
   from fedjax_opt.algorithms.mixture import (L2GDState, L2SGDPlusState, l2gd, l2gd_max_step_size, l2sgd, l2sgd_plus,
                                              l2sgd_plus_step_size, optimal_p)
   from fedjax_opt.algorithms.mixture_admm import MixtureADMMState, mixture_admm
+  from fedjax_opt.algorithms.one_shot import OneShotState, one_shot_average
   from fedjax_opt.algorithms.p2p_bayes import P2PBayesState, p2p_bayes
   from fedjax_opt.algorithms.per_fedavg import hessian_vector_product, meta_gradient, per_fedavg
   from fedjax_opt.algorithms.pfedme import PFedMeState, pfedme
   from fedjax_opt.algorithms.scaffold import ScaffoldState, scaffold
+  from fedjax_opt.core.newton import NewtonState
   from fedjax_opt.core.per_client import personalized_params
   from fedjax_opt.core.prox import prox_least_squares, prox_quadratic
