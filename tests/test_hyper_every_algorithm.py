@@ -94,6 +94,12 @@ SUPPORTED = {
     "co_op": (lambda h: fo.algorithms.co_op(loss_fn, h["alpha"], max_age=2, num_clients=N,
                                             client_optimizer=optax.sgd(0.05), schedule=_every_client_arrives()),
               {"alpha": 0.5}, {"alpha": "logit"}),
+    "dane": (lambda h: fo.algorithms.dane(loss_fn, h["eta"], h["mu"], num_clients=N), {"eta": 1.0, "mu": 0.5}, {}),
+    "feddane": (lambda h: fo.algorithms.feddane(loss_fn, h["mu"], client_optimizer=optax.sgd(0.05)), {"mu": 0.5},
+                {}),
+    "cocoa": (lambda h: fo.algorithms.cocoa(h["lam"], num_clients=N, num_examples=S * B), {"lam": 0.1}, {}),
+    "one_shot_average": (lambda h: fo.algorithms.one_shot_average(loss_fn, local_steps=2, client_optimizer=_sgd(h)),
+                         {"lr": 0.05}, {}),
 }
 """Factories whose step is differentiable in the listed continuous hyper-parameters."""
 
@@ -109,6 +115,9 @@ REFUSED = {
     "zeno_plus_plus": (lambda h: fo.algorithms.zeno_plus_plus(
         loss_fn, h["lr"], 0.001, 0.1, validation_data={"x": jnp.ones((B, D)), "y": jnp.zeros(B)}, num_clients=N,
         schedule=_every_client_arrives()), "acceptance test"),
+    "fadl": (lambda h: fo.algorithms.fadl(loss_fn, h["lr"], num_clients=N, line_search_steps=3), "line search"),
+    "giant": (lambda h: fo.algorithms.giant(loss_fn, num_clients=N, cg_iters=2, line_search_steps=3, armijo=h["lr"]),
+              "line search"),
 }
 """Factories whose step takes a discrete decision on values that depend on the hyper-parameters (here `lr`)."""
 

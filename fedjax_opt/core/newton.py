@@ -44,6 +44,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import LocalResult, as_single_step, masked_mean_loss
 from fedjax_opt.core.rounds import ClientOutput, Round, client_round
 from fedjax_opt.core.tree import global_norm
@@ -151,6 +152,8 @@ def armijo_step(values: jax.Array, slope: jax.Array, armijo: Any) -> jax.Array:
     slope: ⟨∇f(w), d⟩.
     armijo: β.
   """
+  values, slope, armijo = refuse_derivative((values, slope, armijo), "the backtracking line search's "
+                                            "accepted step (Armijo's test: a run is piecewise constant in it)")
   alphas = jnp.asarray(step_sizes(values.shape[0] - 1), values.dtype)
   ok = jnp.isfinite(values[1:]) & (values[1:] <= values[0] + armijo * alphas * slope)
   first = jnp.argmax(ok)
