@@ -229,6 +229,7 @@ def _centralized_pooled_ridge(clients, l2):
   return np.linalg.solve(a.T @ a / len(y) + np.diag([l2] * D + [0.0]), a.T @ y / len(y))
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 def test_examples_objective_reaches_the_pooled_solution_which_the_clients_objective_misses(rng):
   """Sizes 3, 30, 5, 12: objective="examples" reaches the pooled normal equations to 1e-8 (and its objective metric
   is the pooled risk); the default "clients" reaches Σ_i f_i's minimiser, visibly away from the pooled one."""

@@ -87,7 +87,14 @@ def test_the_server_receives_each_clients_top_1_and_is_charged_its_bits(name):
   assert float(state.metrics["bits_up"]) == messages * (32 + math.ceil(math.log2(p)))
 
 
-@pytest.mark.parametrize("name", TAKING)
+# Every factory's plumbing of a stage is checked by the top-1 test above; the bit-for-bit identity runs, in the
+# default tier, on factories whose rounds differ in how the stage is reached (a plain round, two messages a client,
+# one aggregation per cluster, a stateful aggregator across a switch of optimizers), the rest in the slow tier.
+IDENTITY_DEFAULT_TIER = ("fedavg", "scaffold", "ifca", "fedavg_finetune")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in IDENTITY_DEFAULT_TIER else pytest.mark.slow)
+                                  for n in TAKING])
 def test_identity_with_error_feedback_is_the_unchained_run_bit_for_bit(name):
   want = _unchained(name)
   got = _rounds(name, fo.aggregators.chain(C.compress(C.identity(), error_feedback=True, num_clients=N),

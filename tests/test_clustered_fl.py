@@ -169,6 +169,7 @@ def test_one_group_never_splits():
 SLOW = pytest.mark.slow
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 @pytest.mark.parametrize("groups", [2, pytest.param(3, marks=SLOW), pytest.param(4, marks=SLOW)])
 def test_recovers_planted_groups_and_beats_fedavg(groups):
   batches, test, group = label_shift_problem(groups)

@@ -152,6 +152,7 @@ def test_personalize_zero_steps_is_identity_and_k_steps_match_numpy(rng):
     np.testing.assert_allclose(float(cycled["b"]), bc, rtol=1e-12)
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 def test_train_driver_runs_it_and_personalization_beats_the_global_model(rng):
   """Heterogeneous least squares (own input shift and target per client): 30 rounds through `fo.train`
   (stage 2 from round 20), then K = 10 local steps lower every client's held-out loss."""

@@ -105,6 +105,7 @@ def test_client_map_modes_agree_with_numpy(rng):
     np.testing.assert_allclose(_vec(out.params), ref_theta, rtol=1e-5, atol=1e-6, err_msg=mode)
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 def test_reaches_the_global_optimum_with_full_and_partial_participation(rng):
   """Heterogeneous least squares, 5 inexact local steps: θ → argmin (1/m) Σ f_k, with all 4 clients per round
   and with 2 of 4 per round in rotation."""

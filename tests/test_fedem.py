@@ -303,6 +303,7 @@ def test_d_fedem_cuts_a_non_finite_node_out_and_keeps_its_rows():
   assert all(np.all(np.isfinite(leaf)) for leaf in jax.tree.leaves((new.params, new.local_params)))
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 def test_d_fedem_recovers_a_planted_mixture_on_a_ring():
   planted, (x, y), _, _ = _planted_mixture(0)
   n, s = len(planted), 5

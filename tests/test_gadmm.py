@@ -314,6 +314,7 @@ def _centralized_pooled(clients):
   return np.linalg.solve(a.T @ a, a.T @ y)
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 def test_examples_objective_reaches_the_pooled_solution_which_the_clients_objective_misses(rng):
   """Chain of 6, sizes 3 … 30: objective="examples" reaches the pooled normal equations to 1e-8 (objective metric =
   the pooled risk); the default "clients" reaches argmin Σ_n f_n, visibly away from it."""
@@ -429,6 +430,7 @@ def _bits_to_reach(history, params, z_star, tol):
   return float(history["bits_cumulative"][first]), first
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 def test_cq_ggadmm_reaches_the_optimum_on_a_random_bipartite_graph_with_fewer_bits(rng):
   """4-bit quantization + decaying censoring: same optimum as GGADMM, fewer bits and messages to reach 1e-4."""
   graph = fo.graphs.random_bipartite(4, 4, 0.3, seed=1)

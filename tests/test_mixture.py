@@ -102,6 +102,7 @@ def test_l2gd_iterations_match_numpy_in_both_branches():
     np.testing.assert_allclose(fo.personalized_params(state, 2), x[2], rtol=1e-12)
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 def test_l2sgd_plus_reaches_the_optimum_where_l2sgd_stalls():
   """Figure 3 of the paper: same α and p, L2SGD+ converges linearly to x(λ), L2SGD only to a neighbourhood."""
   lam = 1.0

@@ -574,6 +574,7 @@ def _attacked_lsq(aggregator, attacked=True, rounds=30):
   return np.linalg.norm(np.asarray(ws, np.float64) - w_star, axis=1)
 
 
+@pytest.mark.slow  # a convergence run (the round itself is checked against NumPy above)
 def test_forty_percent_omniscient_attackers_on_least_squares():
   """Xie et al.'s evaluation on a quadratic: with 4 of 10 clients omniscient, the mean is driven away; the three
   medians converge; mean-around-median keeps the attack-free pace while the marginal median is slower."""
