@@ -117,9 +117,10 @@ DATASETS = ("heart_scale", "synthetic", "mnist5k")
 def datasets(quick: bool, names: tuple[str, ...] = DATASETS) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
   """name → (features, binary label in {0, 1}, label that drives the split), for the data sets in `names`."""
   out = {}
-  heart = data_lib.read_svmlight(HEART_SCALE, labels="raw")
-  y = (np.asarray(heart["y"]) > 0).astype(np.int64)
-  out["heart_scale"] = (np.asarray(heart["x"], np.float64), y, y)
+  if quick or "heart_scale" in names:
+    heart = data_lib.read_svmlight(HEART_SCALE, labels="raw")
+    y = (np.asarray(heart["y"]) > 0).astype(np.int64)
+    out["heart_scale"] = (np.asarray(heart["x"], np.float64), y, y)
   if quick:
     return out
   if "synthetic" in names:

@@ -34,6 +34,8 @@ def test_quick_run(tmp_path):
   accuracy = np.asarray(task["grid_accuracy"])
   assert accuracy.shape == (25,) and np.all((accuracy >= 0) & (accuracy <= 1))
   assert task["grid_best"]["accuracy"] == pytest.approx(accuracy.max())
-  assert task["tune_rounds_trained"] == 3 * task["rounds"] < task["grid_rounds_trained"]
+  assert task["tune_rounds_trained"] == 4 * task["rounds"] < task["grid_rounds_trained"]
+  # The fresh run at a grid point is that grid member's run.
+  assert task["grid_best_rerun_accuracy"] == pytest.approx(task["grid_best"]["accuracy"], abs=2e-3)
   assert len(task["tune_validation_loss"]) == task["rounds"] // task["window"]
   assert np.all(np.isfinite(task["tune_validation_loss"]))
