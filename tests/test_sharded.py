@@ -268,9 +268,11 @@ def test_auto_inside_a_user_s_shard_map_does_not_shard_again(report):
 
 @pytest.mark.slow  # the 8-device subprocess
 def test_fo_train_runs_every_chunk_of_a_sharded_algorithm(report):
-  """The state a sharded round returns lives on the mesh: the driver compiles for that placement and goes on."""
+  """The state a sharded round returns lives on the mesh: the driver moves it back to the placement its chunk and
+  its evaluation were compiled for, and goes on; each program is compiled once (three chunks of 2 rounds)."""
   assert report["train_chunks"]["rounds"] == 6
   assert report["train_chunks"]["diff"] < 2e-6
+  assert report["train_chunks"]["chunk_compiles"] == 1 and report["train_chunks"]["evaluate_compiles"] == 1
 
 
 @pytest.mark.slow  # the 8-device subprocess
@@ -501,10 +503,32 @@ def _worker() -> dict:
                               evaluation=fo.Evaluation(every=2, metric_fns={"loss": loss_fn}))
     return state.params, history
 
-  sharded_params, sharded_history = trained(cm.sharded(mesh, "vmap"))
+  import logging
+
+  class Compiles(logging.Handler):
+    """Counts the XLA compilations JAX logs (jax_log_compiles), by program name."""
+
+    def __init__(self):
+      super().__init__(logging.DEBUG)
+      self.names = []
+
+    def emit(self, record):
+      text = record.getMessage()
+      if text.startswith("Finished XLA compilation of "):
+        self.names.append(text.split("Finished XLA compilation of ")[1].split(" in ")[0])
+
+  compiles = Compiles()
+  jax_logger = logging.getLogger("jax")
+  jax_logger.addHandler(compiles)
+  jax_logger.setLevel(logging.DEBUG)
+  with jax.log_compiles(True):
+    sharded_params, sharded_history = trained(cm.sharded(mesh, "vmap"))
+  jax_logger.removeHandler(compiles)
   vmap_params, _ = trained("vmap")
   report["train_chunks"] = {"rounds": len(sharded_history.round_metrics["client_loss"]),
-                            "diff": max_diff(sharded_params, vmap_params)}
+                            "diff": max_diff(sharded_params, vmap_params),
+                            "chunk_compiles": compiles.names.count("jit(_run_chunk)"),
+                            "evaluate_compiles": compiles.names.count("jit(evaluate)")}
 
   # Resume a sharded run from its checkpoint: the restored state comes back on one device, and the next chunk
   # (sharded) and the evaluation must still run and give the uninterrupted run's model.

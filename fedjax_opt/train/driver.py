@@ -162,6 +162,9 @@ def _signature(tree: PyTree) -> tuple:
 class _Programs:
   """The programs one `train` call runs, each compiled ahead of time once per argument signature.
 
+  Arguments that differ from a compiled program's only in where they are placed (a state that comes back from
+  a round sharded over the devices, replicated on a mesh, where the first chunk's state sat on one device) are
+  moved to the placements the program was compiled for, not compiled for again: a run compiles its chunk once.
   The compile time goes to `history.compile_seconds` (JAX's caches make a program compiled by an earlier call
   cost almost nothing here).
   """
@@ -170,12 +173,27 @@ class _Programs:
     self._compiled: dict[Any, Any] = {}
 
   def get(self, jitted: Any, args: tuple, history: History, **static: Any) -> Any:
-    key = (jitted, tuple(sorted(static.items())), _signature(args))
-    if key not in self._compiled:
-      t0 = time.perf_counter()
-      self._compiled[key] = jitted.lower(*args, **static).compile()
-      history.compile_seconds += time.perf_counter() - t0
-    return self._compiled[key]
+    program = (jitted, tuple(sorted(static.items())))
+    signature = _signature(args)
+    if (program, signature) in self._compiled:
+      return self._compiled[(program, signature)]
+    for (other, other_signature), compiled in self._compiled.items():
+      if other == program and _same_but_placement(signature, other_signature):
+        return functools.partial(_placed, compiled)
+    t0 = time.perf_counter()
+    self._compiled[(program, signature)] = jitted.lower(*args, **static).compile()
+    history.compile_seconds += time.perf_counter() - t0
+    return self._compiled[(program, signature)]
+
+
+def _same_but_placement(a: tuple, b: tuple) -> bool:
+  """Two `_signature`s with the same tree, shapes and dtypes."""
+  return a[0] == b[0] and [leaf[:2] for leaf in a[1]] == [leaf[:2] for leaf in b[1]]
+
+
+def _placed(compiled: Any, *args: Any) -> Any:
+  """`compiled(*args)`, the arguments first moved to the placements `compiled` takes."""
+  return compiled(*jax.device_put(args, compiled.input_shardings[0]))
 
 
 # ---- checks ----------------------------------------------------------------------------------------------------
