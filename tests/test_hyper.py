@@ -253,6 +253,8 @@ def test_bad_arguments_are_refused_with_a_clear_error():
   with pytest.raises(ValueError, match="holds the batches of 2 rounds"):
     jax.eval_shape(fo.hyper.value_and_grad(_fedavg_sgd, GLOBAL, rounds=3), u, params, jax.random.key(0), stacked,
                    batches)
+  with pytest.raises(ValueError, match=r"key must be one key, or the init key and the data key stacked \[2\]"):
+    jax.eval_shape(hg, u, params, jax.random.split(jax.random.key(0), 3), batches, batches)
   with pytest.raises(TypeError, match="must return a fedjax_opt.FederatedAlgorithm"):
     jax.eval_shape(fo.hyper.value_and_grad(lambda h: None, GLOBAL, rounds=2), u, params, jax.random.key(0),
                    batches, batches)
