@@ -452,8 +452,8 @@ class TuneResult(NamedTuple):
     values: `[M, T]`, the objective J at each outer step (at the h it started from): offline, after R rounds from
       the start; online, at the end of each window of the one run.
     gradients: `{name: [M, T]}`, ∇_u J at each outer step.
-    state: online, the final state of the M runs (leaves `[M, ...]`); offline, the state after R rounds at the
-      last h the outer loop evaluated.
+    state: online, the final state of the M runs (leaves `[M, ...]`); offline, the state after R rounds from the
+      start at the tuned values `hyper_params` (after the last update; `values` stops at the h before it).
   """
 
   hyper_params: dict[str, jax.Array]
