@@ -204,6 +204,18 @@ def _batches_at(data: Any, sampling: Sampling | None, data_key: jax.Array, r: ja
   return data
 
 
+def _keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(init key, data key): `key` split in two, or a `[2]` stack of the two given as they are."""
+  one = () if jax.dtypes.issubdtype(jnp.result_type(key), jax.dtypes.prng_key) else (2,)  # typed, or raw uint32
+  if jnp.shape(key) == (2,) + one:
+    return key[0], key[1]
+  if jnp.shape(key) != one:
+    raise ValueError(f"key must be one key, or the init key and the data key stacked [2]; got shape "
+                     f"{tuple(jnp.shape(key))}.")
+  init_key, data_key = jax.random.split(key)
+  return init_key, data_key
+
+
 def _block_size(checkpoint: Any, rounds: int) -> int | None:
   if checkpoint is None:
     return None
@@ -273,8 +285,10 @@ def objective_fn(make_algorithm: Callable[[dict], FederatedAlgorithm],
   Returns:
     `f(u, params, key, data, validation) -> (J, final state)`, pure (jit, vmap and grad apply). `u` is
     `{name: scalar}` in the unconstrained coordinates; `key` is split into the algorithm's init key and the data
-    key (round r drawn from `fold_in(data_key, state.round)`); `data` is a `FederatedDataset` (with `sampling`)
-    or `ClientBatches` (`[C, S, B]` every round, or `[R, C, S, B]`); `validation` is passed to `objective`.
+    key (round r drawn from `fold_in(data_key, state.round)`), or is the two stacked, `[2]` (`jnp.stack([init_key,
+    data_key])`: with `jax.random.key(s)` as data key the rounds are those `fo.train(..., seed=s)` draws); `data`
+    is a `FederatedDataset` (with `sampling`) or `ClientBatches` (`[C, S, B]` every round, or `[R, C, S, B]`);
+    `validation` is passed to `objective`.
   """
   _check_make_algorithm(make_algorithm)
   if not callable(objective):
@@ -293,7 +307,7 @@ def objective_fn(make_algorithm: Callable[[dict], FederatedAlgorithm],
   def f(u, params, key, data, validation):
     _check_data(data, sampling, rounds)
     h = constrain(u, parametrization)
-    init_key, data_key = jax.random.split(key)
+    init_key, data_key = _keys(key)
     batches_at = lambda r: _batches_at(data, sampling, data_key, r)  # pylint: disable=unnecessary-lambda-assignment
     if fixed_rounds:
       held = _build(make_algorithm, jax.lax.stop_gradient(h))
@@ -414,6 +428,21 @@ def validation_loss(loss_fn: LossFn, *, personalized: bool = False) -> Callable[
 # ---- tuning -----------------------------------------------------------------------------------------------------
 
 
+def _reporter(callback: Callable | None, parametrization: Mapping[str, str] | None) -> Callable:
+  """`report(setting, step, u, value, grad)` inside the program: `callback` on the host with h = φ(u) (or nothing)."""
+  if callback is None:
+    return lambda *args: None
+
+  def on_host(setting, step, h, value, grad):
+    callback(int(setting), int(step), {k: float(v) for k, v in h.items()}, float(value),
+             {k: float(v) for k, v in grad.items()})
+
+  def report(setting, step, u, value, grad):
+    jax.debug.callback(on_host, setting, step, constrain(u, parametrization), value, grad, ordered=True)
+
+  return report
+
+
 class TuneResult(NamedTuple):
   """What `tune` returns; M is the number of starting settings, T the outer steps.
 
@@ -423,8 +452,8 @@ class TuneResult(NamedTuple):
     values: `[M, T]`, the objective J at each outer step (at the h it started from): offline, after R rounds from
       the start; online, at the end of each window of the one run.
     gradients: `{name: [M, T]}`, ∇_u J at each outer step.
-    state: online, the final state of the M runs (leaves `[M, ...]`); offline, the state after R rounds at the
-      last h the outer loop evaluated.
+    state: online, the final state of the M runs (leaves `[M, ...]`); offline, the state after R rounds from the
+      start at the tuned values `hyper_params` (after the last update; `values` stops at the h before it).
   """
 
   hyper_params: dict[str, jax.Array]
@@ -439,7 +468,7 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
          rounds: int, outer_steps: int, schedule: str = "offline",
          optimizer: optax.GradientTransformation | None = None, sampling: Sampling | None = None,
          parametrization: Mapping[str, str] | None = None, truncate: int | None = None,
-         checkpoint: int | str | None = 1, mode: str = "reverse") -> TuneResult:
+         checkpoint: int | str | None = 1, mode: str = "reverse", callback: Callable | None = None) -> TuneResult:
   """Tunes the hyper-parameters with optax on u = φ⁻¹(h), by hyper-gradients; M starting settings in one program.
 
       offline:  u ← u − OuterOpt(∇_u J(u)),  J(u) the objective after R rounds from the same start, T times
@@ -455,6 +484,10 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
     outer_steps: T >= 1.
     schedule: "offline" (restart every outer step) or "online" (one run of T·R rounds).
     optimizer: the outer optax optimizer on u; default `optax.adam(0.1)` (a step of about 10 % on a log-step-size).
+    callback: None, or `callback(setting, step, hyper_params, value, gradients)`, called on the host as the program
+      runs (`jax.debug.callback`, in order), once per setting and outer step once its gradient is known: the
+      setting's index m < M, the step t < T, h_t `{name: float}`, J(h_t) and ∇_u J `{name: float}` (progress
+      lines, `fedjax-opt tune`).
 
   Returns:
     `TuneResult` (leading axis M; M = 1 when the starting values are scalars).
@@ -470,6 +503,10 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
     optimizer = optax.adam(0.1)
   if not isinstance(optimizer, optax.GradientTransformation):
     raise TypeError(f"optimizer must be an optax.GradientTransformation; got {type(optimizer).__name__}.")
+  if callback is not None and not callable(callback):
+    raise TypeError(f"callback must be None or a callable (setting, step, hyper_params, value, gradients); got "
+                    f"{type(callback).__name__}.")
+  report = _reporter(callback, parametrization)
   hyper_params = _check_hyper(hyper_params, "hyper_params")
   shapes = {name: np.shape(v) for name, v in hyper_params.items()}
   if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) > 1:
@@ -484,19 +521,20 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
   vg = _value_and_grad_of(f, mode)
   block = _block_size(checkpoint, rounds)
 
-  def offline(u):
-    def outer(carry, _):
+  def offline(u, setting):
+    def outer(carry, step):
       u, opt_state = carry
       (value, _), grad = vg(u, params, key, data, validation)
+      report(setting, step, u, value, grad)
       updates, opt_state = optimizer.update(grad, opt_state, u)
       return (optax.apply_updates(u, updates), opt_state), (u, value, grad)
 
-    (u_end, _), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u)), None, length=outer_steps)
+    (u_end, _), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u)), jnp.arange(outer_steps))
     _, state = f(u_end, params, key, data, validation)
     return u_end, us, values, grads, state
 
-  def online(u):
-    init_key, data_key = jax.random.split(key)
+  def online(u, setting):
+    init_key, data_key = _keys(key)
     state0 = _build(make_algorithm, constrain(u, parametrization)).init(params, init_key)
 
     def window(u, state):
@@ -506,18 +544,20 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
 
     window_vg = _value_and_grad_of(window, mode)
 
-    def outer(carry, _):
+    def outer(carry, step):
       u, opt_state, state = carry
       (value, state), grad = window_vg(u, state)
+      report(setting, step, u, value, grad)
       updates, opt_state = optimizer.update(grad, opt_state, u)
       return (optax.apply_updates(u, updates), opt_state, state), (u, value, grad)
 
-    (u_end, _, state), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u), state0), None,
-                                                          length=outer_steps)
+    (u_end, _, state), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u), state0),
+                                                          jnp.arange(outer_steps))
     return u_end, us, values, grads, state
 
   program = jax.jit(jax.vmap(offline if schedule == "offline" else online))
-  u_end, us, values, grads, state = program(_as_float(u0))
+  u0 = _as_float(u0)
+  u_end, us, values, grads, state = program(u0, jnp.arange(np.shape(next(iter(u0.values())))[0]))
   h_end = constrain(u_end, parametrization)
   h_steps = constrain(us, parametrization)  # [M, T]
   trajectory = {name: jnp.concatenate([h_steps[name], h_end[name][:, None]], axis=1) for name in h_end}

@@ -253,6 +253,8 @@ def test_bad_arguments_are_refused_with_a_clear_error():
   with pytest.raises(ValueError, match="holds the batches of 2 rounds"):
     jax.eval_shape(fo.hyper.value_and_grad(_fedavg_sgd, GLOBAL, rounds=3), u, params, jax.random.key(0), stacked,
                    batches)
+  with pytest.raises(ValueError, match=r"key must be one key, or the init key and the data key stacked \[2\]"):
+    jax.eval_shape(hg, u, params, jax.random.split(jax.random.key(0), 3), batches, batches)
   with pytest.raises(TypeError, match="must return a fedjax_opt.FederatedAlgorithm"):
     jax.eval_shape(fo.hyper.value_and_grad(lambda h: None, GLOBAL, rounds=2), u, params, jax.random.key(0),
                    batches, batches)
@@ -310,11 +312,18 @@ def test_online_tuning_climbs_to_the_one_round_optimum_and_continues_one_run():
   is smallest at η = 1 whatever x_t (hypergradient descent's setting). From η = 0.1 the step size climbs past 0.9 and
   the run, carried across windows, reaches c far sooner than at the starting step size."""
   windows = 40
+  reported = []
   with jax.enable_x64(True):
     result = fo.hyper.tune(_scalar_fedavg, SCALAR_OBJECTIVE, {"lr": 0.1}, {"w": jnp.float64(X0)}, jax.random.key(0),
                            _scalar_batches(C_TRAIN), _scalar_batches(C_TRAIN), rounds=1, outer_steps=windows,
-                           schedule="online", optimizer=optax.adam(0.2))
+                           schedule="online", optimizer=optax.adam(0.2),
+                           callback=lambda *args: reported.append(args))
     lr = np.asarray(result.trajectory["lr"][0], np.float64)
+    # The callback saw every window, in order, with the values the result holds.
+    assert [(m, t) for m, t, *_ in reported] == [(0, t) for t in range(windows)]
+    np.testing.assert_allclose([h["lr"] for _, _, h, _, _ in reported], lr[:-1], rtol=1e-12)
+    np.testing.assert_allclose([v for *_, v, _ in reported], np.asarray(result.values[0]), rtol=1e-12)
+    np.testing.assert_allclose([g["lr"] for *_, g in reported], np.asarray(result.gradients["lr"][0]), rtol=1e-12)
     assert np.all(np.diff(lr[:10]) > 0) and lr.max() > 0.9
     assert int(result.state.round[0]) == windows
     # Replay of the run in NumPy: x ← x − η_t (x − c) with the trajectory's η_t, and the values at each window's end.

@@ -8,6 +8,8 @@
     fedjax-opt run --seeds 5                         # 5 seeds per algorithm as one vmapped program; mean ± std
     fedjax-opt run --out runs/a --resume --rounds 600    # continue a saved run, with its own configuration
     fedjax-opt list algorithms                       # every algorithm, its family and hyper-parameter defaults
+    fedjax-opt tune --algorithms fedadam --tune server_lr,client_lr --rounds 100 --outer-steps 20
+                                                     # hyper-gradient tuning, then a run with the tuned values
 
 A run trains each algorithm on the same federated dataset from the same
 initial model, prints progress and a results table, and writes into `--out`:
@@ -115,6 +117,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fedjax_opt.cli import run
 
     given = config_lib.given_settings(args)
+    if args.command == "tune":
+      from fedjax_opt.cli import tune
+
+      opts = tune.options(args, given)
+      config = config_lib.finish(given)
+      out = args.out if args.out is not None else os.path.join(
+          "runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
+      config_lib.prepare_new(out, bool(args.overwrite))
+      return tune.command_tune(config, opts, out, bool(args.overwrite))
     if args.resume:
       if args.overwrite:
         raise UsageError("--resume continues the run in --out and --overwrite replaces it: give one of them")

@@ -55,8 +55,8 @@ RESUME_RULE = ("--rounds may grow; " + ", ".join(f"--{k.replace('_', '-')}" for 
 """What `--resume` accepts, in words (the --help text, the errors and docs/cli.md say it)."""
 
 OUTPUT_NAMES = ("config.json", "history.json", "results.json", "accuracy.png", "loss.png",
-                "personalized_accuracy.png", "accuracy_time.png", "checkpoints")
-"""What a run writes into its folder (and `--overwrite` removes)."""
+                "personalized_accuracy.png", "accuracy_time.png", "checkpoints", "tune.json", "tune.png")
+"""What a run (and `fedjax-opt tune`: tune.json, tune.png) writes into its folder (and `--overwrite` removes)."""
 
 SHAKESPEARE_ROLES = 100
 """Roles (clients) the command line samples from Shakespeare's ~1,070 unless --num-clients says otherwise."""
@@ -129,11 +129,84 @@ def _setting(text: str) -> tuple[str, str, Any]:
   return algo, key.strip(), value
 
 
+TUNE_SCHEDULES = ("online", "offline")
+TUNE_DEFAULTS = {"outer_steps": 10, "schedule": "online", "outer_lr": 0.1}
+"""`fedjax-opt tune`'s own settings (flags only, not TOML keys) and their defaults."""
+
+TUNE_DESCRIPTION = (
+    "Tunes the continuous hyper-parameters that --tune names, of the one algorithm of --algorithms, by gradient "
+    "descent on the validation loss (the mean loss on every client's test split; each client's own model for "
+    "algorithms that keep one) differentiated through --rounds rounds of training (fo.hyper), Adam on their "
+    "logarithms, --outer-steps times; writes tune.json and tune.png into --out, then trains a run with the tuned "
+    "values exactly as `fedjax-opt run --set ALGO.NAME=VALUE ...` would, into the same folder. The tune flags are "
+    "not TOML keys; --config gives the others.")
+
+TUNE_SKIPS = ("--resume", "--dp-noise", "--dp-clip", "--dp-delta", "--dp-epsilon", "--dp-accountant", "--dp-sampling",
+              "--dp-quantile", "--dp-clip-lr", "--dp-count-noise")
+"""Flags of `run` that `tune` does not take: a tuned run is resumed with `fedjax-opt run --out DIR --resume`, and
+tuning reads every client's test split outside any privacy accountant (train with DP afterwards, `run --set`)."""
+
+TUNE_HELP = {
+    "--algorithms": "the one algorithm to tune, a name from `fedjax-opt list algorithms`",
+    "--rounds": "R, the rounds each outer step differentiates through: the whole run from the start (offline) or "
+                "one window of the one run (online) (default 300)",
+    "--seeds": "runs of the final run with the tuned values, seeds seed … seed+N-1 (tuning uses --seed; default 1)",
+    "--out": "the folder of tune.json, tune.png and the tuned run (default runs/<dataset>-<time>)",
+    "--overwrite": "replace the run (or tuning) already in --out",
+}
+"""`run`'s flags whose help says something else under `tune`."""
+
+
+def _adder(parser: argparse.ArgumentParser, skip: tuple[str, ...], helps: dict[str, str]):
+  """`parser.add_argument`, leaving out the flags in `skip` and with the help of `helps` where it has one."""
+  def add(flag, *args, **kwargs):
+    if flag in skip:
+      return
+    if flag in helps:
+      kwargs["help"] = helps[flag]
+    parser.add_argument(flag, *args, **kwargs)
+  return add
+
+
+def _add_tune_flags(add) -> None:
+  """The flags of `fedjax-opt tune` that `run` does not have."""
+  add("--tune", metavar="NAME,...", required=True,
+      help="the algorithm's continuous hyper-parameters to tune, named as `fedjax-opt list algorithms` shows them "
+           "(e.g. server_lr,client_lr); each starts from its default or its --set value")
+  add("--outer-steps", metavar="T", type=_positive("outer-steps", int, "integer"),
+      default=TUNE_DEFAULTS["outer_steps"], help=f"T, hyper-gradient steps (default {TUNE_DEFAULTS['outer_steps']})")
+  add("--schedule", metavar="online|offline", choices=TUNE_SCHEDULES, default=TUNE_DEFAULTS["schedule"],
+      help="online (the default, the cheaper): one run of T windows of R rounds, the hyper-parameters updated after "
+           "each window by the hyper-gradient of the loss at its end, from the state the run has reached: tuning "
+           "along a run of T × R rounds costs about that one run, forward and backward, and the backward pass holds R "
+           "rounds (greedy: a window's gradient ignores how the earlier values shaped the state it starts from); "
+           "offline: each outer step reruns R rounds from the start and differentiates all of them, the exact "
+           "gradient of the loss after R rounds, T runs in all")
+  add("--train-rounds", metavar="N", type=_positive("train-rounds", int, "integer"),
+      help="rounds of the run trained with the tuned values (default: the horizon they were tuned for, R offline, "
+           "T × R online)")
+  add("--outer-lr", metavar="X", type=_positive("outer-lr", float, "number"), default=TUNE_DEFAULTS["outer_lr"],
+      help="Adam's step size on the log of each hyper-parameter (the logit for one in (0, 1)): 0.1 moves a "
+           f"step size by about 10 %% per outer step (default {TUNE_DEFAULTS['outer_lr']})")
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = _Parser(prog="fedjax-opt", description="Federated optimization experiments in JAX.")
   sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
   run = sub.add_parser("run", help="train and compare algorithms on an embedded dataset")
-  add = run.add_argument
+  _add_run_flags(run.add_argument)
+  tune = sub.add_parser("tune", help="tune one algorithm's continuous hyper-parameters by hyper-gradients, then "
+                                     "train a run with them", description=TUNE_DESCRIPTION)
+  _add_tune_flags(tune.add_argument)
+  _add_run_flags(_adder(tune, skip=TUNE_SKIPS, helps=TUNE_HELP))
+  listing = sub.add_parser("list", help="list algorithms (with their hyper-parameters), datasets, partitions, models")
+  listing.add_argument("what", nargs="?", choices=("algorithms", "aggregators", "attacks", "datasets", "partitions",
+                                                   "models", "server-optimizers"), help="one section only")
+  return parser
+
+
+def _add_run_flags(add) -> None:
+  """The flags of `fedjax-opt run` (`fedjax-opt tune` takes them too, but for `TUNE_SKIPS`)."""
   add("--config", metavar="FILE", help="TOML file whose keys mirror these flags, [algorithm] sections for hyper-parameters")
   add("--algorithms", metavar="A,B,...", help="comma-separated names from `fedjax-opt list algorithms` (default fedavg,fedadam)")
   add("--set", action="append", type=_setting, metavar="ALGO.NAME=VALUE",
@@ -215,10 +288,6 @@ def build_parser() -> argparse.ArgumentParser:
   add("--compile-cache", metavar="DIR|off",
       help="where compiled programs are kept between runs, so a second run starts faster (default "
            "$FEDJAX_OPT_COMPILE_CACHE or ~/.cache/fedjax_opt/xla; off: compile every time)")
-  listing = sub.add_parser("list", help="list algorithms (with their hyper-parameters), datasets, partitions, models")
-  listing.add_argument("what", nargs="?", choices=("algorithms", "aggregators", "attacks", "datasets", "partitions",
-                                                   "models", "server-optimizers"), help="one section only")
-  return parser
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -439,7 +508,8 @@ def hyper_parameters(config: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def _holds_run(out: str) -> bool:
-  return os.path.isfile(os.path.join(out, "config.json")) or os.path.isdir(os.path.join(out, "checkpoints"))
+  return any(os.path.isfile(os.path.join(out, name)) for name in ("config.json", "tune.json")) or \
+      os.path.isdir(os.path.join(out, "checkpoints"))
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -216,8 +216,8 @@ def _server(hyper: dict):
 
 
 def _ridge(loss_fn: Callable, l2: float) -> Callable:
-  """loss(θ, batch) + (l2/2)‖θ‖² per example (the loss itself when l2 = 0)."""
-  if not l2:
+  """loss(θ, batch) + (l2/2)‖θ‖² per example (the loss itself when l2 is the number 0; l2 may be traced)."""
+  if isinstance(l2, (int, float)) and not l2:
     return loss_fn
   import jax
   import jax.numpy as jnp

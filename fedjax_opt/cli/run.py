@@ -6,14 +6,15 @@ import math
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from fedjax_opt.cli import config as config_lib
 from fedjax_opt.cli import network, privacy, registry, report, robust
 from fedjax_opt.cli.config import UsageError
 
-__all__ = ["bits_per_round", "build_model", "command_run", "compile_cache_dir", "load_dataset", "network_context",
-           "pooled_sample", "sampling"]
+__all__ = ["Wrappers", "bits_per_round", "build_algorithm", "build_model", "command_run", "compile_cache_dir",
+           "load_dataset", "network_context", "pooled_sample", "prepared_context", "sampling", "start_jax",
+           "train_and_report"]
 
 FLOAT_BITS = 32
 """Bits per parameter of a model-sized message (float32)."""
@@ -281,6 +282,26 @@ def _example_shape(dataset) -> tuple:
 
 def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
   """(dataset, model, [(name, spec, hyper, algorithm)], planted groups or None): built and checked before running."""
+  dataset, model, ctx, wrappers, groups = prepared_context(config, say)
+  built = []
+  for name in config["algorithms"].split(","):
+    spec = registry.REGISTRY[name]
+    hyper = config_lib.hyper_parameters(config, name)
+    built.append((name, spec, dict(hyper, **wrappers.robust_used), build_algorithm(name, hyper, config, ctx, wrappers)))
+  return dataset, model, built, groups
+
+
+class Wrappers(NamedTuple):
+  """What the run puts around every algorithm: `--attack label_flip`'s poisoning (or None) and the aggregator and
+  attack settings recorded with its hyper-parameters."""
+
+  poison: Any
+  robust_used: dict
+
+
+def prepared_context(config: dict[str, Any], say: Callable[..., None] = print):
+  """(dataset, model, `registry.Context`, `Wrappers`, planted groups or None): what every algorithm of the run is
+  built from (`build_algorithm`), checked before anything runs."""
   dataset, groups = load_dataset_and_groups(config)
   if config["num_clients"] is not None and config["clients_per_round"] > dataset.num_clients:
     raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds the dataset's "
@@ -304,24 +325,27 @@ def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
                            example_shape=_example_shape(dataset), **network_context(config, dataset))
   except network.NetworkError as e:
     raise UsageError(str(e)) from None
-  built = []
-  for name in config["algorithms"].split(","):
-    spec = registry.REGISTRY[name]
-    hyper = config_lib.hyper_parameters(config, name)
-    try:
-      algo = registry.build(name, ctx, hyper)
-      if poison is not None:
-        algo = poison(algo, dataset.num_clients)
-      if config["asynchronous"] and spec.sampling != "events":  # the synchronous baseline on the same clock
-        from fedjax_opt.core import asynchrony
+  return dataset, model, ctx, Wrappers(poison, robust_used), groups
 
-        algo = asynchrony.synchronous_clock(algo, network.compute_time(config["delay"]), seed=config["seed"])
-    except registry.HyperParameterError as e:
-      raise UsageError(str(e)) from None
-    except ValueError as e:  # the attack's own checks
-      raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
-    built.append((name, spec, dict(hyper, **robust_used), algo))
-  return dataset, model, built, groups
+
+def build_algorithm(name: str, hyper: dict[str, Any], config: dict[str, Any], ctx, wrappers: Wrappers):
+  """Algorithm `name` with the resolved `hyper` as the run trains it: the registry's factory, poisoned
+  (`--attack label_flip`), on the simulated clock (`--async`). The values of `hyper` may be traced
+  (`fedjax-opt tune` differentiates through them); a bad value is one line."""
+  spec = registry.REGISTRY[name]
+  try:
+    algo = registry.build(name, ctx, hyper)
+    if wrappers.poison is not None:
+      algo = wrappers.poison(algo, ctx.num_clients)
+    if config["asynchronous"] and spec.sampling != "events":  # the synchronous baseline on the same clock
+      from fedjax_opt.core import asynchrony
+
+      algo = asynchrony.synchronous_clock(algo, network.compute_time(config["delay"]), seed=config["seed"])
+  except registry.HyperParameterError as e:
+    raise UsageError(str(e)) from None
+  except ValueError as e:  # the attack's own checks
+    raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
+  return algo
 
 
 def network_context(config: dict[str, Any], dataset) -> dict[str, Any]:
@@ -450,11 +474,21 @@ def effective_client_map(config: dict[str, Any]) -> str:
 
 
 def command_run(config: dict[str, Any], out: str, resume: bool, overwrite: bool) -> int:
+  start_jax(config)
+  return train_and_report(config, out, resume, overwrite)
+
+
+def start_jax(config: dict[str, Any]) -> None:
+  """`--compile-cache` and `--devices`: set before JAX's first computation."""
+  enable_compile_cache(config.get("compile_cache"))
+  use_cpu_devices(config["devices"])
+
+
+def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: bool) -> int:
+  """`fedjax-opt run` once JAX has started (`start_jax`): trains, prints the table, writes the run folder."""
   import jax
   import numpy as np
 
-  enable_compile_cache(config.get("compile_cache"))
-  use_cpu_devices(config["devices"])
   train_lib = _train_module()
   say: Callable[..., None] = (lambda *a: None) if config["quiet"] else print
   dataset, model, built, groups = _prepared(config, say)
