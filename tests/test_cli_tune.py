@@ -165,10 +165,11 @@ def test_a_folder_that_holds_a_tuning_is_refused_by_tune_and_run(cli, tmp_path):
   out = tmp_path / "out"
   out.mkdir()
   (out / "tune.json").write_text("{}")
-  for command in (["tune", "--algorithms", "fedadam", "--tune", "server_lr"], ["run"]):
+  for command, resume in ((["tune", "--algorithms", "fedadam", "--tune", "server_lr"], f"fedjax-opt run --out {out} "),
+                          (["run"], "")):  # tune has no --resume of its own
     result = cli(*command, *DIGITS, "--out", out)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"fedjax-opt: error: --out {out} already holds a run; continue it with --resume, replace it with "
+        f"fedjax-opt: error: --out {out} already holds a run; continue it with {resume}--resume, replace it with "
         f"--overwrite, or choose another folder"]
     assert sorted(p.name for p in out.iterdir()) == ["tune.json"]

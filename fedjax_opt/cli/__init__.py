@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       config = config_lib.finish(given)
       out = args.out if args.out is not None else os.path.join(
           "runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
-      config_lib.prepare_new(out, bool(args.overwrite))
+      config_lib.prepare_new(out, bool(args.overwrite), resumable=False)
       return tune.command_tune(config, opts, out, bool(args.overwrite))
     if args.resume:
       if args.overwrite:

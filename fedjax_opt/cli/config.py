@@ -588,12 +588,13 @@ def check_writable(out: str) -> None:
   os.rmdir(probe)
 
 
-def prepare_new(out: str, overwrite: bool) -> None:
-  """Checks that a new run may go into `out` (nothing is written yet)."""
+def prepare_new(out: str, overwrite: bool, *, resumable: bool = True) -> None:
+  """Checks that a new run may go into `out` (nothing is written yet); `resumable`: the command has --resume."""
   check_writable(out)
   if _holds_run(out) and not overwrite:
-    raise UsageError(f"--out {out} already holds a run; continue it with --resume, replace it with --overwrite, "
-                     f"or choose another folder")
+    resume = "continue it with --resume, " if resumable else f"continue it with fedjax-opt run --out {out} --resume, "
+    raise UsageError(f"--out {out} already holds a run; {resume}replace it with --overwrite, or choose another "
+                     f"folder")
 
 
 def clear_previous(out: str) -> None:
