@@ -73,6 +73,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
   if any("true_belief_median" in r for r in rows):
     columns += [("θ* belief", lambda r: _spread(r, "true_belief", ".3f")),
                 ("rounds to θ*", lambda r: _spread(r, "rounds_to_concentrate", "g"))]
+  if any("bits_up" in r for r in rows):
+    columns.append(("bits up", lambda r: _missing() if r.get("bits_up") is None else f"{r['bits_up']:,.0f}"))
   columns += [("MB sent", lambda r: f"{r['megabytes_sent']:,.3f}" if r["megabytes_sent"] < 1 else f"{r['megabytes_sent']:,.1f}"), ("compile s", lambda r: f"{r.get('compile_seconds', float('nan')):.1f}"),
               ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
               ("status", lambda r: r["status"])]
@@ -96,6 +98,13 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     notes.append(f"ε: client-level (ε, δ={p['delta']:g})-DP after {private[0]['rounds']} rounds, {p['accountant']} "
                  f"accountant, {p['sampling']}, noise multiplier {p['noise_multiplier']:.4g} "
                  f"({p['neighboring_relation']}); see docs/privacy.md for what it covers")
+  if any("bits_up" in r for r in rows):
+    notes.append("bits up: the bits one client uploads a round (the run's bits_up metric, the compressor's count; "
+                 "mean over rounds); MB sent counts them and each round's broadcast")
+  secure = [r for r in rows if r.get("secure_upload_bits") is not None]
+  if secure:
+    notes.append(f"secure aggregation: each client uploaded {secure[0]['secure_upload_bits']:,.0f} bits in the last "
+                 f"round with the protocol's masked words, keys and shares (secure_upload_bits in results.json)")
   return "\n".join([fmt(header), rule] + [fmt(line) for line in lines[1:]] + ([""] + notes if notes else []))
 
 
@@ -112,12 +121,12 @@ def title(config: dict[str, Any], dataset) -> str:
     robust += f", aggregator {config['aggregator']}"
   if config.get("attack"):
     robust += f", attack {config['attack']} ({config['attackers']:.0%} of clients)"
-  from fedjax_opt.cli import privacy
+  from fedjax_opt.cli import privacy, trust
 
   return (f"{config['dataset']}, {split}{dataset.num_clients} clients, {config['clients_per_round']}/round, "
           f"{config['local_steps']} steps × batch {config['batch_size']}"
           + (f", client lr {config['client_lr']:g}" if config["client_lr"] is not None else "") + f", {seeds}"
-          + robust + privacy.describe(config))
+          + robust + privacy.describe(config) + trust.describe(config))
 
 
 def _series(ax, x, values, name: str, **style):
