@@ -27,7 +27,8 @@ order of the aggregator seam, for every chosen algorithm:
   `--aggregator`; a combination the library refuses (FedDyn or CFL with a
   client stage; SCAFFOLD or FedDyn with secure aggregation; a robust rule
   inside secure aggregation; a ring too small for the round) is refused in
-  one line, before anything is written.
+  one line, before anything is written, and so is a `bound` below the
+  weighted mean's largest n_k, whose rounds the library would reject.
 
 The bits a client sends are then the run's `bits_up` metric (the
 compressor's count), which the table shows and "MB sent" counts, with
@@ -205,6 +206,10 @@ def assemble(name: str, config: dict[str, Any], rule, corrupt, *, params, num_cl
     options.setdefault("bound", _bound(rule_name, config, max_train))
     options.setdefault("frac_bits", 16)
     options.setdefault("dropout", 0.0)
+    if rule_name == "weighted_mean" and options["bound"] < max_train:  # the library rejects such a client's rounds
+      raise TrustError(f"--secure-aggregation bound={options['bound']:g} is below n_k = {max_train}, the weight the "
+                       f"weighted mean's largest client adds to the sum, so the rounds it takes part in would be "
+                       f"rejected; use bound >= {max_train}, or leave bound out ({BOUND_FACTOR} × {max_train})")
     try:
       rule = privacy.secure_aggregation(rule, **options)
     except (ValueError, TypeError) as e:
