@@ -94,7 +94,9 @@ def flag_reference() -> str:
   for action in run._actions:  # pylint: disable=protected-access
     if not action.option_strings or action.option_strings == ["-h", "--help"]:
       continue
-    flag = action.option_strings[-1] + ("" if action.nargs == 0 else f" {action.metavar or action.dest.upper()}")
+    value = action.metavar or action.dest.upper()
+    flag = action.option_strings[-1] + ("" if action.nargs == 0 else f" [{value}]" if action.nargs == "?" else
+                                        f" {value}")
     lines.append(f"- `{flag}`: {action.help}")
   return "\n".join(lines)
 

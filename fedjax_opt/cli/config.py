@@ -43,6 +43,7 @@ DEFAULTS: dict[str, Any] = dict(
     aggregator=None, attack=None, attackers=None, compile_cache=None, devices="auto",
     dp_noise=None, dp_clip=None, dp_delta=None, dp_epsilon=None, dp_accountant=None, dp_sampling=None,
     dp_quantile=None, dp_clip_lr=None, dp_count_noise=None, dp_noise_multiplier=None,
+    compression=None, secure_aggregation=None,
     topology=None, asynchronous=False, delay=None, planted=None,
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
@@ -257,6 +258,14 @@ def _add_run_flags(add) -> None:
                                                    "(default 0.2)")
   add("--dp-count-noise", metavar="X", type=float,
       help="DP, adaptive clipping: noise σ_b on the count of unclipped clients (default max(m/20, 2σ))")
+  add("--compression", metavar="SPEC",
+      help="compress what each client uploads (docs/privacy.md): qsgd:BITS, top_k:FRACTION[:ef], rand_k:FRACTION or "
+           "sign[:ef]; :ef keeps a residual per client (error feedback); the table's bits up is the compressor's "
+           "count")
+  add("--secure-aggregation", metavar="bound=B,frac_bits=F,dropout=Q", nargs="?", const="",
+      help="the server learns only the sum of the uploads (simulated secure aggregation, Bonawitz et al. 2017), "
+           "around the mean, the weighted mean or the DP mean; each option may be left out (bound: see docs/cli.md; "
+           "frac_bits 16; dropout 0)")
   add("--topology", metavar="NAME",
       help="decentralized algorithms (gossip, dpsgd, gradient_tracking, d_fedem, p2p_bayes): the graph of the "
            "clients, one of ring (default), torus, exponential, complete, erdos_renyi, matchings (a random matching "
@@ -425,6 +434,12 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   try:
     privacy.check(config, names)
   except privacy.PrivacyError as e:
+    raise UsageError(str(e)) from None
+  from fedjax_opt.cli import trust
+
+  try:
+    trust.check(config, names, registry)
+  except trust.TrustError as e:
     raise UsageError(str(e)) from None
   try:
     network.check(config, names, registry)

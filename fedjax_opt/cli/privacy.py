@@ -174,6 +174,7 @@ def train_kwargs(plan) -> dict[str, Any]:
 
 def report(config: dict[str, Any], plan, eval_rounds: list[int], state, seeds: int) -> dict[str, Any]:
   """`results.json`'s privacy entries: ε at every evaluation round (host-side accounting), the final clip norm."""
+  import jax
   import numpy as np
 
   from fedjax_opt import privacy
@@ -181,7 +182,9 @@ def report(config: dict[str, Any], plan, eval_rounds: list[int], state, seeds: i
   rounds = tuple(sorted(set(int(r) for r in eval_rounds)))
   eps = _epsilons(config["dp_noise_multiplier"], config["dp_delta"], plan, config["dp_accountant"], rounds)
   event, relation = privacy.round_event(config["dp_noise_multiplier"], plan, config["dp_accountant"])
-  clip = np.asarray(state.aggregator_state.clip_norm, np.float64)
+  dp_state = next(x for x in jax.tree.leaves(state.aggregator_state, is_leaf=lambda x: isinstance(x, privacy.DPMeanState))
+                  if isinstance(x, privacy.DPMeanState))  # alone, behind a compression stage or in a secure sum
+  clip = np.asarray(dp_state.clip_norm, np.float64)
   info = {
       "epsilon": float(eps[-1]) if len(eps) else None, "delta": config["dp_delta"],
       "noise_multiplier": config["dp_noise_multiplier"], "target_epsilon": config["dp_epsilon"],

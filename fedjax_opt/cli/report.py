@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["Interrupted", "plot_all", "results_table"]
+__all__ = ["Interrupted", "curve_styles", "figures", "legend_label", "plain_log_axis", "plot_all", "results_table", "title"]
 
 
 class Interrupted(Exception):
@@ -73,6 +73,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
   if any("true_belief_median" in r for r in rows):
     columns += [("θ* belief", lambda r: _spread(r, "true_belief", ".3f")),
                 ("rounds to θ*", lambda r: _spread(r, "rounds_to_concentrate", "g"))]
+  if any("bits_up" in r for r in rows):
+    columns.append(("bits up", lambda r: _missing() if r.get("bits_up") is None else f"{r['bits_up']:,.0f}"))
   columns += [("MB sent", lambda r: f"{r['megabytes_sent']:,.3f}" if r["megabytes_sent"] < 1 else f"{r['megabytes_sent']:,.1f}"), ("compile s", lambda r: f"{r.get('compile_seconds', float('nan')):.1f}"),
               ("wall s", lambda r: f"{r['wall_seconds']:.1f}"),
               ("status", lambda r: r["status"])]
@@ -96,11 +98,41 @@ def results_table(rows: list[dict[str, Any]]) -> str:
     notes.append(f"ε: client-level (ε, δ={p['delta']:g})-DP after {private[0]['rounds']} rounds, {p['accountant']} "
                  f"accountant, {p['sampling']}, noise multiplier {p['noise_multiplier']:.4g} "
                  f"({p['neighboring_relation']}); see docs/privacy.md for what it covers")
+  if any("bits_up" in r for r in rows):
+    notes.append("bits up: the bits one client uploads a round (the run's bits_up metric, the compressor's count; "
+                 "mean over rounds); MB sent counts them and each round's broadcast")
+  secure = [r for r in rows if r.get("secure_upload_bits") is not None]
+  if secure:
+    notes.append(f"secure aggregation: each client uploaded {secure[0]['secure_upload_bits']:,.0f} bits in the last "
+                 f"round with the protocol's masked words, keys and shares (secure_upload_bits in results.json)")
   return "\n".join([fmt(header), rule] + [fmt(line) for line in lines[1:]] + ([""] + notes if notes else []))
 
 
-def title(config: dict[str, Any], dataset) -> str:
-  """`mnist5k, dirichlet(α=0.5), 100 clients, 10/round, 10 steps × batch 20, client lr 0.05, seed 0`."""
+def _local_work(name: str, config: dict[str, Any]) -> str:
+  """What algorithm `name` does per round with the run's flags: `5/round, 10 steps × batch 20`, or for the
+  families that ignore some of them, what they do instead."""
+  from fedjax_opt.cli import registry
+
+  sampling = registry.REGISTRY[name].sampling if name in registry.REGISTRY else "clients"
+  steps = f"{config['local_steps']} steps × batch {config['batch_size']}"
+  if sampling == "clients":
+    return f"{config['clients_per_round']}/round, {steps}"
+  if sampling == "events":
+    return f"{config['clients_per_round']} in flight, {steps}"
+  if sampling in ("nodes", "all"):
+    return f"every client, {steps}"
+  return "every client, full batch"  # "full", "full_fixed": the whole train split every round
+
+
+def title(config: dict[str, Any], dataset, names: list[str] | None = None) -> str:
+  """`mnist5k, dirichlet(α=0.5), 100 clients, 10/round, 10 steps × batch 20, client lr 0.05, seed 0`.
+
+  The local work is each algorithm's (`_local_work`): one phrase when every algorithm of `names` (default: the
+  run's) does the same, else one per group (`fedavg: 10/round, ...; l2gd: every client, full batch`). A run with
+  decentralized algorithms names its topology.
+  """
+  from fedjax_opt.cli import privacy, registry, trust
+
   split = ""
   if config.get("partition"):
     split = config["partition"] + (f"(α={config['alpha']:g})" if config["partition"] == "dirichlet" else "")
@@ -112,12 +144,34 @@ def title(config: dict[str, Any], dataset) -> str:
     robust += f", aggregator {config['aggregator']}"
   if config.get("attack"):
     robust += f", attack {config['attack']} ({config['attackers']:.0%} of clients)"
-  from fedjax_opt.cli import privacy
-
-  return (f"{config['dataset']}, {split}{dataset.num_clients} clients, {config['clients_per_round']}/round, "
-          f"{config['local_steps']} steps × batch {config['batch_size']}"
+  names = names if names is not None else [n for n in str(config.get("algorithms", "")).split(",") if n]
+  groups: dict[str, list[str]] = {}
+  for name in names:
+    groups.setdefault(_local_work(name, config), []).append(name)
+  if len(groups) <= 1:
+    work = next(iter(groups), _local_work("", config))
+  else:
+    work = "; ".join(f"{', '.join(group)}: {phrase}" for phrase, group in groups.items())
+  topology = ""
+  if config.get("topology") and any(registry.REGISTRY[n].family == "decentralized" for n in names
+                                    if n in registry.REGISTRY):
+    topology = f", {config['topology']} topology"
+  return (f"{config['dataset']}, {split}{dataset.num_clients} clients, {work}{topology}"
           + (f", client lr {config['client_lr']:g}" if config["client_lr"] is not None else "") + f", {seeds}"
-          + robust + privacy.describe(config))
+          + robust + privacy.describe(config) + trust.describe(config))
+
+
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+"""Curve i is drawn with (LINESTYLES[i % 4], MARKERS[i % 7]), hollow markers and a line that thins with i: 28
+distinct pairs, and a curve drawn over an earlier one that it coincides with (FedAvg and Ditto's global model)
+leaves the earlier one's wider line and other marker in sight."""
+
+
+def curve_styles(keys: list) -> dict:
+  """A distinct (linestyle, marker) pair and a color for each key, in order."""
+  return {key: {"ls": LINESTYLES[i % len(LINESTYLES)], "marker": MARKERS[i % len(MARKERS)],
+                "color": f"C{i % 10}", "mfc": "none", "lw": max(1.0, 2.4 - 0.4 * i)} for i, key in enumerate(keys)}
 
 
 def _series(ax, x, values, name: str, **style):
@@ -126,6 +180,8 @@ def _series(ax, x, values, name: str, **style):
 
   values = np.asarray(values, np.float64)
   x = np.asarray(x, np.float64)
+  if len(x) > 12 and "marker" in style:  # a marker every few points: dense curves stay readable
+    style = dict(style, markevery=max(1, len(x) // 10))
   if values.ndim == 1:
     line, = ax.plot(x, values, label=name, **style)
     return line
@@ -149,100 +205,178 @@ def _eval_points(history, metric: str):
     return None
 
 
-def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: dict[str, Any], dataset,
-             out: str) -> list[str]:
-  """accuracy.png (against rounds and MB sent), loss.png (train and test), personalized_accuracy.png."""
+def plain_number(value: float, _position=None) -> str:
+  """A tick label without mathtext powers: `2.14`, `0.05`, `1e-05`."""
+  return f"{value:.3g}"
+
+
+def plain_log_axis(axis, minimum_ticks: int = 3) -> None:
+  """A log axis with plain labels (`2.14`, not `2.14×10⁰`) and at least `minimum_ticks` ticks in view: 1-2-5
+  steps over a decade or more, evenly spaced values within one. Call it once the data are drawn."""
+  import matplotlib.ticker
+  import numpy as np
+
+  axis.axes.autoscale_view()
+  low, high = sorted(axis.get_view_interval())
+  if not (np.isfinite(low) and np.isfinite(high)) or low <= 0 or high <= low:
+    return
+  ticks = []
+  for subs in ((1.0, 2.0, 5.0), (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)):
+    if len(ticks) < minimum_ticks:
+      ticks = [t for t in matplotlib.ticker.LogLocator(base=10, subs=subs, numticks=100).tick_values(low, high) if low <= t <= high]
+  if len(ticks) < minimum_ticks:
+    ticks = [t for t in matplotlib.ticker.MaxNLocator(nbins=4, steps=[1, 2, 2.5, 5, 10]).tick_values(low, high)
+             if low <= t <= high and t > 0]
+  if len(ticks) < minimum_ticks:
+    ticks = np.geomspace(low, high, minimum_ticks).tolist()
+  axis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
+  axis.set_major_formatter(matplotlib.ticker.FuncFormatter(plain_number))
+  axis.set_minor_locator(matplotlib.ticker.NullLocator())
+
+
+def _legend_below(fig, axes) -> None:
+  """One legend for the figure, outside the axes, below them (every curve once, in drawing order)."""
+  handles, labels = [], []
+  for ax in axes:
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+      if label not in labels:
+        handles.append(handle)
+        labels.append(label)
+  if handles:
+    longest = max(len(label) for label in labels)
+    fig.legend(handles, labels, loc="outside lower center", fontsize=7, ncols=1 if longest > 60 else 2,
+               frameon=False)
+
+
+def _note(ax, text: str) -> None:
+  """`text` in the panel: centred in an empty one, above the curves (the panel's title) otherwise."""
+  import textwrap
+
+  if ax.get_legend_handles_labels()[0]:
+    ax.set_title(textwrap.fill(text, 80), fontsize=7, color="0.3")
+  else:
+    ax.text(0.5, 0.5, textwrap.fill(text, 60), transform=ax.transAxes, ha="center", va="center", fontsize=8,
+            color="0.3")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def figures(histories: dict, extras: dict, rows: list[dict[str, Any]], config: dict[str, Any],
+            dataset) -> dict[str, Any]:
+  """`{file name: matplotlib Figure}`: accuracy.png (against rounds and MB sent), loss.png (train and test),
+  accuracy_time.png (--async), personalized_accuracy.png (personalized algorithms)."""
   import matplotlib
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  import matplotlib.ticker
   import numpy as np
 
-  heading = title(config, dataset)
-  paths = []
+  heading = title(config, dataset, list(histories))
+  out = {}
 
-  def save(fig, name):
-    fig.suptitle(heading, fontsize=9)
-    fig.tight_layout()
-    path = os.path.join(out, name)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+  def figure(name, *args, **kwargs):
+    fig, axes = plt.subplots(*args, layout="constrained", **kwargs)
+    fig.suptitle(heading, fontsize=9, wrap=True)
+    out[name] = fig
+    return fig, axes
 
   labels = {r["algorithm"]: legend_label(r) for r in rows}
-  colors = {name: f"C{i % 10}" for i, name in enumerate(histories)}
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+  keys = []
+  for name, history in histories.items():
+    keys.append((name, "test"))
+    if _eval_points(history, "personalized_test_accuracy") is not None:
+      keys.append((name, "personalized"))
+  styles = curve_styles(keys)
+  fig, axes = figure("accuracy.png", 1, 2, figsize=(11, 5.2))
   for name, history in histories.items():
     sent = np.asarray(extras[name]["megabytes_sent"], np.float64)
-    for metric, style in (("test_accuracy", {"marker": "o", "ms": 3}),
-                          ("personalized_test_accuracy", {"marker": "s", "ms": 3, "ls": "--"})):
+    for metric, kind in (("test_accuracy", "test"), ("personalized_test_accuracy", "personalized")):
       points = _eval_points(history, metric)
       if points is None:
         continue
       rounds, values = points
-      label = labels[name] if metric == "test_accuracy" else f"{name}, personalized"
-      _series(axes[0], np.asarray(rounds) / extras[name].get("steps_per_round", 1), values, label,
-              color=colors[name], **style)
-      _series(axes[1], sent[np.asarray(rounds) - 1], values, label, color=colors[name], **style)
+      label = labels[name] if kind == "test" else f"{name}, personalized"
+      _series(axes[0], np.asarray(rounds) / extras[name].get("steps_per_round", 1), values, label, ms=4,
+              **styles[(name, kind)])
+      _series(axes[1], sent[np.asarray(rounds) - 1], values, label, ms=4, **styles[(name, kind)])
   axes[0].set_xlabel("round" if all(e.get("steps_per_round", 1) == 1 for e in extras.values()) else
                      "round (asynchronous: server events / clients in flight)")
-  axes[1].set_xlabel("MB sent (float32 messages, each counted once)")
+  axes[1].set_xlabel("MB sent (each message once" + (", uploads compressed" if config.get("compression") else "")
+                     + "; log scale)")
   axes[1].set_xscale("log")
-  axes[1].xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labelled decades only
+  plain_log_axis(axes[1].xaxis)
   for ax in axes:
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
-  axes[0].legend(fontsize=6)
-  save(fig, "accuracy.png")
+  _legend_below(fig, axes)
 
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+  fig, axes = figure("loss.png", 1, 2, figsize=(11, 5.2))
+  silent = []
   for name, history in histories.items():
     if "client_loss" in history.round_metrics:
       values = history.round_metrics["client_loss"]
-      _series(axes[0], np.arange(1, np.shape(values)[-1] + 1), values, labels[name], lw=1, color=colors[name])
+      _series(axes[0], np.arange(1, np.shape(values)[-1] + 1), values, labels[name], ms=4,
+              **styles[(name, "test")])
+    else:
+      silent.append(name)
     points = _eval_points(history, "test_loss")
     if points is not None:
-      _series(axes[1], *points, labels[name], marker="o", ms=3, color=colors[name])
+      _series(axes[1], *points, labels[name], ms=4, **styles[(name, "test")])
   axes[0].set_ylabel("train loss (the round's clients, before their steps)")
   axes[1].set_ylabel("test loss (every client's test split)")
+  if silent:
+    admm = [r["algorithm"] for r in rows if r.get("family") == "admm" and r["algorithm"] in silent]
+    _note(axes[0], f"{', '.join(silent)}: no train loss (the algorithm reports none"
+                   + ("; the ADMM family's objective gap is the table's obj. gap" if admm else "") + ")")
   for ax in axes:
     ax.set_xlabel("round")
-    ax.set_yscale("log")
     ax.grid(alpha=0.3)
-  for ax in axes:
     if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=6)
-  save(fig, "loss.png")
+      ax.set_yscale("log")
+      plain_log_axis(ax.yaxis)
+  _legend_below(fig, axes)
 
   timed = [name for name in histories if "simulated_time" in extras[name]]
   if timed:
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = figure("accuracy_time.png", figsize=(6.5, 4.8))
     for name in timed:
       points = _eval_points(histories[name], "test_accuracy")
       if points is None:
         continue
       steps, values = points
       clock = np.concatenate([[0.0], np.asarray(extras[name]["simulated_time"], np.float64)])
-      _series(ax, clock[np.asarray(steps)], values, labels[name], color=colors[name], marker="o", ms=3)
+      _series(ax, clock[np.asarray(steps)], values, labels[name], ms=4, **styles[(name, "test")])
     ax.set_xlabel(f"simulated time (compute time {config.get('delay')} per client update)")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=6)
-    save(fig, "accuracy_time.png")
+    _legend_below(fig, [ax])
 
   personal = [r for r in rows if r.get("personalized_accuracy_per_client")]
   if personal:
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, ax = figure("personalized_accuracy.png", figsize=(6.5, 4.8))
     bins = np.linspace(0, 1, 21)
     for r in personal:
       values = [v for member in r["personalized_accuracy_per_client"] for v in member if v is not None]
-      ax.hist(values, bins=bins, histtype="step", lw=1.5, color=colors.get(r["algorithm"]),
+      style = styles.get((r["algorithm"], "personalized"), styles.get((r["algorithm"], "test"), {}))
+      ax.hist(values, bins=bins, histtype="step", lw=1.5, color=style.get("color"), ls=style.get("ls", "-"),
               label=f"{r['algorithm']}: mean {r['personalized_accuracy']:.3f}, p10 "
                     f"{r['personalized_accuracy_p10']:.3f}")
     ax.set_xlabel("personalized test accuracy of a client (its own model, its own test split)")
     ax.set_ylabel("clients")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="best")
     ax.grid(alpha=0.3)
-    save(fig, "personalized_accuracy.png")
+  return out
+
+
+def plot_all(histories: dict, extras: dict, rows: list[dict[str, Any]], config: dict[str, Any], dataset,
+             out: str) -> list[str]:
+  """Writes `figures(...)` into `out` (PNG, 110 dpi); returns their paths."""
+  import matplotlib.pyplot as plt
+
+  paths = []
+  for name, fig in figures(histories, extras, rows, config, dataset).items():
+    path = os.path.join(out, name)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
   return paths

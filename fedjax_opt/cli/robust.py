@@ -111,10 +111,12 @@ def _resolve(kind: str, name: str, table: dict, overrides: dict[str, Any], fill:
   return fn, values
 
 
-def build(config: dict[str, Any], clients_per_round: int, num_classes: int) -> tuple[Any, Any, dict[str, Any]]:
-  """(aggregator or None, data attack (a function of the algorithm) or None, what was used) for this run."""
-  import jax
+def build(config: dict[str, Any], clients_per_round: int, num_classes: int) -> tuple[Any, Any, Any, dict[str, Any]]:
+  """(rule or None, corrupt or None, data attack (a function of the algorithm) or None, what was used).
 
+  `corrupt(inner)` wraps an aggregator in the update attack (`fo.attacks.corrupt`); the run gives it the rule, the
+  weighted mean when no `--aggregator` is given, with secure aggregation in between (`fedjax_opt.cli.trust`).
+  """
   from fedjax_opt import aggregators, attacks
 
   name, attack, fraction = config["aggregator"], config["attack"], config["attackers"]
@@ -122,15 +124,15 @@ def build(config: dict[str, Any], clients_per_round: int, num_classes: int) -> t
   per_round = math.floor(fraction * clients_per_round) if attack else 0
   fill = {"num_byzantine": max(1, per_round), "beta": fraction if attack else 0.1}
   used: dict[str, Any] = {}
-  aggregator = None
+  rule = None
   if name is not None:
     fn, values = _resolve("aggregator", name, _aggregators(), hyper.get("aggregator", {}), fill)
     try:
-      aggregator = fn(**values)
+      rule = fn(**values)
     except (ValueError, TypeError) as e:
       raise RobustError(f"aggregator {name}: {str(e).splitlines()[0]}") from None
     used["aggregator"] = {"name": name, **values}
-  poison = None
+  poison = corrupt = None
   if attack is not None:
     fn, values = _resolve("attack", attack, _attacks(), hyper.get("attack", {}), fill)
     try:
@@ -142,13 +144,12 @@ def build(config: dict[str, Any], clients_per_round: int, num_classes: int) -> t
         if attack == "generalized_byzantine" and isinstance(values.get("values"), str):
           raise RobustError("attack generalized_byzantine: values must be a number")
         made = fn(**values)
-        aggregator = attacks.corrupt(aggregator or aggregators.weighted_mean(), made, attackers=fraction,
-                                     seed=config["seed"])
+        corrupt = lambda inner: attacks.corrupt(inner, made, attackers=fraction, seed=config["seed"])
+        corrupt(rule or aggregators.weighted_mean())  # the attack's own checks, now
     except (ValueError, TypeError) as e:
       raise RobustError(f"attack {attack}: {str(e).splitlines()[0]}") from None
     used["attack"] = {"name": attack, "attackers": fraction, **values}
-  del jax
-  return aggregator, poison, used
+  return rule, corrupt, poison, used
 
 
 def check(config: dict[str, Any], names: list[str], registry) -> None:

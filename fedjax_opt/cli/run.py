@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -9,7 +10,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from fedjax_opt.cli import config as config_lib
-from fedjax_opt.cli import network, privacy, registry, report, robust
+from fedjax_opt.cli import network, privacy, registry, report, robust, trust
 from fedjax_opt.cli.config import UsageError
 
 __all__ = ["Wrappers", "bits_per_round", "build_algorithm", "build_model", "command_run", "compile_cache_dir",
@@ -140,10 +141,7 @@ def bits_per_round(spec: registry.Spec, round_metrics: dict, num_params: int, cl
   """`[R]` bits sent in each round: every message counted once, when sent (a broadcast is one message)."""
   import numpy as np
 
-  def member0(values):
-    values = np.asarray(values, np.float64)
-    return values[0] if values.ndim == 2 else values
-
+  member0 = _member0
   scalar = min(round_metrics.values(), key=np.ndim)  # [R], or [K, R] for a sweep (vector metrics have one more)
   rounds = len(member0(scalar))
   if spec.communication == "bits":
@@ -154,6 +152,14 @@ def bits_per_round(spec: registry.Spec, round_metrics: dict, num_params: int, cl
     return member0(round_metrics["bytes_sent"]) * 8 * num_clients
   uploads, broadcasts = spec.messages
   return np.full(rounds, (clients * uploads + broadcasts) * FLOAT_BITS * num_params, np.float64)
+
+
+def _member0(values) -> Any:
+  """A round metric `[R]` as float64, sweep member 0's for `[K, R]`."""
+  import numpy as np
+
+  values = np.asarray(values, np.float64)
+  return values[0] if values.ndim == 2 else values
 
 
 def _initial_state(algo, model, config: dict[str, Any]):
@@ -297,16 +303,25 @@ def _prepared(config: dict[str, Any], say: Callable[..., None] = print):
   for name in config["algorithms"].split(","):
     spec = registry.REGISTRY[name]
     hyper = config_lib.hyper_parameters(config, name)
-    built.append((name, spec, dict(hyper, **wrappers.robust_used), build_algorithm(name, hyper, config, ctx, wrappers)))
+    used: dict = {}
+    algo = build_algorithm(name, hyper, config, ctx, wrappers, used)
+    built.append((name, spec, dict(hyper, **wrappers.robust_used, **used), algo))
   return dataset, model, built, groups
 
 
 class Wrappers(NamedTuple):
-  """What the run puts around every algorithm: `--attack label_flip`'s poisoning (or None) and the aggregator and
-  attack settings recorded with its hyper-parameters."""
+  """What the run puts around every algorithm: `--attack label_flip`'s poisoning (or None), the aggregator and
+  attack settings recorded with its hyper-parameters, the aggregation rule (`--aggregator`'s or the DP mean; None:
+  the factory's own) and an update attack's `corrupt` wrapper (or None) that `fedjax_opt.cli.trust` assembles with
+  `--secure-aggregation` and `--compression`, the initial model (None without those) and `slots(spec, hyper)`, the
+  clients a round of that algorithm holds."""
 
   poison: Any
   robust_used: dict
+  rule: Any
+  corrupt: Any
+  params: Any
+  slots: Callable
 
 
 def prepared_context(config: dict[str, Any], say: Callable[..., None] = print):
@@ -318,33 +333,50 @@ def prepared_context(config: dict[str, Any], say: Callable[..., None] = print):
                      f"{dataset.num_clients} clients")
   model = build_model(config, dataset)
   try:
-    aggregator, poison, robust_used = robust.build(config, config["clients_per_round"], dataset.num_classes)
+    rule, corrupt, poison, robust_used = robust.build(config, config["clients_per_round"], dataset.num_classes)
   except robust.RobustError as e:
     raise UsageError(str(e)) from None
   if privacy.enabled(config):
     try:
-      aggregator, _ = privacy.build(config, dataset.num_clients, say)
+      rule, _ = privacy.build(config, dataset.num_clients, say)
     except privacy.PrivacyError as e:
       raise UsageError(str(e)) from None
   try:
     ctx = registry.Context(loss_fn=model.loss_fn, num_clients=dataset.num_clients, max_train=dataset.max_train,
                            local_steps=config["local_steps"], rounds=config["rounds"],
-                           client_map=effective_client_map(config), aggregator=aggregator,
+                           client_map=effective_client_map(config), aggregator=None,
                            clients_per_round=config["clients_per_round"], apply_fn=model.apply, model=model,
                            pooled=pooled_sample(dataset, config["seed"]), seed=config["seed"],
                            example_shape=_example_shape(dataset), **network_context(config, dataset))
   except network.NetworkError as e:
     raise UsageError(str(e)) from None
-  return dataset, model, ctx, Wrappers(poison, robust_used), groups
+  params = None
+  if trust.enabled(config):  # the compression stage's residual table is shaped like the model
+    import jax
+
+    params = model.init(jax.random.key(config["seed"]))
+  slots = lambda spec, hyper: sampling(spec, hyper, config, dataset)["clients_per_round"]  # noqa: E731
+  return dataset, model, ctx, Wrappers(poison, robust_used, rule, corrupt, params, slots), groups
 
 
-def build_algorithm(name: str, hyper: dict[str, Any], config: dict[str, Any], ctx, wrappers: Wrappers):
-  """Algorithm `name` with the resolved `hyper` as the run trains it: the registry's factory, poisoned
-  (`--attack label_flip`), on the simulated clock (`--async`). The values of `hyper` may be traced
-  (`fedjax-opt tune` differentiates through them); a bad value is one line."""
+def build_algorithm(name: str, hyper: dict[str, Any], config: dict[str, Any], ctx, wrappers: Wrappers,
+                    used: dict | None = None):
+  """Algorithm `name` with the resolved `hyper` as the run trains it: the registry's factory with the run's
+  aggregator (`--aggregator` or the DP mean, inside `--secure-aggregation`, behind `--compression`, under an
+  update `--attack`: `fedjax_opt.cli.trust`), poisoned (`--attack label_flip`), on the simulated clock
+  (`--async`). The values of `hyper` may be traced (`fedjax-opt tune` differentiates through them); a bad value
+  is one line. `used`, if given, receives the compression and secure-aggregation settings."""
   spec = registry.REGISTRY[name]
   try:
-    algo = registry.build(name, ctx, hyper)
+    aggregator, trust_used = trust.assemble(name, config, wrappers.rule, wrappers.corrupt, params=wrappers.params,
+                                            num_clients=ctx.num_clients, max_train=ctx.max_train,
+                                            slots=wrappers.slots(spec, hyper))
+  except trust.TrustError as e:
+    raise UsageError(str(e)) from None
+  if used is not None:
+    used.update(trust_used)
+  try:
+    algo = registry.build(name, dataclasses.replace(ctx, aggregator=aggregator), hyper)
     if wrappers.poison is not None:
       algo = wrappers.poison(algo, ctx.num_clients)
     if config["asynchronous"] and spec.sampling != "events":  # the synchronous baseline on the same clock
@@ -352,7 +384,10 @@ def build_algorithm(name: str, hyper: dict[str, Any], config: dict[str, Any], ct
 
       algo = asynchrony.synchronous_clock(algo, network.compute_time(config["delay"]), seed=config["seed"])
   except registry.HyperParameterError as e:
-    raise UsageError(str(e)) from None
+    if not trust_used:
+      raise UsageError(str(e)) from None
+    message = trust.shorten(str(e).removeprefix(f"{name}: ").removeprefix(f"{name}: "))
+    raise UsageError(f"{name} with {trust.describe(config).lstrip(', ')}: {message}") from None
   except ValueError as e:  # the attack's own checks
     raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
   return algo
@@ -591,8 +626,14 @@ def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: 
       row.update(spec.summary(history.round_metrics, hyper, config["seeds"]))
     if spec.objective is not None and diverged is None:
       row.update(objective_gap(spec, hyper, model, state, dataset, config["seeds"], solved))
-    bits = bits_per_round(spec, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
+    counted = spec  # with a client stage or a secure sum, what the clients send is the round's bits_up metric
+    if trust.enabled(config) and spec.communication == "rounds":
+      counted = dataclasses.replace(spec, communication="metrics")
+    bits = bits_per_round(counted, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
                           dataset.num_clients)
+    if trust.enabled(config):
+      row["bits_up"] = float(np.mean(_member0(history.round_metrics["bits_up"])))
+      row.update(trust.secure_report(state, config["seeds"]))
     extras[name] = {"megabytes_sent": (bits.cumsum() / 8e6).tolist(), "steps_per_round": per_round}
     if "simulated_time" in history.round_metrics:
       times = np.asarray(history.round_metrics["simulated_time"], np.float64)
