@@ -4,6 +4,7 @@
     fedjax-opt run --algorithms fedavg,scaffold,ditto --dataset digits --rounds 200
     fedjax-opt run --algorithms ditto,pfedme --set ditto.lam=0.5 --partition shards
     fedjax-opt run --algorithms admm_consensus,gadmm --dataset synthetic_1_1
+    fedjax-opt run --algorithms dane,giant,cocoa --dataset libsvm:heart_scale   # a LibSVM file, 10 clients
     fedjax-opt run --config exp.toml                 # keys mirror the flags; [ditto] sections set hyper-parameters
     fedjax-opt run --seeds 5                         # 5 seeds per algorithm as one vmapped program; mean ± std
     fedjax-opt run --out runs/a --resume --rounds 600    # continue a saved run, with its own configuration
@@ -32,7 +33,7 @@ import time
 from typing import Sequence
 
 from fedjax_opt.cli import config as config_lib
-from fedjax_opt.cli import registry, report
+from fedjax_opt.cli import files, registry, report
 from fedjax_opt.cli.config import DEFAULTS, UsageError, build_parser
 
 __all__ = ["DEFAULTS", "UsageError", "build_parser", "command_list", "flag_reference", "main"]
@@ -64,7 +65,9 @@ def command_list(what: str | None = None) -> int:
         + (f"; the command line samples {config_lib.SHAKESPEARE_ROLES} (--num-clients)" if i.name == "shakespeare"
            else "")
         + ("" if i.installed else f" [needs {i.requires}]")
-        for i in data.available()}))
+        for i in data.available()} | {
+        files.PREFIX + "PATH": f"a LibSVM / svmlight file (labels mapped to 0 … L−1); clients: "
+                               f"{files.DEFAULT_NUM_CLIENTS}, Dirichlet(0.5) label skew (--partition, --num-clients)"}))
   if what in (None, "partitions"):
     sections.append(("partitions (--partition, image datasets)", {
         "iid": "uniformly at random, equal sizes", "dirichlet": "label skew, class proportions ~ Dirichlet(α)",
@@ -125,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       opts = tune.options(args, given)
       config = config_lib.finish(given)
       out = args.out if args.out is not None else os.path.join(
-          "runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
+          "runs", f"{files.run_name(config['dataset'])}-{time.strftime('%Y%m%d-%H%M%S')}")
       config_lib.prepare_new(out, bool(args.overwrite), resumable=False)
       return tune.command_tune(config, opts, out, bool(args.overwrite))
     if args.resume:
@@ -136,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
       config = config_lib.finish(given)
       out = args.out if args.out is not None else os.path.join(
-          "runs", f"{config['dataset']}-{time.strftime('%Y%m%d-%H%M%S')}")
+          "runs", f"{files.run_name(config['dataset'])}-{time.strftime('%Y%m%d-%H%M%S')}")
       config_lib.prepare_new(out, bool(args.overwrite))
     return run.command_run(config, out, bool(args.resume), bool(args.overwrite))
   except UsageError as e:

@@ -19,7 +19,7 @@ import tempfile
 import tomllib
 from typing import Any
 
-from fedjax_opt.cli import registry
+from fedjax_opt.cli import files, registry
 
 __all__ = ["AUTO_MODEL", "DEFAULTS", "MAY_CHANGE_ON_RESUME", "MLP_MIN_PIXELS", "MODELS", "PARTITIONS", "RESUME_RULE",
            "SHAKESPEARE_ROLES", "UsageError", "build_parser", "check_writable", "clear_previous", "finish",
@@ -212,7 +212,8 @@ def _add_run_flags(add) -> None:
   add("--algorithms", metavar="A,B,...", help="comma-separated names from `fedjax-opt list algorithms` (default fedavg,fedadam)")
   add("--set", action="append", type=_setting, metavar="ALGO.NAME=VALUE",
       help="an algorithm's hyper-parameter, e.g. ditto.lam=0.1 (repeatable; defaults in `fedjax-opt list algorithms`)")
-  add("--dataset", metavar="NAME", help="an embedded dataset (`fedjax-opt list datasets`; default mnist5k)")
+  add("--dataset", metavar="NAME", help="an embedded dataset (`fedjax-opt list datasets`; default mnist5k), or "
+                                        "libsvm:PATH, a LibSVM / svmlight file split by --partition and --num-clients")
   add("--partition", metavar="NAME", help=f"image datasets: one of {', '.join(PARTITIONS)} (default dirichlet)")
   add("--planted", metavar="KIND:G",
       help="split the clients into G planted groups that one model cannot serve: labels:G permutes each group's "
@@ -377,8 +378,10 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
   from fedjax_opt import data  # after the checks that need no JAX, so they answer at once
 
   infos = {info.name: info for info in data.available()}
+  infos.update(files.dataset_info(config["dataset"]))  # --dataset libsvm:PATH, once the file is found
   if config["dataset"] not in infos:
-    raise UsageError(f"unknown dataset {config['dataset']!r}; choose from {', '.join(infos)}")
+    raise UsageError(f"unknown dataset {config['dataset']!r}; choose from {', '.join(infos)}, or libsvm:PATH for a "
+                     f"LibSVM file")
   info = infos[config["dataset"]]
   if not info.installed:
     raise UsageError(f"dataset {config['dataset']!r} is not installed here: {info.requires}")

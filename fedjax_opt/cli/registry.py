@@ -33,8 +33,9 @@ import math
 from typing import Any, Callable, Mapping, NamedTuple
 
 __all__ = ["ARCHITECTURES", "Architectures", "CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES",
-           "HyperParameterError", "PSEUDO", "REGISTRY", "Spec", "WIRED", "architecture_model", "build",
-           "candidates_fit", "check_registry", "describe_defaults", "resolve"]
+           "HyperParameterError", "NEWTON_CG_ITERS", "NEWTON_DIRECT_MAX", "PSEUDO", "REGISTRY", "Spec", "WIRED",
+           "architecture_model", "binary_linear_model", "build", "candidates_fit", "check_registry", "cocoa",
+           "describe_defaults", "resolve"]
 
 
 class _RunClientLR:
@@ -76,6 +77,10 @@ FAMILIES = {
     "personalized": "a model per client; also evaluated per client on its own test split (mean, 10th percentile)",
     "admm": "convex models (logistic regression, ridge l2); every client every round on its whole train split; "
             "objective gap to a centralized solve",
+    "distributed": "the classical distributed baselines, convex models (logistic regression with the ridge l2; "
+                   "CoCoA+: a linear model on two classes): every client every round on its whole train split "
+                   "(FedDANE: --clients-per-round clients, --local-steps × --batch-size examples each); objective "
+                   "gap to a centralized solve",
     "decentralized": "no server: every client is a node of --topology and trains every round; evaluated on the "
                      "nodes' average and per node; consensus distance (p2p_bayes: the network's most believed "
                      "candidate and each node's; each node's belief on the fit)",
@@ -153,6 +158,8 @@ class Spec:
       `fo.personalized_params` does not give one table of N rows (FedMD with several architectures).
     summary: None, or `summary(round_metrics, hyper, seeds) -> {results key: value}`, more of the result
       row (P2P Bayes' beliefs on the fit).
+    reference: None, or `reference(hyper, batches) -> F*` (or None), the minimum of the pooled objective when
+      L-BFGS on it does not apply (CoCoA+'s hinge loss, which is not smooth: the maximum of its dual).
   """
 
   family: str
@@ -175,6 +182,7 @@ class Spec:
   scorer: Callable[[Any, dict, Any], Any] | None = None
   tables: Callable[[dict], Callable[[Any], Any]] | None = None
   summary: Callable[[Mapping[str, Any], dict, int], dict] | None = None
+  reference: Callable[[dict, Any], float | None] | None = None
 
   def scoring_model(self, model: Any, hyper: dict, dataset: Any) -> Any:
     """The `fo.models.Model` whose loss and accuracy score this algorithm's models (the run's `model` by default)."""
@@ -509,6 +517,145 @@ def _fedma_wire(ctx, hyper):
   return {"layers": algorithms.fedma_model(ctx.model)[1], "client_optimizer": _sgd(hyper["client_lr"])}
 
 
+NEWTON_DIRECT_MAX = 2000
+"""The Newton solvers of the distributed family (DANE, FedDANE, FADL, one-shot) solve their systems directly from
+the `[P, P]` Hessian up to this many parameters, by `NEWTON_CG_ITERS` conjugate-gradient iterations above it
+(unless `cg_iters` is set)."""
+
+NEWTON_CG_ITERS = 50
+
+
+def _num_params(model) -> int:
+  if model is None:
+    return 0
+  import jax
+
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0))))
+
+
+def _newton_wire(ctx, hyper):
+  """`cg_iters` None: direct solves for small models, `NEWTON_CG_ITERS` CG iterations for large ones."""
+  if "cg_iters" in hyper and hyper["cg_iters"] is None and _num_params(ctx.model) > NEWTON_DIRECT_MAX:
+    return {"cg_iters": NEWTON_CG_ITERS}
+  return {}
+
+
+def cocoa(loss_fn: Callable, lam: Any, gamma: Any = 1.0, *, loss: str = "squared", num_clients: int,
+          num_examples: int, local_steps: int | None = None, sigma_prime: Any = None, client_map: Any = None):
+  """`fo.algorithms.cocoa` as the command line builds it: the factory's own arguments after the run's loss, which
+  it does not use (CoCoA+ has its own losses, on a linear model: `binary_linear_model`); λ is the run's `l2`."""
+  del loss_fn
+  from fedjax_opt import algorithms
+
+  return algorithms.cocoa(lam, gamma, loss=loss, num_clients=num_clients, num_examples=num_examples,
+                          local_steps=local_steps, sigma_prime=sigma_prime, client_map=client_map)
+
+
+def binary_linear_model(num_features: int, loss: str):
+  """The linear model s = xᵀw + b, `{"w": [d], "b": []}`, of CoCoA+ on two classes, as a `fo.models.Model`.
+
+  Label y ∈ {0, 1} is t = 2y − 1 ∈ {−1, 1}; the loss per example is ½(s − t)² ("squared") or max(0, 1 − t s)
+  ("hinge"), the primal losses of `fo.algorithms.cocoa`; an example is classified as 1 where s > 0. `apply` gives
+  the logits (−s/2, s/2), whose softmax is the logistic model of the same score.
+  """
+  import jax.numpy as jnp
+
+  from fedjax_opt.models import Model
+
+  def score(params, x):
+    return jnp.reshape(x, (x.shape[0], -1)).astype(params["w"].dtype) @ params["w"] + params["b"]
+
+  def loss_fn(params, batch):
+    s, t = score(params, batch["x"]), 2.0 * batch["y"] - 1.0
+    return 0.5 * jnp.square(s - t) if loss == "squared" else jnp.maximum(0.0, 1.0 - t * s)
+
+  def accuracy_fn(params, batch):
+    return ((score(params, batch["x"]) > 0) == (batch["y"] == 1)).astype(jnp.float32)
+
+  def apply(params, x):
+    s = score(params, x)
+    return jnp.stack([-0.5 * s, 0.5 * s], axis=-1)
+
+  return Model(init=lambda key: {"w": jnp.zeros((num_features,), jnp.float32), "b": jnp.zeros((), jnp.float32)},
+               apply=apply, loss_fn=loss_fn, accuracy_fn=accuracy_fn,
+               name="linear_" + ("ridge" if loss == "squared" else "svm"), input_shape=(num_features,), num_classes=2)
+
+
+def _cocoa_wire(ctx, hyper):
+  classes = getattr(ctx.model, "num_classes", 2)
+  if classes != 2:
+    raise ValueError(f"CoCoA+ solves a two-class problem (labels ±1, {hyper['loss']} loss on a linear model) and "
+                     f"this dataset has {classes} classes: give a two-class LibSVM file with --dataset libsvm:PATH")
+  return {"lam": hyper["l2"], "num_examples": ctx.max_train}
+
+
+def _cocoa_wrap(algo, ctx, hyper):
+  """CoCoA+ on the run's data: the primal starts at 0 in `binary_linear_model`'s parameters (whatever the run's
+  model), and every round's labels y ∈ {0, 1} are given to it as t = 2y − 1, its features flattened."""
+  import jax.numpy as jnp
+
+  from fedjax_opt.core.types import FederatedAlgorithm, materialize
+
+  model = binary_linear_model(math.prod(ctx.model.input_shape), hyper["loss"])
+
+  def init(params, key):
+    del params  # w(α₀) = 0: CoCoA+'s primal is its duals' image
+    return algo.init(model.init(key), key)
+
+  def step(state, batches):
+    data = materialize(batches.data)
+    x = jnp.reshape(data["x"], data["x"].shape[:3] + (-1,)).astype(jnp.float32)
+    return algo.step(state, batches.replace(data={"x": x, "y": 2.0 * data["y"].astype(jnp.float32) - 1.0}))
+
+  return FederatedAlgorithm(init, step)
+
+
+def _one_shot_wrap(algo, ctx, hyper):
+  """One-shot averaging without its `client_loss` metric, which is the loss at the initial model in the exchange and
+  0 in every later round: no training loss to report (the table shows `–`)."""
+  del ctx, hyper
+  from fedjax_opt.core.types import FederatedAlgorithm
+
+  def drop(state):
+    return state.replace(metrics={k: v for k, v in state.metrics.items() if k != "client_loss"})
+
+  return FederatedAlgorithm(lambda params, key: drop(algo.init(params, key)),
+                            lambda state, batches: drop(algo.step(state, batches)))
+
+
+def _cocoa_scorer(model, hyper, dataset):
+  del dataset
+  return binary_linear_model(math.prod(model.input_shape), hyper["loss"])
+
+
+def _cocoa_reference(hyper, batches) -> float | None:
+  """F* of CoCoA+'s hinge loss: the maximum of its dual, a smooth quadratic over a box, by float64 L-BFGS-B.
+
+  With a_i = (x_i, 1), t_i ∈ {−1, 1} and β_i = α_i t_i ∈ [0, 1], D(β) = (1/n) Σ β_i − ‖Σ β_i t_i a_i‖² / (2λn²),
+  and max D = min P (strong duality). None for the squared loss (smooth: L-BFGS on the primal).
+  """
+  if hyper["loss"] != "hinge":
+    return None
+  import numpy as np
+  import scipy.optimize
+
+  from fedjax_opt.core.types import materialize
+
+  data, mask = materialize(batches.data), np.asarray(batches.mask, bool)
+  x = np.asarray(data["x"], np.float64)[mask].reshape(int(mask.sum()), -1)
+  t = 2.0 * np.asarray(data["y"], np.float64)[mask] - 1.0
+  a = np.hstack([x, np.ones((len(x), 1))])
+  n, lam = len(t), float(hyper["l2"])
+
+  def negative_dual(beta):
+    v = a.T @ (beta * t)
+    return -(beta.sum() / n - v @ v / (2 * lam * n * n)), -(1.0 / n - t * (a @ v) / (lam * n * n))
+
+  result = scipy.optimize.minimize(negative_dual, np.zeros(n), jac=True, method="L-BFGS-B", bounds=[(0, 1)] * n,
+                                   options=dict(maxiter=20000, maxcor=20, gtol=1e-12, ftol=1e-15))
+  return float(-result.fun)
+
+
 def _builder_graph(builder: str, num_nodes: int):
   from fedjax_opt import graphs
 
@@ -518,6 +665,7 @@ def _builder_graph(builder: str, num_nodes: int):
 def _builders() -> dict[str, Callable[[Any], Spec]]:
   """Name → `builder(fo.algorithms) -> Spec`."""
   admm_local = {"client_lr": 0.2, "l2": 1e-3}
+  distributed = {"l2": 1e-3}
   return {
       # ---- averaging -------------------------------------------------------------------------------------------
       "fedsgd": lambda a: Spec(
@@ -621,6 +769,39 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           "admm", "ADMM on the mixture of global and local models (personalized)", a.mixture_admm,
           {"lam": 0.1, "rho": 0.1, **admm_local}, _client_local,
           evaluation="table", sampling="full", messages=(1, 1), objective="mixture", convex=True),
+      # ---- classical distributed baselines (convex) -------------------------------------------------------------
+      "dane": lambda a: Spec(
+          "distributed", "each client minimises its loss corrected to first order towards the global one, the "
+          "solutions averaged (Shamir et al. 2014); Newton local solver", a.dane,
+          {"eta": 1.0, "mu": 0.1, "local_steps": 3, "cg_iters": None, **distributed}, _newton_wire,
+          sampling="full", communication="metrics", objective="pooled", convex=True),
+      "feddane": lambda a: Spec(
+          "distributed", "DANE with η = 1 on the round's sampled clients (Li et al. 2019); Newton local solver "
+          "on each client's --local-steps × --batch-size examples", a.feddane,
+          {"mu": 0.1, "local_steps": 3, "cg_iters": None, **distributed}, _newton_wire,
+          communication="metrics", objective="pooled", convex=True),
+      "fadl": lambda a: Spec(
+          "distributed", "DANE's local problem (η = 1), then Armijo's line search along the averaged direction "
+          "(Mahajan et al. 2013)", a.fadl,
+          {"mu": 0.01, "local_steps": 3, "cg_iters": None, "line_search_steps": 10, "armijo": 1e-4,
+           **distributed}, _newton_wire, sampling="full", communication="metrics", objective="pooled",
+          convex=True),
+      "giant": lambda a: Spec(
+          "distributed", "the average of the clients' Newton directions (conjugate gradient), Armijo's line search "
+          "(Wang et al. 2018)", a.giant,
+          {"cg_iters": 20, "line_search_steps": 10, "armijo": 1e-4, **distributed},
+          sampling="full", communication="metrics", objective="pooled", convex=True),
+      "cocoa": lambda a: Spec(
+          "distributed", "CoCoA+: local SDCA on each client's dual block, the updates added (Ma et al. 2015); two "
+          "classes, a linear model with the squared (ridge) or hinge (SVM) loss, λ = l2", cocoa,
+          {"gamma": 1.0, "loss": "squared", **distributed}, _cocoa_wire, sampling="full_fixed",
+          communication="metrics", objective="pooled", convex=True, wrap=_cocoa_wrap, scorer=_cocoa_scorer,
+          reference=_cocoa_reference),
+      "one_shot_average": lambda a: Spec(
+          "distributed", "every client solves its own problem (Newton), the server averages the solutions once "
+          "(Zhang et al. 2013)", a.one_shot_average, {"local_steps": 5, "cg_iters": None, **distributed},
+          _newton_wire, sampling="full", communication="metrics", objective="pooled", convex=True,
+          wrap=_one_shot_wrap),
       # ---- decentralized (--topology) -------------------------------------------------------------------------
       "gossip": lambda a: Spec(
           "decentralized", "local SGD, then averaging with the neighbours: x ← W(x + Δ) (decentralized "

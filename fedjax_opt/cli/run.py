@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable, NamedTuple
 
 from fedjax_opt.cli import config as config_lib
-from fedjax_opt.cli import network, privacy, registry, report, robust, trust
+from fedjax_opt.cli import files, network, privacy, registry, report, robust, trust
 from fedjax_opt.cli.config import UsageError
 
 __all__ = ["Wrappers", "bits_per_round", "build_algorithm", "build_model", "command_run", "compile_cache_dir",
@@ -44,6 +44,8 @@ def _load_split(config: dict[str, Any]):
   from fedjax_opt import data
 
   name = config["dataset"]
+  if files.is_file_dataset(name):
+    return files.load(config)
   try:
     if name.startswith("synthetic"):
       options = {} if config["num_clients"] is None else {"num_clients": config["num_clients"]}
@@ -83,7 +85,7 @@ def model_choice(config: dict[str, Any], dataset) -> str:
                      f"sequences (a recurrent model): choose a dataset of images or feature vectors")
   if convex and choice != "logreg":
     raise UsageError(f"{', '.join(convex)} need(s) a convex model: use --model logreg (got {choice}), "
-                     f"or run the ADMM family separately")
+                     f"or run the convex-only algorithms separately")
   if text and choice != "rnn":
     raise UsageError(f"dataset {config['dataset']!r} holds character sequences: use --model rnn (got {choice})")
   if not text and choice == "rnn":
@@ -215,8 +217,11 @@ def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size:
                   solved: dict | None = None) -> dict[str, Any]:
   """F at the final model(s), F* from a float64 centralized solve, and the relative gap (F − F*)/|F*|.
 
-  `solved` (a dict kept for one run: one model, one dataset) holds F* per objective, so algorithms that minimise
-  the same objective (consensus ADMM, GADMM and CQ-GGADMM at the same l2) share one solve.
+  `model` is the model that scores the algorithm's parameters (`Spec.scoring_model`: the run's, or CoCoA+'s
+  linear model and loss). `solved` (a dict kept for one run: one dataset) holds F* per objective, so algorithms
+  that minimise the same objective (consensus ADMM, GADMM, CQ-GGADMM, DANE, ... with the same model and l2) share
+  one solve. F* is the algorithm's `Spec.reference` where it gives one (a non-smooth loss), else a float64 L-BFGS
+  solve.
   """
   import jax
 
@@ -235,9 +240,12 @@ def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size:
     objective = objectives.pooled(loss)
     start = params0
     values = [objective(m.params, batches) for m in _members(state, size)]
-  key = (spec.objective, float(hyper.get("l2", 0.0)), float(hyper["lam"]) if spec.objective == "mixture" else None)
+  key = (spec.objective, model.name, float(hyper.get("l2", 0.0)),
+         float(hyper["lam"]) if spec.objective == "mixture" else None)
   if solved is None or key not in solved:
-    f_star = objectives.minimize(objective, start, batches)[1]
+    f_star = spec.reference(hyper, batches) if spec.reference is not None else None
+    if f_star is None:
+      f_star = objectives.minimize(objective, start, batches)[1]
     if solved is not None:
       solved[key] = f_star
   f_star = solved[key] if solved is not None else f_star
@@ -625,7 +633,7 @@ def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: 
     if spec.summary is not None:  # P2P Bayes: the beliefs on the fit
       row.update(spec.summary(history.round_metrics, hyper, config["seeds"]))
     if spec.objective is not None and diverged is None:
-      row.update(objective_gap(spec, hyper, model, state, dataset, config["seeds"], solved))
+      row.update(objective_gap(spec, hyper, scored, state, dataset, config["seeds"], solved))
     counted = spec  # with a client stage or a secure sum, what the clients send is the round's bits_up metric
     if trust.enabled(config) and spec.communication == "rounds":
       counted = dataclasses.replace(spec, communication="metrics")
