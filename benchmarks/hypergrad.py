@@ -20,7 +20,10 @@ size η on label-sorted MNIST 5k (2 shards of one label each per client), both w
   hyper-parameter (the grid's smallest corner), windows of K rounds of one run of R rounds, Adam (0.3) on the log
   hyper-parameters; then a fresh run of R rounds at the tuned values, from the same start and data stream as the
   grid's runs. Reported: the validation accuracy of that fresh run (Ditto: of each client's personal model), and
-  of the tuning run itself.
+  of the tuning run itself;
+* offline: `fo.hyper.tune(schedule="offline")` from the same start, T = 6 outer steps (Adam 0.5), each
+  differentiating the whole R-round run (no short horizon), then the fresh run at the tuned values: 3R·T + R
+  rounds.
 
 Compute is counted in rounds trained, a backward round as two (the recomputed forward and the backward itself):
 the grid 25·R, the online tuning R + 2R = 3R, and the fresh run R: 4R in all. The validation data is the
@@ -198,6 +201,25 @@ def _grid_and_tune(name, make, dataset, validation, params, objective, accuracy,
       "grid_best_rerun_accuracy": at_best,
   }
   out["gap_points"] = round(100 * (out["grid_best"]["accuracy"] - tuned_accuracy), 2)
+  # Offline: every outer step differentiates the whole R-round run from the same start (no short-horizon bias),
+  # 3R rounds a step; T steps and the fresh run stay under the grid's 25R.
+  outer = 2 if quick else 6
+  t0 = time.perf_counter()
+  offline = fo.hyper.tune(make, objective, start, params, jax.random.key(1), dataset, validation, rounds=rounds,
+                          outer_steps=outer, schedule="offline", optimizer=optax.adam(0.5), sampling=SAMPLING)
+  tuned_offline = {k: v[0] for k, v in offline.hyper_params.items()}
+  offline_accuracy = float(run_at(tuned_offline, params, jax.random.key(1), dataset, validation))
+  out.update({
+      "offline_outer_steps": outer, "offline_accuracy": offline_accuracy,
+      "offline_trajectory": {k: [float(x) for x in np.asarray(v[0])] for k, v in offline.trajectory.items()},
+      "offline_validation_loss": [float(x) for x in np.asarray(offline.values[0])],
+      "offline_rounds_trained": 3 * rounds * outer + rounds,
+      "offline_seconds": round(time.perf_counter() - t0, 2),
+      "offline_gap_points": round(100 * (out["grid_best"]["accuracy"] - offline_accuracy), 2),
+  })
+  print(f"{name}: offline hyper-gradient ({outer} steps of the whole run) {100 * offline_accuracy:.2f}% at "
+        f"{ {k: round(float(v), 5) for k, v in tuned_offline.items()} } ({out['offline_rounds_trained']} rounds)",
+        flush=True)
   print(f"{name}: grid best {100 * out['grid_best']['accuracy']:.2f}% at {out['grid_best']}  ({25 * rounds} rounds, "
         f"{grid_seconds:.1f} s); hyper-gradient {100 * tuned_accuracy:.2f}% ending at "
         f"{ {k: round(v[-1], 5) for k, v in out['tune_trajectory'].items()} } (tuning run "

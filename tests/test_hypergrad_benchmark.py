@@ -38,4 +38,6 @@ def test_quick_run(tmp_path):
   # The fresh run at a grid point is that grid member's run.
   assert task["grid_best_rerun_accuracy"] == pytest.approx(task["grid_best"]["accuracy"], abs=2e-3)
   assert len(task["tune_validation_loss"]) == task["rounds"] // task["window"]
+  assert len(task["offline_validation_loss"]) == task["offline_outer_steps"]
+  assert task["offline_rounds_trained"] == (3 * task["offline_outer_steps"] + 1) * task["rounds"]
   assert np.all(np.isfinite(task["tune_validation_loss"]))
