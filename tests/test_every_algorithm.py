@@ -22,6 +22,11 @@ checks what these rounds must show:
   state (the `DeferredData` is an argument of the jitted program, so the
   deferred path is what runs inside; the eager round is the reference, checked
   against NumPy in the algorithms' own tests).
+
+In the default tier the deferred comparison runs on one factory per way a
+round reads its data (`DEFERRED_DEFAULT_TIER`); the other factories' cells
+run the eager rounds alone, one step compiled instead of two, and check the
+rest. The slow tier compares every cell.
 """
 
 from __future__ import annotations
@@ -39,7 +44,29 @@ from fedjax_opt.data.sampling import deferred_gather
 
 POISONED, EMPTY = 1, 2
 ROUNDS = 3
-CELLS = diagonal(sorted(EXAMPLES), ["vmap", "sequential", "chunked:3"])
+MODES = ["vmap", "sequential", "chunked:3"]
+DEFERRED_DEFAULT_TIER = {
+    "fedavg", "scaffold", "pfedme", "per_fedavg", "l2sgd_plus", "admm_consensus", "admm_sharing", "fedmd", "fedbuff",
+    "gossip", "ifca", "dane", "cocoa"}
+"""The factories whose deferred rounds the default tier compares with the eager ones: one per way a round reads
+its data (local steps, a per-client table, inner loops, D and D' batches, fixed example slots, a whole-split local
+problem, feature blocks, public data, arrivals, every node, every cluster's loss, several exchanges, per-example
+dual steps). The slow tier compares every factory; the other factories' default cells run the eager rounds alone
+(a program of one step instead of two), with every other check."""
+
+
+def _cells(with_deferred: bool):
+  """The (factory, client map) cells of one of the two tests below, each `pytest.param` marked as its tier."""
+  cells = []
+  for p in diagonal(sorted(EXAMPLES), MODES):
+    name, _ = p.values
+    on_diagonal = not p.marks
+    if with_deferred:  # every cell; by default only the diagonal of DEFERRED_DEFAULT_TIER
+      cells.append(p if on_diagonal and name in DEFERRED_DEFAULT_TIER else pytest.param(*p.values,
+                                                                                         marks=pytest.mark.slow))
+    elif on_diagonal and name not in DEFERRED_DEFAULT_TIER:  # the rest of the diagonal, eager rounds only
+      cells.append(p)
+  return cells
 
 
 def _stored(batches):
@@ -88,8 +115,9 @@ def _own_rows(name, state):
   return None
 
 
-def _rounds(name, mode):
-  """`(initial state, [(eager state, deferred state)] after each of ROUNDS rounds)` of `name` under `mode`."""
+def _rounds(name, mode, deferred=True):
+  """`(initial state, [(eager state, deferred state)] after each of ROUNDS rounds)` of `name` under `mode`
+  (without `deferred`: the eager state twice, one step compiled)."""
   algo = EXAMPLES[name](client_map=mode)
   params, batches = example_inputs(name, poisoned=POISONED)
   batches = batches.replace(mask=batches.mask.at[EMPTY].set(False))
@@ -99,6 +127,9 @@ def _rounds(name, mode):
   @jax.jit
   def both(want, got, batches, lazy):
     assert isinstance(lazy, DeferredData)
+    if not deferred:
+      eager = algo.step(want, batches)
+      return eager, eager
     return algo.step(want, batches), algo.step(got, batches.replace(data=lazy))
 
   states, want, got = [], state, state
@@ -144,9 +175,16 @@ def _check_deferred_is_eager(name, mode, states):
 
 # One test, not three sharing a cache: a test that read another's results would not run the algorithm's code
 # itself, and mutation testing (tools/mutation.py) runs only the tests that reach a mutated function.
-@pytest.mark.parametrize("name,mode", CELLS)
+@pytest.mark.parametrize("name,mode", _cells(with_deferred=True))
 def test_every_algorithm_steps_the_same_on_deferred_data_and_a_nan_client_never_spreads(name, mode):
   initial, states = _rounds(name, mode)
   _check_a_nan_client_never_spreads(name, initial, states)
   _check_bits_up_and_down(name, initial, states)
   _check_deferred_is_eager(name, mode, states)
+
+
+@pytest.mark.parametrize("name,mode", _cells(with_deferred=False))
+def test_every_algorithm_keeps_a_nan_client_from_spreading_and_reports_its_bits(name, mode):
+  initial, states = _rounds(name, mode, deferred=False)
+  _check_a_nan_client_never_spreads(name, initial, states)
+  _check_bits_up_and_down(name, initial, states)
