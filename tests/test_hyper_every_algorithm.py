@@ -146,7 +146,7 @@ def _float64(tree):
 def _objective(state, validation):
   """The validation loss of the final model (each client's own where the state keeps one per client); ½‖x‖² of
   the final model where it is not one least-squares model (sharing ADMM's blocks, FedEM's components)."""
-  if isinstance(state.params, dict) and jnp.shape(state.params.get("w")) == (D,):
+  if isinstance(state.params, dict) and "w" in state.params and jnp.shape(state.params["w"]) == (D,):
     return fo.hyper.validation_loss(loss_fn, personalized=hasattr(state, "local_params"))(state, validation)
   return 0.5 * sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(state.params))
 
