@@ -95,7 +95,7 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import newton
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import LocalResult, masked_mean_loss
-from fedjax_opt.core.rounds import ClientOutput, client_round
+from fedjax_opt.core.rounds import ClientOutput
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_client_batches, check_full_participation, check_loss_fn,
@@ -149,11 +149,9 @@ def _dane_family(name: str, loss_fn: LossFn, eta: Any, mu: Any, *, num_clients: 
       check_full_participation(batches, num_clients)
     key, gradient_key, solve_key, search_key = jax.random.split(state.key, 4)
     w = state.params
-    gradient = newton.gradient_round(mode, loss_fn, w, batches, aggregator, gradient_key)
+    gradient, solved, solving = newton.gradient_then_local_round(mode, loss_fn, local_solve, w, batches, aggregator,
+                                                                 gradient_key, solve_key)
     g = gradient.agg.update
-    solving = newton.taking_part_after(gradient, batches)
-    solved = client_round(mode, local_solve, (w, g), solving, aggregator=aggregator, aggregator_state=(),
-                          key=solve_key)
     direction = solved.agg.update
     accepted = gradient.agg.accepted & solved.agg.accepted
     exchanges = (gradient, solved)

@@ -56,7 +56,7 @@ from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import newton
 from fedjax_opt.core.local import LocalResult, masked_mean_loss
-from fedjax_opt.core.rounds import ClientOutput, client_round
+from fedjax_opt.core.rounds import ClientOutput
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn
 from fedjax_opt.core.validation import check_full_participation, check_loss_fn, check_num_clients, check_optional_int
@@ -127,11 +127,9 @@ def giant(
     check_full_participation(batches, num_clients)
     key, gradient_key, direction_key, search_key = jax.random.split(state.key, 4)
     w = state.params
-    gradient = newton.gradient_round(mode, loss_fn, w, batches, aggregator, gradient_key)
+    gradient, directions, solving = newton.gradient_then_local_round(mode, loss_fn, direction_update, w, batches,
+                                                                     aggregator, gradient_key, direction_key)
     g = gradient.agg.update
-    solving = newton.taking_part_after(gradient, batches)
-    directions = client_round(mode, direction_update, (w, g), solving, aggregator=aggregator, aggregator_state=(),
-                              key=direction_key)
     descent = jax.tree.map(jnp.negative, directions.agg.update)  # d_t = −p_t
     search = newton.line_search_round(mode, loss_fn, w, descent, line_search_steps,
                                       newton.taking_part_after(directions, solving), aggregator, search_key)

@@ -47,13 +47,15 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import LocalResult, as_single_step, masked_mean_loss
 from fedjax_opt.core.rounds import ClientOutput, Round, client_round
+from fedjax_opt.core.server import ROUND_METRICS
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import Aggregator, ClientBatches, LossFn, PyTree
 from fedjax_opt.core.validation import check_int, check_key, check_probability
 
 __all__ = ["LINE_SEARCH_OVERFLOW", "NEWTON_METRICS", "NewtonState", "armijo_step", "check_line_search", "client_data",
-           "conjugate_gradient", "gradient_round", "hessian_vector_product", "initial_newton_state",
-           "line_search_round", "newton_metrics", "newton_solve", "step_sizes", "taking_part_after"]
+           "conjugate_gradient", "gradient_round", "gradient_then_local_round", "hessian_vector_product",
+           "initial_newton_state", "line_search_round", "newton_metrics", "newton_solve", "step_sizes",
+           "taking_part_after"]
 
 LINE_SEARCH_OVERFLOW = 1e30
 """What a client reports for a candidate step at which its loss is not finite (an overflow far along d): a value
@@ -176,6 +178,21 @@ def gradient_round(mode: client_map_lib.ClientMap | str | None, loss_fn: LossFn,
   return client_round(mode, client_update, params, batches, aggregator=aggregator, aggregator_state=(), key=key)
 
 
+def gradient_then_local_round(mode: client_map_lib.ClientMap | str | None, loss_fn: LossFn,
+                              client_update: Callable, params: PyTree, batches: ClientBatches, aggregator: Aggregator,
+                              gradient_key: jax.Array, local_key: jax.Array) -> tuple[Round, Round, ClientBatches]:
+  """The two exchanges DANE, FADL and GIANT open a round with: the clients' gradients (`gradient_round`, g its
+  mean), then `client_update((w, g), data, mask)` on the clients that took part in the first, averaged the same way.
+
+  Returns (the gradient exchange, the local exchange, the local exchange's clients).
+  """
+  gradient = gradient_round(mode, loss_fn, params, batches, aggregator, gradient_key)
+  taking_part = taking_part_after(gradient, batches)
+  local = client_round(mode, client_update, (params, gradient.agg.update), taking_part, aggregator=aggregator,
+                       aggregator_state=(), key=local_key)
+  return gradient, local, taking_part
+
+
 def line_search_round(mode: client_map_lib.ClientMap | str | None, loss_fn: LossFn, params: PyTree,
                       direction: PyTree, num_steps: int, batches: ClientBatches, aggregator: Aggregator,
                       key: jax.Array) -> Round:
@@ -224,18 +241,7 @@ class NewtonState:
   metrics: dict[str, jax.Array]
 
 
-NEWTON_METRICS = {
-    "client_loss": jnp.float32,
-    "gradient_norm": jnp.float32,
-    "update_norm": jnp.float32,
-    "step_size": jnp.float32,
-    "num_clients": jnp.int32,
-    "num_nonfinite": jnp.int32,
-    "num_examples": jnp.float32,
-    "round_accepted": jnp.bool_,
-    "bits_up": jnp.float32,
-    "bits_down": jnp.float32,
-}
+NEWTON_METRICS = {**ROUND_METRICS, "gradient_norm": jnp.float32, "step_size": jnp.float32}
 """`state.metrics` of the Newton-type methods after a round.
 
 * client_loss: f(w_t), the n_k-weighted mean of the clients' losses at the model they received;
