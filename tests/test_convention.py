@@ -173,7 +173,9 @@ def test_a_float32_model_keeps_a_float32_state_under_x64(name):
   with jax.enable_x64(True):
     algorithm = EXAMPLES[name]()
     params, batches = example_inputs(name)
-    state = algorithm.init(params, jax.random.key(0))
+    # Traced, not run: the dtypes are the same (JAX's promotion rules do not depend on tracing), and op-by-op
+    # `init`s under x64 would compile a program per operation and shape.
+    state = jax.eval_shape(algorithm.init, params, jax.random.key(0))
     after = jax.eval_shape(algorithm.step, state, batches)
     for label, tree in (("init", state), ("step", after)):
       wide = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
