@@ -8,9 +8,16 @@ temporaries, the peak the program holds on the device) for
 * `reverse, none`: its hyper-gradient without checkpointing (every round's residuals kept: ≈ R·(S + A));
 * `reverse, round`: a `jax.checkpoint` per round (≈ R·S + A);
 * `reverse, sqrt`: blocks of ≈ √R rounds, rounds checkpointed inside (≈ 2√R·S + A);
-* `forward mode`: `jax.jvp` along the 2 hyper-parameters (≈ 2× a forward run's state, independent of R).
+* `forward mode`: `jax.jvp` along the 2 hyper-parameters (≈ 2× a forward run's state, independent of R);
+* `reverse, round + local steps`, `reverse, sqrt + local steps`: as above, and each client's local training and
+  each of its local steps checkpointed too (`checkpoint_local_steps=True`): under a sequential client map (the
+  default on a CPU) one round's residuals A become ≈ (C + K)·x, C clients' inputs and one client's K local
+  starting points; under vmap ≈ C·K·x;
+* `reverse, cbrt + local steps`: blocks of ≈ R^(2/3) rounds made of blocks of ≈ R^(1/3) (≈ 3·R^(1/3)·S + A).
 
 S: the state (model, FedAdam's two moments), A: one round's residuals. Only compiled, not run.
+`--part memory` alone writes `hypergrad_memory.json` (the platform it was compiled for in it), leaving the tuning
+results of `hypergrad.json` as they are.
 
 Tuning. FedAdam's client and server learning rates on MNIST 5k (Dirichlet 0.5), and Ditto's λ and personal step
 size η on label-sorted MNIST 5k (2 shards of one label each per client), both with the 2NN MLP:
@@ -123,6 +130,12 @@ def memory(rounds_list, quick: bool) -> list[dict]:
         "reverse, sqrt": fo.hyper.value_and_grad(make, objective, rounds=rounds, sampling=SAMPLING,
                                                  checkpoint="sqrt"),
         "forward mode": fo.hyper.value_and_grad(make, objective, rounds=rounds, sampling=SAMPLING, mode="forward"),
+        "reverse, round + local steps": fo.hyper.value_and_grad(make, objective, rounds=rounds, sampling=SAMPLING,
+                                                                checkpoint=1, checkpoint_local_steps=True),
+        "reverse, sqrt + local steps": fo.hyper.value_and_grad(make, objective, rounds=rounds, sampling=SAMPLING,
+                                                               checkpoint="sqrt", checkpoint_local_steps=True),
+        "reverse, cbrt + local steps": fo.hyper.value_and_grad(make, objective, rounds=rounds, sampling=SAMPLING,
+                                                               checkpoint="cbrt", checkpoint_local_steps=True),
     }
     if quick:
       programs = {k: programs[k] for k in ("forward", "reverse, round")}
@@ -132,7 +145,7 @@ def memory(rounds_list, quick: bool) -> list[dict]:
       row = {"rounds": rounds, "program": name, **_nbytes(compiled),
              "compile_seconds": round(time.perf_counter() - start, 2)}
       rows.append(row)
-      print(f"R={rounds:4d}  {name:15s} total {row['total'] / 2**20:9.1f} MiB  temporaries "
+      print(f"R={rounds:4d}  {name:29s} total {row['total'] / 2**20:9.1f} MiB  temporaries "
             f"{row['temporaries'] / 2**20:9.1f} MiB", flush=True)
   for row in rows:
     forward = next(r["total"] for r in rows if r["rounds"] == row["rounds"] and r["program"] == "forward")
@@ -262,7 +275,8 @@ def main(argv=None):
   if args.part in ("all", "tuning"):
     report["tuning"] = tuning(4 if args.quick else 100, 2 if args.quick else 5, args.quick)
   os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, "hypergrad_quick.json" if args.quick else "hypergrad.json")
+  name = "hypergrad_memory" if args.part == "memory" else "hypergrad"
+  path = os.path.join(args.out_dir, f"{name}_quick.json" if args.quick else f"{name}.json")
   with open(path, "w") as f:
     json.dump(report, f, indent=1)
   print(f"wrote {path}")

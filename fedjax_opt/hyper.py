@@ -39,9 +39,16 @@ P: the number of hyper-parameters):
   forward, the recomputation, the backward). With `checkpoint=b > 1`, blocks
   of b rounds are checkpointed and so is each round inside them: memory ≈
   (⌈R/b⌉ + b)·S + A, minimal at b ≈ √R (`checkpoint="sqrt"`: ≈ 2√R·S + A),
-  compute ≈ 4 forward runs. `checkpoint=None` stores every round's
+  compute ≈ 4 forward runs; `checkpoint="cbrt"` nests blocks of ≈ R^(2/3)
+  and ≈ R^(1/3) rounds: ≈ 3·R^(1/3)·S + A, compute ≈ 5 forward runs.
+  `checkpoint=None` stores every round's
   residuals, memory ≈ R·(S + A). The cost of all P hyper-parameters' gradient
-  is that of one.
+  is that of one. With `checkpoint_local_steps=True` each local step of
+  `core.local.local_train` (FedAvg, FedOpt, FedProx, SCAFFOLD, Ditto, ... all
+  built on it) is checkpointed too: one round's residuals A (every client's
+  activations and gradient intermediates at every step) become A' ≈
+  C·K·(x + the client optimizer's state), C clients, K local steps, plus one
+  step's residuals; compute ≈ one more forward run.
 * truncated (`truncate=K`): only the last K rounds are differentiated; the
   state they start from is held constant (computed at h, but its dependence on
   h is dropped). Memory and backward cost of K rounds; the gradient is biased
@@ -101,6 +108,7 @@ import optax
 
 from fedjax_opt.core import per_client
 from fedjax_opt.core.differentiation import NotDifferentiableError
+from fedjax_opt.core.local import checkpointed_local_steps
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, materialize
 from fedjax_opt.core.validation import check_int, check_loss_fn
 from fedjax_opt.data.dataset import FederatedDataset
@@ -216,36 +224,44 @@ def _keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
   return init_key, data_key
 
 
-def _block_size(checkpoint: Any, rounds: int) -> int | None:
+def _block_size(checkpoint: Any, rounds: int) -> tuple[int, ...] | None:
+  """The rounds per checkpointed block at each level, outermost first (`()`: every round checkpointed alone);
+  None: no checkpointing."""
   if checkpoint is None:
     return None
   if checkpoint == "sqrt":
-    return max(1, round(math.sqrt(rounds)))
-  return check_int(checkpoint, "checkpoint (rounds per checkpointed block; None: no checkpointing; 'sqrt')")
+    sizes = (round(math.sqrt(rounds)),)
+  elif checkpoint == "cbrt":
+    c = round(rounds ** (1 / 3))
+    sizes = (c * c, c)
+  else:
+    sizes = (check_int(checkpoint, "checkpoint (rounds per checkpointed block; None: no checkpointing; 'sqrt', "
+                                   "'cbrt')"),)
+  return tuple(b for b in sizes if b > 1)
 
 
-def _run_rounds(step: Callable, state: PyTree, length: int, batches_at: Callable, block: int | None) -> PyTree:
-  """`length` rounds of `step` as a scan; each round (and each block of `block` rounds) a `jax.checkpoint`."""
+def _run_rounds(step: Callable, state: PyTree, length: int, batches_at: Callable, block: tuple[int, ...] | None,
+                local_steps: bool = False) -> PyTree:
+  """`length` rounds of `step` as a scan: with `block` sizes, each round a `jax.checkpoint` and so is each block
+  of `block[i]` rounds at level i; with `local_steps` each local step of `core.local.local_train` too."""
+  with checkpointed_local_steps(local_steps):
+    if block is None:
+      return jax.lax.scan(lambda s, _: (step(s, batches_at(s.round)), None), state, None, length=length)[0]
+    one = jax.checkpoint(lambda s: step(s, batches_at(s.round)))
+    return _blocks_of(one, state, length, block)
+
+
+def _blocks_of(one: Callable, state: PyTree, length: int, sizes: tuple[int, ...]) -> PyTree:
+  """`length` rounds of `one`, grouped in checkpointed blocks of `sizes[0]` rounds, themselves of `sizes[1]`..."""
   if length == 0:
     return state
-
-  def one(s):
-    return step(s, batches_at(s.round))
-
-  if block is None:
-    return jax.lax.scan(lambda s, _: (one(s), None), state, None, length=length)[0]
-  one = jax.checkpoint(one)
-
-  def rounds_of(s, n):
-    return jax.lax.scan(lambda c, _: (one(c), None), s, None, length=n)[0]
-
-  if block == 1:
-    return rounds_of(state, length)
-  blocks, rest = divmod(length, block)
+  if not sizes:
+    return jax.lax.scan(lambda c, _: (one(c), None), state, None, length=length)[0]
+  blocks, rest = divmod(length, sizes[0])
   if blocks:
-    run_block = jax.checkpoint(lambda s: rounds_of(s, block))
-    state = jax.lax.scan(lambda s, _: (run_block(s), None), state, None, length=blocks)[0]
-  return rounds_of(state, rest) if rest else state
+    block = jax.checkpoint(lambda s: _blocks_of(one, s, sizes[0], sizes[1:]))
+    state = jax.lax.scan(lambda s, _: (block(s), None), state, None, length=blocks)[0]
+  return _blocks_of(one, state, rest, sizes[1:])
 
 
 def _check_make_algorithm(make_algorithm: Any) -> None:
@@ -267,7 +283,7 @@ def _build(make_algorithm: Callable, h: dict) -> FederatedAlgorithm:
 def objective_fn(make_algorithm: Callable[[dict], FederatedAlgorithm],
                  objective: Callable[[PyTree, Any], jax.Array], *, rounds: int, sampling: Sampling | None = None,
                  parametrization: Mapping[str, str] | None = None, truncate: int | None = None,
-                 checkpoint: int | str | None = 1) -> Callable:
+                 checkpoint: int | str | None = 1, checkpoint_local_steps: bool = False) -> Callable:
   """The validation objective after R rounds as a pure function of the unconstrained hyper-parameters.
 
   Args:
@@ -280,7 +296,10 @@ def objective_fn(make_algorithm: Callable[[dict], FederatedAlgorithm],
     parametrization: `{name: "log" | "logit" | "identity"}` (module docstring); "log" for names not given.
     truncate: K: differentiate the last K rounds only (module docstring); None: all R.
     checkpoint: rounds per checkpointed block (1: every round, the default; "sqrt": blocks of ≈ √R rounds,
-      each round checkpointed inside them; None: no checkpointing). Changes memory and time, never the value.
+      each round checkpointed inside them; "cbrt": blocks of ≈ R^(2/3) rounds made of blocks of ≈ R^(1/3);
+      None: no checkpointing). Changes memory and time, never the value.
+    checkpoint_local_steps: also checkpoint each local step of the algorithms built on `core.local.local_train`
+      (module docstring: A shrinks to the steps' starting points). Changes memory and time, never the value.
 
   Returns:
     `f(u, params, key, data, validation) -> (J, final state)`, pure (jit, vmap and grad apply). `u` is
@@ -299,6 +318,8 @@ def objective_fn(make_algorithm: Callable[[dict], FederatedAlgorithm],
     if truncate > rounds:
       raise ValueError(f"truncate={truncate} exceeds rounds={rounds}; give K <= R, or None for the whole run.")
   block = _block_size(checkpoint, rounds)
+  if not isinstance(checkpoint_local_steps, bool):
+    raise TypeError(f"checkpoint_local_steps must be a bool; got {type(checkpoint_local_steps).__name__}.")
   for name, kind in (parametrization or {}).items():
     if kind not in KINDS:
       raise ValueError(f"parametrization[{name!r}] must be one of {KINDS}; got {kind!r}.")
@@ -312,12 +333,13 @@ def objective_fn(make_algorithm: Callable[[dict], FederatedAlgorithm],
     if fixed_rounds:
       held = _build(make_algorithm, jax.lax.stop_gradient(h))
       state = held.init(params, init_key)
-      state = jax.lax.stop_gradient(_run_rounds(held.step, state, fixed_rounds, batches_at, block))
+      state = jax.lax.stop_gradient(_run_rounds(held.step, state, fixed_rounds, batches_at, block,
+                                                checkpoint_local_steps))
       algorithm = _build(make_algorithm, h)
     else:
       algorithm = _build(make_algorithm, h)
       state = algorithm.init(params, init_key)
-    state = _run_rounds(algorithm.step, state, rounds - fixed_rounds, batches_at, block)
+    state = _run_rounds(algorithm.step, state, rounds - fixed_rounds, batches_at, block, checkpoint_local_steps)
     value = objective(state, validation)
     if jnp.ndim(value) != 0:
       raise ValueError(f"objective must return a scalar; got shape {tuple(jnp.shape(value))}.")
@@ -361,7 +383,8 @@ def _check_mode(mode: Any) -> None:
 def value_and_grad(make_algorithm: Callable[[dict], FederatedAlgorithm],
                    objective: Callable[[PyTree, Any], jax.Array], *, rounds: int, sampling: Sampling | None = None,
                    parametrization: Mapping[str, str] | None = None, truncate: int | None = None,
-                   checkpoint: int | str | None = 1, mode: str = "reverse") -> Callable:
+                   checkpoint: int | str | None = 1, checkpoint_local_steps: bool = False,
+                   mode: str = "reverse") -> Callable:
   """J after R rounds and ∇_u J, as one jitted program `(u, params, key, data, validation) -> (J, ∇_u J)`.
 
   The arguments are those of `objective_fn`, plus `mode`: "reverse" (default) or "forward" (module docstring
@@ -372,7 +395,7 @@ def value_and_grad(make_algorithm: Callable[[dict], FederatedAlgorithm],
   """
   _check_mode(mode)
   f = objective_fn(make_algorithm, objective, rounds=rounds, sampling=sampling, parametrization=parametrization,
-                   truncate=truncate, checkpoint=checkpoint)
+                   truncate=truncate, checkpoint=checkpoint, checkpoint_local_steps=checkpoint_local_steps)
   vg = _value_and_grad_of(f, mode)
 
   @jax.jit
@@ -468,14 +491,16 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
          rounds: int, outer_steps: int, schedule: str = "offline",
          optimizer: optax.GradientTransformation | None = None, sampling: Sampling | None = None,
          parametrization: Mapping[str, str] | None = None, truncate: int | None = None,
-         checkpoint: int | str | None = 1, mode: str = "reverse", callback: Callable | None = None) -> TuneResult:
+         checkpoint: int | str | None = 1, checkpoint_local_steps: bool = False, mode: str = "reverse",
+         callback: Callable | None = None) -> TuneResult:
   """Tunes the hyper-parameters with optax on u = φ⁻¹(h), by hyper-gradients; M starting settings in one program.
 
       offline:  u ← u − OuterOpt(∇_u J(u)),  J(u) the objective after R rounds from the same start, T times
       online:   s ← R rounds of step_{φ(u)} from s;  u ← u − OuterOpt(∇_u J_window(u)),  T windows of one run
 
   Args:
-    make_algorithm, objective, sampling, parametrization, truncate, checkpoint, mode: as in `value_and_grad`.
+    make_algorithm, objective, sampling, parametrization, truncate, checkpoint, checkpoint_local_steps, mode: as
+      in `value_and_grad`.
     hyper_params: the starting h, `{name: scalar}` or `{name: [M]}` (M settings tuned side by side, vmapped as
       `fo.sweep` does; e.g. `fo.sweep.grid(...)`).
     params, key, data, validation: the initial model, the run's key, the round data and the validation data
@@ -517,7 +542,7 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
                      "to the offline schedule.")
   _check_data(data, sampling, rounds * (outer_steps if schedule == "online" else 1))
   f = objective_fn(make_algorithm, objective, rounds=rounds, sampling=sampling, parametrization=parametrization,
-                   truncate=truncate, checkpoint=checkpoint)
+                   truncate=truncate, checkpoint=checkpoint, checkpoint_local_steps=checkpoint_local_steps)
   vg = _value_and_grad_of(f, mode)
   block = _block_size(checkpoint, rounds)
 
@@ -539,7 +564,8 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
 
     def window(u, state):
       algorithm = _build(make_algorithm, constrain(u, parametrization))
-      state = _run_rounds(algorithm.step, state, rounds, lambda r: _batches_at(data, sampling, data_key, r), block)
+      state = _run_rounds(algorithm.step, state, rounds, lambda r: _batches_at(data, sampling, data_key, r), block,
+                          checkpoint_local_steps)
       return objective(state, validation), state
 
     window_vg = _value_and_grad_of(window, mode)

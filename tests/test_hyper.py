@@ -100,7 +100,7 @@ PERSONAL = fo.hyper.validation_loss(loss_fn, personalized=True)
 CASES = {
     # name: (make_algorithm, objective, objective_fn keywords, modes)
     "fedavgm": (_fedavgm, GLOBAL, {"parametrization": {"momentum": "logit"}}, ("reverse",)),
-    "fedadam": (_fedadam, GLOBAL, {}, ("reverse",)),
+    "fedadam": (_fedadam, GLOBAL, {"checkpoint": "cbrt", "checkpoint_local_steps": True}, ("reverse",)),
     "fedprox": (_fedprox, GLOBAL, {}, ("reverse", "forward")),
     "ditto": (_ditto, PERSONAL, {"checkpoint": "sqrt"}, ("reverse",)),
     "admm_consensus": (_admm, GLOBAL, {"checkpoint": None}, ("reverse",)),
@@ -124,7 +124,8 @@ DEFAULT_TIER = {"fedadam", "fedprox"}
                                   for n in sorted(CASES)])
 def test_hyper_gradient_matches_float64_central_differences(name):
   """The issue's list: FedAvg(M) (client lr, server lr, logit momentum), FedAdam (client and server lr),
-  FedProx (μ, reverse and forward mode), Ditto (λ, η), consensus ADMM (ρ), L2GD (λ, α); 20 rounds, 1e-4."""
+  FedProx (μ, reverse and forward mode), Ditto (λ, η), consensus ADMM (ρ), L2GD (λ, α); 20 rounds, 1e-4. The
+  checkpoint settings are spread over the cases (FedAdam: nested blocks and every local step checkpointed)."""
   with jax.enable_x64(True):
     params, batches, validation = _inputs()
     u = fo.hyper.unconstrain(START[name], CASES[name][2].get("parametrization"))
@@ -245,6 +246,8 @@ def test_bad_arguments_are_refused_with_a_clear_error():
     fo.hyper.value_and_grad(_fedavg_sgd, GLOBAL, rounds=2, mode="backward")
   with pytest.raises(TypeError, match="checkpoint"):
     fo.hyper.value_and_grad(_fedavg_sgd, GLOBAL, rounds=2, checkpoint=1.5)
+  with pytest.raises(TypeError, match="checkpoint_local_steps must be a bool"):
+    fo.hyper.value_and_grad(_fedavg_sgd, GLOBAL, rounds=2, checkpoint_local_steps="yes")
   u = fo.hyper.unconstrain({"client_lr": 0.1, "server_lr": 1.0})
   hg = fo.hyper.value_and_grad(_fedavg_sgd, GLOBAL, rounds=2)
   with pytest.raises(TypeError, match="needs sampling"):

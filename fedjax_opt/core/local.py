@@ -13,11 +13,22 @@ untouched, so padding never changes the result.
 It returns the client delta Δ = x_S − x_0, the mean loss over the client's
 real examples (each loss taken before the step that used it), and the
 number of examples and of non-empty steps.
+
+Differentiating through local training (`fo.hyper`). Inside
+`checkpointed_local_steps()`, every `local_train` traced makes each local step
+a `jax.checkpoint`: a reverse pass through the round then keeps each step's
+starting point (x_s and the optimizer state, per client) instead of the
+step's activations and gradient intermediates, and recomputes one step at a
+time. Same values and derivatives; less memory, one more forward pass of
+each step. The setting is read when a step is traced, so it applies to every
+algorithm built on `local_train` without a keyword of its own.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import contextlib
+import contextvars
+from typing import Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +38,22 @@ from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import LossFn, PyTree
 from fedjax_opt.core.validation import check_per_example_loss
 
-__all__ = ["LocalResult", "as_single_step", "cycle_steps", "local_train", "masked_mean_loss"]
+__all__ = ["LocalResult", "as_single_step", "checkpointed_local_steps", "cycle_steps", "local_train",
+           "masked_mean_loss"]
+
+_CHECKPOINT_STEPS = contextvars.ContextVar("fedjax_opt_checkpoint_local_steps", default=False)
+
+
+@contextlib.contextmanager
+def checkpointed_local_steps(enabled: bool = True) -> Iterator[None]:
+  """While tracing inside this context, each step of `local_train` is a `jax.checkpoint` (module docstring)."""
+  if not isinstance(enabled, bool):
+    raise TypeError(f"enabled must be a bool; got {type(enabled).__name__}.")
+  token = _CHECKPOINT_STEPS.set(enabled)
+  try:
+    yield
+  finally:
+    _CHECKPOINT_STEPS.reset(token)
 
 
 class LocalResult(NamedTuple):
@@ -104,8 +130,15 @@ def local_train(
     opt_state = select_tree(has_data, new_opt_state, opt_state)
     return (x, opt_state, loss_sum + loss * count), has_data
 
-  init = (params, optimizer.init(params), jnp.zeros((), jnp.result_type(float)))
-  (final, _, loss_sum), used = jax.lax.scan(one_step, init, (data, mask), unroll=unroll)
+  def steps(params, data, mask):
+    init = (params, optimizer.init(params), jnp.zeros((), jnp.result_type(float)))
+    (final, _, loss_sum), used = jax.lax.scan(one_step, init, (data, mask), unroll=unroll)
+    return final, loss_sum, used
+
+  if _CHECKPOINT_STEPS.get():
+    one_step = jax.checkpoint(one_step)
+    steps = jax.checkpoint(steps)
+  final, loss_sum, used = steps(params, data, mask)
   num_examples = jnp.sum(mask, dtype=loss_sum.dtype)
   delta = jax.tree.map(jnp.subtract, final, params)
   return LocalResult(
