@@ -79,3 +79,14 @@ def test_every_module_the_tool_knows_is_a_file_with_tests():
       "fedavg", "matched_averaging.models"]
   assert mutation._module_of("fedjax_opt.algorithms.matched_averaging.matching.x_bbp_map__mutmut_3") == (
       "matched_averaging.matching")
+
+
+def test_the_privacy_and_compression_modules_are_targets_by_their_own_names():
+  """The maths outside fedjax_opt/algorithms/ (clipping and noise, masks and shares, accountant events,
+  quantizers and error feedback) is reachable by a short name, and a mutant's name maps back to it."""
+  paths = {m: mutation._path(m) for m in ("dp", "secure", "accounting", "compression")}
+  assert paths == {"dp": "fedjax_opt/privacy/dp.py", "secure": "fedjax_opt/privacy/secure.py",
+                   "accounting": "fedjax_opt/privacy/accounting.py", "compression": "fedjax_opt/compression.py"}
+  assert mutation.TESTS_OF["accounting"][0] == "tests/test_accounting.py"
+  assert mutation._module_of("fedjax_opt.privacy.accounting.x_round_event__mutmut_7") == "accounting"
+  assert mutation._module_of("fedjax_opt.privacy.secure.x__masks__mutmut_12") == "secure"

@@ -50,6 +50,18 @@ def test_clipping_equals_a_float64_reference_and_leaves_small_updates_untouched(
     assert np.sqrt(sum(float(jnp.sum(jnp.square(x))) for x in jax.tree.leaves(got))) <= 1.0 + 1e-6
 
 
+def test_clipping_computes_in_the_update_dtype_promoted_to_float32_also_under_x64():
+  """Δ · min(1, C / ‖Δ‖₂) and ‖Δ‖₂ in promote(dtype, float32): bfloat16 → float32, float32 stays float32 with x64 on
+  (not float64), float64 stays float64; the values against a float64 NumPy transcription."""
+  x = np.array([[3.0, -4.0], [0.0, 12.0]])  # ‖x‖ = 13 > C = 6.5: scale ½ (exact in bfloat16 too)
+  with jax.enable_x64(True):
+    for dtype, want in ((jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32), (jnp.float64, jnp.float64)):
+      got, norm = P.clip_by_global_norm({"a": jnp.asarray(x[0], dtype), "b": jnp.asarray(x[1], dtype)}, 6.5)
+      assert norm.dtype == want and got["a"].dtype == want and got["b"].dtype == want, dtype
+      np.testing.assert_allclose(float(norm), 13.0, rtol=1e-6)
+      np.testing.assert_allclose(np.concatenate([got["a"], got["b"]]), x.reshape(-1) / 2, rtol=1e-6)
+
+
 def test_without_noise_the_aggregate_is_the_clipped_uniform_mean_over_m():
   u = _updates(np.random.default_rng(1))
   w = np.array([3.0, 0.0, 1.0, 7.0, 2.0])  # n_k weights are ignored; client 1 takes no part
@@ -86,6 +98,41 @@ def test_noise_has_std_sigma_c_over_m_per_coordinate():
   assert lo6 < pooled < hi6
   # Mean zero: |mean| below 4 standard errors.
   assert np.all(np.abs(noise.mean(axis=0)) < 4 * target / np.sqrt(n))
+
+
+def test_under_x64_a_float32_model_gets_float32_draws_per_leaf_and_keeps_a_float32_state():
+  """One adaptive round transcribed from the round key: leaf i's noise z_i ~ N(0, I) is drawn from key i of the
+  update key's split into one key per leaf, in the leaf's dtype (float32 under x64 too: a float64 draw would be
+  other numbers), Δ = (Σ Δ̃_k + σ_Δ C z) / m; a client at norm exactly C is left as it is and counted as
+  unclipped (b_k = 1[‖Δ_k‖ ≤ C]); C ← C exp(−η (b̄ − γ)). Every field of `DPMeanState` stays float32, starting
+  from σ and m (what `fo.train` gives the accountant), C_0 twice and no fraction yet."""
+  sigma, sigma_b, clip, m, eta, gamma = 2.0, 3.0, 5.0, 4.0, 0.2, 0.4
+  shapes = {"a": (3,), "b": (2, 2), "c": ()}
+  updates = {name: np.zeros((2,) + shape, np.float32) for name, shape in shapes.items()}  # C = 2 clients
+  updates["a"][1] = [3.0, 4.0, 0.0]  # ‖Δ_1‖ = 5 = C exactly (in float32 too); client 0 sends zeros
+  agg = P.dp_mean(clip, sigma, expected_clients=m, adaptive=P.AdaptiveClipping(gamma, eta, sigma_b))
+  key = jax.random.key(13)
+  update_key, count_key = jax.random.split(key)
+  leaf_keys = jax.random.split(update_key, 3)  # leaves in pytree order: a, b, c
+  aggregate = jax.jit(agg.aggregate)
+  with jax.enable_x64(True):
+    state = agg.init(None)
+    out, new = aggregate(updates, jnp.ones(2, jnp.float32), state, key)
+    _, newer = aggregate(updates, jnp.ones(2, jnp.float32), new, key)  # the next round used C_1
+  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves((state, new, newer)))
+  assert (float(state.noise_multiplier), float(state.expected_clients)) == (sigma, m)
+  assert float(state.clip_norm) == float(state.last_clip_norm) == clip and np.isnan(float(state.noisy_fraction))
+  sigma_delta = (sigma ** -2 - (2 * sigma_b) ** -2) ** -0.5
+  for k, (name, shape) in zip(leaf_keys, shapes.items()):
+    z = np.asarray(jax.random.normal(k, shape, jnp.float32), np.float64)
+    assert out[name].dtype == jnp.float32 and out[name].shape == shape
+    want = (updates[name].astype(np.float64).sum(0) + sigma_delta * clip * z) / m
+    np.testing.assert_allclose(np.asarray(out[name], np.float64), want, rtol=1e-6, atol=1e-6)
+  z_b = float(jax.random.normal(count_key, (), jnp.float32))
+  noisy = (2 * (1 - 0.5) + sigma_b * z_b) / m + 0.5  # both clients unclipped
+  np.testing.assert_allclose(float(new.noisy_fraction), noisy, rtol=1e-6)
+  np.testing.assert_allclose(float(new.clip_norm), clip * np.exp(-eta * (noisy - gamma)), rtol=1e-6)
+  assert float(new.last_clip_norm) == clip and float(newer.last_clip_norm) == float(new.clip_norm) != clip
 
 
 def test_the_noise_is_a_function_of_the_round_key():
@@ -248,6 +295,7 @@ def test_adaptive_clipping_converges_to_the_target_quantile():
     (lambda: P.dp_mean(1.0, -1.0, expected_clients=10), "noise_multiplier must be a finite number >= 0"),
     (lambda: P.dp_mean(1.0, 1.0, expected_clients=0), "expected_clients must be a finite number > 0"),
     (lambda: P.dp_mean("1", 1.0, expected_clients=1), "clip_norm must be a number"),
+    (lambda: P.dp_mean(np.ones(2), 1.0, expected_clients=1), r"clip_norm must be a scalar; got shape \(2,\)"),
     (lambda: P.dp_mean(1.0, 1.0, expected_clients=10, adaptive=0.5), "adaptive must be None or"),
     (lambda: P.dp_mean(1.0, 1.0, expected_clients=10, adaptive=P.AdaptiveClipping(1.5)),
      "target_quantile must be in \\(0, 1\\)"),

@@ -1,13 +1,14 @@
 """Mutation testing of the update rules: would the tests notice a wrong coefficient?
 
     python -m venv /tmp/mutation-venv
-    /tmp/mutation-venv/bin/pip install mutmut jax optax flax chex numpy pytest hypothesis scipy scikit-learn
+    /tmp/mutation-venv/bin/pip install mutmut jax optax flax chex numpy pytest hypothesis scipy scikit-learn dp-accounting
     /tmp/mutation-venv/bin/python tools/mutation.py fedprox scaffold feddyn --out benchmarks/results/mutation.json
     /tmp/mutation-venv/bin/python tools/mutation.py admm_sharing --functions _logistic_z_update   # one function
 
 For each named module of `fedjax_opt/algorithms/` (one module of a package by
 its dotted name, `matched_averaging.matching`; all of them by the package's
-name, `matched_averaging`, or `asynchrony` for `fedjax_opt/core/asynchrony/`),
+name, `matched_averaging`, or `asynchrony` for `fedjax_opt/core/asynchrony/`; outside it `robust`,
+`attacks`, `compression`, and `dp`, `secure`, `accounting` for `fedjax_opt/privacy/`),
 mutmut (3.x) changes one thing at a time in its update rules (an operator, a
 constant, an argument; lines of argument checks, error messages, defaults and
 metric names are left alone, `NOT_UPDATE_RULES`) and runs the tests that reach the mutated function, chosen from the module's own
@@ -68,6 +69,7 @@ TESTS_OF = {
     "robust": ["tests/test_robust_aggregators.py"],
     "dp": ["tests/test_privacy.py", "tests/test_compression_composition.py"],
     "secure": ["tests/test_secure_aggregation.py", "tests/test_compression_composition.py"],
+    "accounting": ["tests/test_accounting.py"],
     "compression": [*COMPRESSION_TESTS, "tests/test_compression_families.py"],
     "attacks": ["tests/test_attacks.py", "tests/test_robust_aggregators.py"],
     **{f"asynchrony.{m}": ["tests/test_asynchrony.py", "tests/test_asynchronous.py", "tests/test_cli_network.py"]
@@ -75,6 +77,7 @@ TESTS_OF = {
 }
 PATH_OF = {"robust": "fedjax_opt/aggregators/robust.py", "attacks": "fedjax_opt/attacks.py",
            "dp": "fedjax_opt/privacy/dp.py", "secure": "fedjax_opt/privacy/secure.py",
+           "accounting": "fedjax_opt/privacy/accounting.py",
            "compression": "fedjax_opt/compression.py",
            **{m: f"fedjax_opt/core/{m.replace('.', '/')}.py" for m in TESTS_OF if m.startswith("asynchrony.")}}
 """Module files not under fedjax_opt/algorithms/ (the others are fedjax_opt/algorithms/<name>.py, a dotted name
@@ -172,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("modules", nargs="+", choices=sorted(TESTS_OF) + sorted(PACKAGES),
                       help="modules of fedjax_opt/algorithms/ (matched_averaging: all of its package's modules, "
-                           "matched_averaging.<module>: one), robust (aggregators/robust.py), attacks, or "
-                           "asynchrony (core/asynchrony/, or asynchrony.<module>)")
+                           "matched_averaging.<module>: one), robust (aggregators/robust.py), attacks, compression, "
+                           "dp, secure, accounting (privacy/dp.py, secure.py, accounting.py), or asynchrony "
+                           "(core/asynchrony/, or asynchrony.<module>)")
   parser.add_argument("--out", default=None, help="JSON file for the table and the survivors")
   parser.add_argument("--timeout", type=float, default=60.0, help="seconds added to every mutant's allowance")
   parser.add_argument("--workdir", default=None, help="where to copy the repository (default: a new temp dir)")
