@@ -484,5 +484,14 @@ def test_secure_dp_mean_refuses_a_grid_too_coarse_for_its_clip_norm():
   edge = P.secure_aggregation(P.dp_mean(1.0, 1.0, expected_clients=10.0), frac_bits=1, bound=1.0)
   with pytest.raises(ValueError, match=r"√P·2\^−f = 1 >= C, .*raise frac_bits \(f >= 8 costs under 1% of C\)"):
     edge.init({"w": jnp.zeros(4)})
+  # C = 1.57 over P = 64 at f = 2 (√P·2^−f = 2 >= C): the f suggested is the smallest with √P·2^−f under 1% of C,
+  # found here by counting up (9: 8/2⁹ = 0.0156 < 0.0157, while 8/2⁸ = 0.031); C ≠ 1 and 100√P/C = 509.6 just
+  # below 2⁹ pin the formula's C and its 100.
+  clip, size = 1.57, 64
+  want = next(f for f in range(31) if np.sqrt(size) * 2.0**-f < 0.01 * clip)
+  assert want == 9
+  coarse = P.secure_aggregation(P.dp_mean(clip, 1.0, expected_clients=10.0), frac_bits=2, bound=2.0)
+  with pytest.raises(ValueError, match=rf"√P·2\^−f = 2 >= C, .*raise frac_bits \(f >= {want} costs under 1% of C\)"):
+    coarse.init({"w": jnp.zeros(size)})
   with pytest.raises(ValueError, match=r"frac_bits = 0 cannot encode dp_mean's centred count bit"):
     P.secure_aggregation(P.dp_mean(1.0, 1.0, expected_clients=10.0), frac_bits=0, bound=1.0).init({"w": jnp.zeros(4)})
