@@ -206,7 +206,7 @@ def test_a_non_differentiable_step_is_refused_in_one_line(name):
 def test_host_driven_matching_is_refused():
   """FedMA (Hungarian matching on the host) is not one compiled run."""
   params, batches = example_inputs("fedavg")
-  fedma = fo.algorithms.fedma(loss_fn, layers=("w",), client_optimizer=optax.sgd(0.1))
+  fedma = fo.algorithms.fedma(loss_fn, layers=("w",), client_optimizer=optax.sgd(0.1), num_clients=N)
   hg = fo.hyper.value_and_grad(lambda h: fedma, _objective, rounds=2)
   with pytest.raises(TypeError, match="host-driven"):
     jax.eval_shape(hg, fo.hyper.unconstrain({"lr": 0.05}), params, jax.random.key(0), batches, batches)

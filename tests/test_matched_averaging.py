@@ -13,8 +13,12 @@
 * Moving a layer's units and the next layer's inputs (dense, conv → conv,
   conv → flatten → dense) leaves the network's outputs unchanged (flax apply of
   the original as reference).
+* FedMA's restart (the authors' `reconstruct_local_net`): each client starts
+  a round from the global model cut to its last assignment, against a NumPy
+  transcription; σ in each layer's own units (a closed-form threshold), per
+  layer values, the width cap.
 * End to end (slow): FedMA on digits, Dirichlet(0.5), an MLP, against FedAvg
-  with the same communication.
+  with the same upload.
 """
 
 from __future__ import annotations
@@ -102,14 +106,21 @@ def test_permuted_copies_are_matched_back_to_the_network_and_coordinate_averagin
   assert np.abs(np.asarray(model.apply(averaged, x)) - reference).max() > 1e-2
 
 
-def test_fedma_match_without_training_returns_permuted_copies_as_one_network():
+@pytest.fixture(scope="module")
+def frozen():
+  """FedMA without local training (lr 0) on the MLP 6-5-4-3, layers at most as wide as the clients', no refinement
+  passes: one set of compiled programs (3 clients of widths 5, 4) for the tests that use it."""
+  return fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
+                             client_optimizer=optax.sgd(0.0), num_clients=4, client_map="vmap", iterations=0,
+                             max_growth=1.0)
+
+
+def test_fedma_match_without_training_returns_permuted_copies_as_one_network(frozen):
   model, params = _mlp()
   rng = np.random.default_rng(2)
   copies = [_permuted(params, MLP_LAYERS, rng) for _ in range(3)]
   batches = _batches(rng, num_clients=3, input_dim=6, classes=3)
-  fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
-                              client_optimizer=optax.sgd(0.0), client_map="vmap")
-  matched, info = fedma.match(jax.tree.map(lambda *a: np.stack(a), *copies), batches)
+  matched, info = frozen.match(jax.tree.map(lambda *a: np.stack(a), *copies), batches)
   assert info["widths"] == [5, 4] and info["num_clients"] == 3
   _assert_same_params(_unpermute(matched, params, MLP_LAYERS), params)
 
@@ -120,7 +131,7 @@ def test_a_single_client_gets_its_own_model_back():
   _, cnn = _cnn()
   _assert_same_params(fo.algorithms.pfnm([cnn], layers=CNN_LAYERS), cnn, atol=0)
   fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
-                              client_optimizer=optax.sgd(0.0), client_map="vmap")
+                              client_optimizer=optax.sgd(0.0), num_clients=1, client_map="vmap")
   batches = _batches(np.random.default_rng(0), num_clients=1, input_dim=6, classes=3)
   matched, _ = fedma.match(jax.tree.map(lambda a: a[None], params), batches)
   _assert_same_params(matched, params, atol=0)
@@ -247,7 +258,7 @@ def test_the_global_layer_grows_for_a_client_unit_far_from_every_global_unit():
   _, params = _mlp()
   other = jax.tree.map(np.copy, params)
   other["hidden_0"]["kernel"][:, 2] = 50.0  # unit 2 of the second client is far from every unit
-  matched = fo.algorithms.pfnm([params, other], layers=MLP_LAYERS, sigma=0.5)
+  matched = fo.algorithms.pfnm([params, other], layers=MLP_LAYERS, sigma=0.5, prior_scale="absolute")
   assert matched["hidden_0"]["kernel"].shape == (6, 6) and matched["hidden_1"]["kernel"].shape == (6, 4)
   # the new unit holds the far unit alone; its outgoing row is the second client's (the first has none)
   new = int(np.argmax(np.asarray(matched["hidden_0"]["kernel"])[0]))
@@ -294,7 +305,7 @@ def _poisoned_client_setup(seed):
   x[1, 0, 0, 0] = np.nan
   batches = batches.replace(data={"x": jnp.asarray(x), "y": batches.data["y"]})
   fedma = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
-                              client_optimizer=optax.sgd(0.1), client_map="vmap")
+                              client_optimizer=optax.sgd(0.1), num_clients=3, client_map="vmap")
   return params, batches, fedma
 
 
@@ -332,44 +343,190 @@ def test_invalid_inputs_raise_clear_errors():
     ma.match_client(np.zeros((2, 3)), np.array([1, 4]), np.zeros((2, 3)), num_clients=4)
 
 
+# ---- σ per layer and the width cap ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gamma", [0.5, 1.0])
+def test_in_layer_units_a_new_neuron_opens_beyond_the_closed_form_distance_scaled_by_the_layers_rms(gamma):
+  """prior_scale="layer": σ is in units of r, the root-mean-square coordinate of the units being matched,
+  r² = (‖u‖² + ‖v‖²)/(2D); so with σ₀ = ∞, J = 2, one unit u: new iff ‖u − v‖² > 4σ²r² log(2/γ₀). The same
+  distance at another weight scale (the layer times 1000) gives the same decision; absolute units do not."""
+  sigma, rng = 0.3, np.random.default_rng(1)
+  u = rng.normal(size=6)
+  direction = rng.normal(size=6)
+  direction /= np.linalg.norm(direction)
+  prior = ma.LayerPrior.make(1, sigma=sigma, sigma0=math.inf, gamma=gamma)
+  for scale, opens in ((0.99, False), (1.01, True)):
+    # v = u + t·d with ‖u − v‖² = 4σ²r²log(2/γ₀), r² = (‖u‖² + ‖u + t d‖²)/12: a quadratic in t, solved here
+    k = 4 * sigma**2 * math.log(2 / gamma) / 12
+    a, b, c = 1 - k, -2 * k * (u @ direction), -2 * k * (u @ u)
+    t = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+    v = u + scale * t * direction
+    r = math.sqrt((u @ u + v @ v) / 12)
+    for factor in (1.0, 1000.0):
+      options = prior.for_layer(0, [factor * u[None], factor * v[None]])
+      assert options["sigma"] == pytest.approx(sigma * factor * r, rel=1e-12)
+      matching = fo.algorithms.bbp_map([factor * u[None], factor * v[None]], **options)
+      assert matching.width == (2 if opens else 1)
+  absolute = ma.LayerPrior.make(1, sigma=sigma, sigma0=math.inf, gamma=gamma, scale="absolute")
+  far = fo.algorithms.bbp_map([1000 * u[None], 1000 * (u + 0.5 * t * direction)[None]], **absolute.for_layer(0, []))
+  assert far.width == 2  # half the threshold distance in layer units, far beyond σ = 0.3 in absolute ones
+
+
+def test_sigma_gamma_and_the_cap_may_be_set_per_layer():
+  """Two unrelated MLPs: with σ tiny in layer 0 and huge in layer 1 (absolute), layer 0 keeps every unit of both
+  (5 + 5) and layer 1 matches all (4); the reverse sequence the reverse; a sequence of the wrong length is refused."""
+  _, a = _mlp(seed=20)
+  _, b = _mlp(seed=21)
+  grow_then_match = fo.algorithms.pfnm([a, b], layers=MLP_LAYERS, sigma=(1e-3, 1e3), sigma0=1e3,
+                                       prior_scale="absolute")
+  assert [np.shape(grow_then_match[n]["bias"])[0] for n in MLP_LAYERS[:-1]] == [10, 4]
+  match_then_grow = fo.algorithms.pfnm([a, b], layers=MLP_LAYERS, sigma=[1e3, 1e-3], sigma0=1e3,
+                                       prior_scale="absolute")
+  assert [np.shape(match_then_grow[n]["bias"])[0] for n in MLP_LAYERS[:-1]] == [5, 8]
+  capped = fo.algorithms.pfnm([a, b], layers=MLP_LAYERS, sigma=1e-3, sigma0=1e3, prior_scale="absolute",
+                              max_width=(7, 6))
+  assert [np.shape(capped[n]["bias"])[0] for n in MLP_LAYERS[:-1]] == [7, 6]
+  with pytest.raises(ValueError, match=r"sigma must be one value for every layer or one per hidden layer \(2\)"):
+    fo.algorithms.pfnm([a, b], layers=MLP_LAYERS, sigma=(1.0, 1.0, 1.0))
+  with pytest.raises(ValueError, match="prior_scale must be one of"):
+    fo.algorithms.pfnm([a, b], layers=MLP_LAYERS, prior_scale="relative")
+
+
+def test_the_cap_is_the_smaller_of_max_width_and_max_growth_times_the_clients_width(frozen):
+  """Three unrelated clients (6-5-4-3) whose every unit opens a new global unit (σ tiny): 15 and 12 units uncapped;
+  max_growth = 2 caps at 10 and 8, max_width = (7, 12) with it at the smaller: 7 and 8; `fedma`'s shared `frozen`
+  (max_growth = 1, the default σ) keeps the clients' 5 and 4. Bad caps are refused."""
+  clients = [_mlp(seed=30 + j)[1] for j in range(3)]
+  tiny = dict(layers=MLP_LAYERS, sigma=1e-3, prior_scale="absolute", iterations=0)
+  for options, widths in ((dict(), [15, 12]), (dict(max_growth=2.0), [10, 8]),
+                          (dict(max_growth=2, max_width=(7, 12)), [7, 8])):
+    merged = fo.algorithms.pfnm(clients, **tiny, **options)
+    assert [np.shape(merged[n]["bias"])[0] for n in MLP_LAYERS[:-1]] == widths, options
+  assert [np.shape(fo.algorithms.pfnm(clients, layers=MLP_LAYERS)[n]["bias"])[0] for n in MLP_LAYERS[:-1]] > [5, 4]
+  batches = _batches(np.random.default_rng(3), num_clients=3, input_dim=6, classes=3)
+  assert frozen.match(jax.tree.map(lambda *a: np.stack(a), *clients), batches)[1]["widths"] == [5, 4]
+  for bad in (0.5, float("nan"), "2"):
+    with pytest.raises(ValueError, match="max_growth must be None or a finite number >= 1"):
+      fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
+                          client_optimizer=optax.sgd(0.0), num_clients=3, max_growth=bad)
+  with pytest.raises(ValueError, match="max_width must be None or an int >= 1"):
+    fo.algorithms.pfnm(clients, layers=MLP_LAYERS, max_width=(7, 0))
+
+
+# ---- FedMA's restart from the global model (the authors' reconstruct_local_net) ------------------------------------
+
+
+def _restart_reference(global_params, layers, chosen, flat_positions=None):
+  """IBM/FedMA's `reconstruct_local_net`, transcribed in NumPy float64: layer n keeps the global units `chosen[n]`
+  (kernel columns / filters, biases) and the rows of the layer above that read them; after the last conv, dense
+  input row p·C + c reads channel c at position p (channels-last flatten), so the rows kept are p·C + chosen[n]."""
+  out = {k: {leaf: np.asarray(v, np.float64) for leaf, v in global_params[k].items()} for k in layers}
+  for n, name in enumerate(layers[:-1]):
+    a = np.asarray(chosen[n])
+    out[name]["kernel"], out[name]["bias"] = out[name]["kernel"][..., a], out[name]["bias"][a]
+    above = out[layers[n + 1]]["kernel"]
+    if above.ndim == 4:  # conv -> conv: input channels
+      out[layers[n + 1]]["kernel"] = above[:, :, a, :]
+    elif flat_positions and name in flat_positions:  # conv -> flatten -> dense
+      width = np.shape(global_params[name]["bias"])[0]
+      rows = [p * width + c for p in range(flat_positions[name]) for c in a]
+      out[layers[n + 1]]["kernel"] = above[rows]
+    else:  # dense -> dense
+      out[layers[n + 1]]["kernel"] = above[a]
+  return out
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_select_units_is_the_authors_client_restart_and_undoes_moving_a_client_into_the_global_model(kind):
+  rng = np.random.default_rng(7)
+  if kind == "mlp":
+    layers, flat = MLP_LAYERS, None
+    wide = _random_params({"hidden_0": (6, 9), "hidden_1": (9, 7), "output": (7, 3)}, seed=8)
+    client_widths = (5, 4)
+  else:
+    layers, flat = CNN_LAYERS, {"conv_1": 4}  # 8×8 → 6×6 → 4×4 → pooled 2×2: 4 positions
+    wide = _random_params({"conv_0": (3, 3, 1, 40), "conv_1": (3, 3, 40, 70), "dense": (4 * 70, 130),
+                           "output": (130, 4)}, seed=8)
+    client_widths = (32, 64, 128)
+  chosen = [rng.permutation(np.shape(wide[n]["bias"])[0])[:w] for n, w in zip(layers, client_widths)]
+  got = ma.select_units(wide, layers, chosen)
+  _assert_same_params(got, _restart_reference(wide, layers, chosen, flat), atol=0)
+  # A client moved into the global positions (zeros elsewhere) and cut back out is the client again.
+  client = jax.tree.map(np.asarray, got)
+  moved = client
+  for n, name in enumerate(layers[:-1]):
+    moved = ma.apply_assignment(moved, layers, n, chosen[n], np.shape(wide[name]["bias"])[0])
+  _assert_same_params(ma.select_units(moved, layers, chosen), client, atol=0)
+
+
+def test_a_fedma_round_restarts_each_client_from_the_global_model_cut_to_its_last_assignment(frozen):
+  """A state whose global model (widths 8, 7) was matched from clients 0, 1, 2 of widths 5, 4 (their assignments in
+  the state). The round takes clients 2, 0 and 3 with local training off (lr 0; no refinement passes), so it is the
+  matching of its starts: clients 2 and 0 start from the global model cut to their assignments (the NumPy
+  transcription of the authors' restart), client 3 (never matched) from the 5 and 4 global units the most clients
+  used (ties: the lower index). Starting everyone from the whole global model (before) matches other models."""
+  _, wide = _mlp(hidden=(8, 7), seed=12)
+  _, params = _mlp()
+  rng = np.random.default_rng(11)
+  tables = {"hidden_0": np.stack([rng.permutation(8)[:5] for _ in range(3)] + [np.full(5, -1)]),
+            "hidden_1": np.stack([rng.permutation(7)[:4] for _ in range(3)] + [np.full(4, -1)])}
+  state = frozen.init(params, jax.random.key(0))
+  assert {n: a.shape for n, a in state.assignments.items()} == {"hidden_0": (4, 5), "hidden_1": (4, 4)}
+  state = state.replace(params=jax.tree.map(jnp.asarray, wide),
+                        assignments={n: jnp.asarray(a, jnp.int32) for n, a in tables.items()},
+                        assigned_round=jnp.asarray([0, 0, 0, -1], jnp.int32))
+  batches = _batches(rng, num_clients=3, input_dim=6, classes=3).replace(client_id=jnp.asarray([2, 0, 3], jnp.int32))
+  popular = []
+  for name, width in (("hidden_0", 8), ("hidden_1", 7)):
+    counts = np.zeros(width, int)
+    for j in range(3):
+      for i in tables[name][j]:
+        counts[i] += 1
+    order = sorted(range(width), key=lambda i: (-counts[i], i))
+    popular.append(sorted(order[:tables[name].shape[1]]))
+  starts = [_restart_reference(wide, MLP_LAYERS, [tables["hidden_0"][j], tables["hidden_1"][j]]) for j in (2, 0)]
+  starts.append(_restart_reference(wide, MLP_LAYERS, popular))
+  expected, info = frozen.match(jax.tree.map(lambda *a: np.stack(a).astype(np.float32), *starts), batches)
+  after = frozen.run(state, batches)
+  _assert_same_params(after.params, expected, atol=0)
+  assert float(after.metrics["num_restarted"]) == 2
+  np.testing.assert_array_equal(after.assigned_round, [1, 0, 1, 1])  # client 1 keeps its stale assignment
+  for n, name in enumerate(MLP_LAYERS[:-1]):  # the new assignments of the round's clients, in their rows' order
+    for row, client in enumerate((2, 0, 3)):
+      np.testing.assert_array_equal(after.assignments[name][client], info["assignments"][n][row])
+
+
 # ---- end to end --------------------------------------------------------------------------------------------------
 
 
-def fedma_against_fedavg(fedma_rounds=3, num_clients=10, local_steps=50, batch_size=20, hidden=(32, 32), eta_l=0.5, seed=0):
-  """FedMA vs FedAvg on digits, Dirichlet(0.5), all clients per round; returns test accuracies and uploads."""
-  ds = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=num_clients, seed=seed)
-  model, params = _mlp(64, hidden, 10, seed)
+@pytest.mark.slow
+def test_fedma_beats_fedavg_at_the_same_upload_on_a_label_skewed_split():
+  """The FedMA paper's headline claim on digits, Dirichlet(0.5), 10 clients all taking part, an MLP 64-32-32-10,
+  50 local SGD steps of 20 at lr 0.1: after 3 FedMA rounds (each layer uploaded once per client and round) the
+  global model is more accurate than FedAvg's after its first round that has uploaded at least as many floats
+  (benchmarks/clustered.py part (b) runs it over seeds, data sets and a CNN)."""
+  num_clients, local_steps, batch_size, eta_l = 10, 50, 20, 0.1
+  ds = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=num_clients, seed=0)
+  _, params = _mlp(64, (32, 32), 10, 0)
   loss_fn = fo.models.classification_loss(ma.mlp_apply)
   metric = {"accuracy": fo.models.classification_accuracy(ma.mlp_apply)}
-  key = jax.random.key(seed)
-
-  def sample(r):
-    return fo.data.sample_round(jax.random.fold_in(key, r), ds, num_clients, local_steps, batch_size,
-                                client_sampling="all")
-
-  def accuracy(p):
-    return float(fo.evaluate.global_model(p, ds, metric)["accuracy"])
-
-  fedma = fo.algorithms.fedma(loss_fn, layers=MLP_LAYERS, client_optimizer=optax.sgd(eta_l))
-  state = fedma.init(params, key)
-  fedma_uploaded = 0.0
-  for r in range(fedma_rounds):
+  key = jax.random.key(0)
+  sample = jax.jit(lambda r: fo.data.sample_round(jax.random.fold_in(key, r), ds, num_clients, local_steps,
+                                                  batch_size, client_sampling="all"))
+  accuracy = lambda p: float(fo.evaluate.global_model(p, ds, metric)["accuracy"])  # noqa: E731
+  fedma = fo.algorithms.fedma(loss_fn, layers=MLP_LAYERS, client_optimizer=optax.sgd(eta_l), num_clients=num_clients)
+  state, uploaded = fedma.init(params, key), 0.0
+  for r in range(3):
     state = fedma.run(state, sample(r))
-    fedma_uploaded += float(state.metrics["uploaded_floats"])
+    uploaded += float(state.metrics["uploaded_floats"])
   fedavg = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(eta_l))
-  step = jax.jit(fedavg.step)
-  avg_state = fedavg.init(params, key)
-  per_round = num_clients * fo.models.count_params(params)
-  results = {"fedma": accuracy(state.params), "fedma_uploaded": fedma_uploaded,
-             "fedma_widths": [int(w) for w in state.metrics["widths"]],
-             "communication_rounds": fedma_rounds * len(MLP_LAYERS)}
-  for r in range(fedma_rounds * len(MLP_LAYERS)):
+  step, avg_state = jax.jit(fedavg.step), fedavg.init(params, key)
+  rounds = math.ceil(uploaded / (num_clients * fo.models.count_params(params)) - 1e-9)
+  for r in range(rounds):
     avg_state = step(avg_state, sample(r))
-    if r + 1 == fedma_rounds:
-      results["fedavg_same_upload"] = accuracy(avg_state.params)
-  results["fedavg_same_rounds"] = accuracy(avg_state.params)
-  results["fedavg_uploaded_same_rounds"] = per_round * fedma_rounds * len(MLP_LAYERS)
-  return results
+  assert rounds >= 3 and accuracy(state.params) > accuracy(avg_state.params) + 0.05, (
+      accuracy(state.params), accuracy(avg_state.params), rounds)
 
 
 @pytest.mark.slow
@@ -377,8 +534,8 @@ def test_one_matching_of_local_models_beats_one_more_fedavg_round_from_a_fedavg_
   """From a model FedAvg trained for 3 rounds, the clients train locally once more; matched averaging of those
   local models (one `fedma.match`) is more accurate than FedAvg's average of the same local models.
 
-  The full FedMA loop from scratch does not reach FedAvg with the default prior (docs/algorithms.md:
-  `fedma_against_fedavg()` measured 0.26 against 0.42 at the same upload); this is the part that works.
+  `fedma.match` on the same local models as FedAvg's round: the matching, the layer-wise retraining and the
+  class-weighted classifier against one coordinate-wise average.
   """
   num_clients, local_steps, batch_size, eta_l = 10, 50, 20, 0.5
   ds = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=num_clients, seed=0)
@@ -397,7 +554,7 @@ def test_one_matching_of_local_models_beats_one_more_fedavg_round_from_a_fedavg_
   local = jax.vmap(lambda d, m: jax.tree.map(
       jnp.add, state.params, fo.core.local_train(loss_fn, optax.sgd(eta_l), state.params, d, m).delta))(
           fo.core.materialize(batches.data), batches.mask)
-  fedma = fo.algorithms.fedma(loss_fn, layers=MLP_LAYERS, client_optimizer=optax.sgd(eta_l))
+  fedma = fo.algorithms.fedma(loss_fn, layers=MLP_LAYERS, client_optimizer=optax.sgd(eta_l), num_clients=num_clients)
   matched, info = fedma.match(local, batches)
   averaged = step(state, batches).params
   accuracy = lambda p: float(fo.evaluate.global_model(p, ds, metric)["accuracy"])  # noqa: E731

@@ -14,8 +14,8 @@ def setup():
   model = fo.models.mlp_2nn(num_classes=10, hidden=8, input_dim=64)
   agnostic, layers = fo.algorithms.fedma_model(model)
   # σ small: client neurons rarely match, so the global layers grow over the rounds.
-  algo = fo.algorithms.fedma(agnostic.loss_fn, layers=layers, client_optimizer=optax.sgd(0.1), sigma=0.05,
-                             iterations=1)
+  algo = fo.algorithms.fedma(agnostic.loss_fn, layers=layers, client_optimizer=optax.sgd(0.1),
+                             num_clients=dataset.num_clients, sigma=0.05, iterations=1)
   state = algo.init(model.init(jax.random.key(0)), jax.random.key(1))
   kwargs = dict(seed=5, progress=False)
   return dataset, agnostic, algo, state, kwargs
@@ -59,6 +59,10 @@ def test_resume_restores_a_grown_model_and_finishes_bit_for_bit(setup, tmp_path)
   resumed, history = fo.train(algo, state, dataset, 3, SAMPLING, evaluation=every2,
                               checkpointing=fo.Checkpointing(str(tmp_path), resume=True), **kwargs)
   jax.tree.map(np.testing.assert_array_equal, resumed.params, whole.params)
+  # The clients' last assignments travel with the checkpoint: round 3 restarts clients of round 2 from them.
+  jax.tree.map(np.testing.assert_array_equal, (resumed.assignments, resumed.assigned_round),
+               (whole.assignments, whole.assigned_round))
+  assert history.round_metrics["num_restarted"][-1] > 0
   assert history.evals[-1]["test_accuracy"] == whole_history.evals[-1]["test_accuracy"]
 
 

@@ -18,9 +18,12 @@ The package, one idea a module:
 
 * `neurons`: a layer's units as vectors (incoming weights and bias), moving
   them to their global positions with the next layer's inputs
-  (`apply_assignment`), and which models are supported.
+  (`apply_assignment`), cutting a client's units back out of the global
+  model (`select_units`, FedMA's restart), and which models are supported.
 * `matching`: BBP-MAP, the matching of one layer's neurons across clients
-  (`bbp_map`, `match_client`: the cost and the Hungarian assignment).
+  (`bbp_map`, `match_client`: the cost and the Hungarian assignment), and
+  its settings for every layer (`LayerPrior`: σ per layer, in units of the
+  layer's weight scale; the width cap).
 * `layerwise`: FedMA's Algorithm 1, layer by layer (match, average, move,
   retrain the layers above), and the class-weighted classifier.
 * `one_shot`: `pfnm`, Algorithm 1 without retraining.
@@ -29,7 +32,8 @@ The package, one idea a module:
 * `models`: `fo.models`' MLP and CNN applied for any widths (`matchable`).
 
     model, layers = fo.algorithms.fedma_model(fo.models.mlp_2nn())   # any widths; ("hidden_0", "hidden_1", "output")
-    fedma = fo.algorithms.fedma(model.loss_fn, layers=layers, client_optimizer=optax.sgd(0.05))
+    fedma = fo.algorithms.fedma(model.loss_fn, layers=layers, client_optimizer=optax.sgd(0.05),
+                                num_clients=ds.num_clients)
     state = fedma.init(model.init(key), key)
     state, history = fo.train(fedma, state, ds, rounds,
                               fo.Sampling(clients_per_round=10, local_steps=20, batch_size=20),
@@ -39,10 +43,10 @@ The package, one idea a module:
 """
 
 from fedjax_opt.algorithms.matched_averaging.fedma_rounds import METRICS, FedMAState, MatchedAveraging, fedma
-from fedjax_opt.algorithms.matched_averaging.matching import LayerMatching, bbp_map, match_client
+from fedjax_opt.algorithms.matched_averaging.matching import LayerMatching, LayerPrior, bbp_map, match_client
 from fedjax_opt.algorithms.matched_averaging.models import CNN_LAYERS, emnist_cnn_apply, matchable, mlp_apply
-from fedjax_opt.algorithms.matched_averaging.neurons import apply_assignment
+from fedjax_opt.algorithms.matched_averaging.neurons import apply_assignment, select_units
 from fedjax_opt.algorithms.matched_averaging.one_shot import pfnm
 
-__all__ = ["CNN_LAYERS", "METRICS", "FedMAState", "LayerMatching", "MatchedAveraging", "apply_assignment", "bbp_map",
-           "emnist_cnn_apply", "fedma", "match_client", "matchable", "mlp_apply", "pfnm"]
+__all__ = ["CNN_LAYERS", "METRICS", "FedMAState", "LayerMatching", "LayerPrior", "MatchedAveraging", "apply_assignment",
+           "bbp_map", "emnist_cnn_apply", "fedma", "match_client", "matchable", "mlp_apply", "pfnm", "select_units"]

@@ -4,10 +4,28 @@ Wang, Yurochkin, Sun, Papailiopoulos, Khazaeni. "Federated Learning with
 Matched Averaging." ICLR 2020. arXiv:2002.06440. (FedMA: layer-wise matching,
 each matching followed by local retraining of the layers above, Algorithm 1.)
 
-One FedMA round: every client trains the whole model from the global one,
-then Algorithm 1 (`layerwise.py`) matches layer by layer, each matching
-followed by the clients' retraining of the layers above it. A round is N
+One FedMA round: every client trains the whole model from its start, then
+Algorithm 1 (`layerwise.py`) matches layer by layer, each matching followed
+by the clients' retraining of the layers above it. A round is N
 communications (one per layer).
+
+Where a client starts (the authors' code, `reconstruct_local_net` in
+IBM/FedMA's `main.py`, run before every round's local training). The global
+model is cut back to the client: in each hidden layer the global units its
+own units were matched to in the last matching, in its order (its last
+assignment), and the next layer's input rows likewise (`neurons.select_units`).
+A client therefore keeps its width (the width of the model `init` was given),
+and the global layers, the union of what the clients' units matched, grow
+and shrink with the matching instead of only growing. An assignment indexes
+the global model of the round that made it, so it is used only in the next
+round; a client without one (never sampled, not sampled last round, or left
+out of the last matching) starts from the global units that the most clients
+of the last matching used, as many as its width (ties: the lower index). The
+authors' runs take every client every round, so there every client has one;
+the choice here keeps one width for all clients (one compiled local training)
+and starts a newcomer from the units most clients agree on.
+`client_start="global"` gives every client the whole global model instead
+(the layers then only grow, up to `max_width`).
 
 Why host-driven. The matching runs on the host between layers (one small
 Hungarian problem per layer) and the global layers grow, so neither the
@@ -30,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -39,8 +57,8 @@ import numpy as np
 import optax
 
 from fedjax_opt.algorithms.matched_averaging.layerwise import match_layers
-from fedjax_opt.algorithms.matched_averaging.matching import check_prior
-from fedjax_opt.algorithms.matched_averaging.neurons import check_layers
+from fedjax_opt.algorithms.matched_averaging.matching import LayerPrior
+from fedjax_opt.algorithms.matched_averaging.neurons import check_layers, select_units
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.types import ClientBatches, LossFn, PyTree, materialize
@@ -50,7 +68,9 @@ __all__ = ["METRICS", "FedMAState", "MatchedAveraging", "fedma"]
 
 
 METRICS = ("client_loss", "num_clients", "num_nonfinite", "communication_rounds", "uploaded_floats", "bits_up",
-           "bits_down")
+           "bits_down", "num_restarted")
+
+CLIENT_STARTS = ("assigned", "global")
 
 
 @flax.struct.dataclass
@@ -69,13 +89,22 @@ class FedMAState:
       (32 · uploaded_floats / matched clients: float32 bits per client),
       `bits_down` (32 · the new global model's parameter count: each global
       layer is broadcast once, as it is matched), `widths` (`[N − 1]`
-      global hidden widths).
+      global hidden widths), `num_restarted` (clients that started from
+      their own last assignment).
+    assignments: `{hidden layer: [num_clients, L_n] int32}`: each client's
+      last assignment, the global index of each of its L_n units (L_n: the
+      layer's width in the params given to `init`); −1 before its first.
+    assigned_round: `[num_clients] int32`: the round whose global model a
+      client's assignment indexes (−1: none); it is used while that is
+      `round`, i.e. the client took part in the last matching.
   """
 
   params: PyTree
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
+  assignments: dict[str, jax.Array]
+  assigned_round: jax.Array
 
 
 class MatchedAveraging(NamedTuple):
@@ -84,13 +113,15 @@ class MatchedAveraging(NamedTuple):
   Attributes:
     init: `init(params, key) -> FedMAState`.
     run: `run(state, batches) -> state`: one FedMA round (N communications):
-      every client trains the whole model from `state.params` on its batches,
-      then `match`.
-    match: `match(client_params, batches, seed=0) -> (params, metrics)`:
+      every client trains the whole model from its start (the module
+      docstring) on its batches, then `match`.
+    match: `match(client_params, batches, seed=0) -> (params, info)`:
       Algorithm 1 on given client models (leaves `[J, ...]`, one row per
       client of `batches`; they may start from different initializations):
       for each layer n < N, match, broadcast, retrain layers n+1 … N on the
       batches with layers 1 … n frozen; then the class-weighted classifier.
+      `info["assignments"]`: per hidden layer, per row of `batches`, the
+      row's units' global indices (None for a row left out).
   """
 
   init: Callable[[PyTree, jax.Array], FedMAState]
@@ -112,6 +143,13 @@ def _finite_rows(params: PyTree) -> np.ndarray:
   return np.all(np.concatenate([np.isfinite(a) for a in leaves], axis=1), axis=1)
 
 
+def _popular_units(table: np.ndarray, valid: np.ndarray, width: int, keep: int) -> np.ndarray:
+  """The `keep` global units of `width` used by the most clients of `valid` rows of `table` (ties: lower index)."""
+  used = table[valid].reshape(-1)
+  counts = np.bincount(used[used >= 0], minlength=width)[:width]
+  return np.sort(np.argsort(-counts, kind="stable")[:keep])
+
+
 def _class_counts(data: PyTree, mask: np.ndarray, num_classes: int) -> np.ndarray | None:
   """n_jk from the round's labels `data["y"]` `[J, S, B]` (real slots; a slot drawn twice counts twice)."""
   if not isinstance(data, dict) or "y" not in data:
@@ -127,18 +165,25 @@ def fedma(
     *,
     layers: Sequence[str],
     client_optimizer: optax.GradientTransformation,
-    sigma: float = 1.0,
-    sigma0: float = 1.0,
-    gamma: float = 1.0,
-    mu0: float = 0.0,
+    num_clients: int,
+    sigma: Any = 1.0,
+    sigma0: Any = 1.0,
+    gamma: Any = 1.0,
+    mu0: Any = 0.0,
     iterations: int = 3,
-    max_width: int | None = None,
+    max_width: Any = None,
+    max_growth: float | None = 2.0,
+    prior_scale: str = "layer",
+    client_start: str = "assigned",
+    class_weighted: bool = True,
     client_map: client_map_lib.ClientMap | str | None = None,
 ) -> MatchedAveraging:
   """Federated Matched Averaging (FedMA, Algorithm 1), with communication rounds.
 
-  One round: each client trains all layers from the global model (S masked
-  local steps of `client_optimizer` over its batches), then for n = 1 … N−1:
+  One round: each client trains all layers from its start, the global model
+  cut back to the units it was last matched to (the module docstring; S
+  masked local steps of `client_optimizer` over its batches), then for
+  n = 1 … N−1:
 
       {Π_j} = BBP-MAP({W_{j,n}})                       match layer n (host, Hungarian)
       W_n = mean of the matched neurons                  the global layer n, broadcast
@@ -156,12 +201,26 @@ def fedma(
       `emnist_cnn_apply` with `fo.models.classification_loss`).
     layers: the layer names in forward order, the last one the classifier.
     client_optimizer: ClientOpt, any optax optimizer, fresh for every local training.
+    num_clients: N, the clients `batches.client_id` indexes (each keeps its last assignment).
     sigma: σ (std of a client neuron around its global neuron).
     sigma0: σ₀ (prior std of a global neuron; `math.inf`: flat prior).
     gamma: γ₀ (Beta-Bernoulli mass: the propensity to open new neurons).
     mu0: μ₀ (prior mean).
     iterations: BBP-MAP refinement passes per layer.
-    max_width: None, or a cap on each global layer's width.
+    max_width: None, or a cap on each global layer's width (BBP-MAP opens at most that many units; the
+      authors' code caps every layer at 700).
+      Each of sigma, sigma0, gamma, mu0, max_width: one value for every hidden layer or a sequence of one per
+      hidden layer.
+    max_growth: None, or a cap on each global layer's width relative to the clients' width in that layer
+      (the width of the models matched: in `run`, the width of the params given to `init`); the cap is
+      `int(max_growth · L_j)`, and the smaller one applies when `max_width` is set too. With the default 2.0 a
+      layer is at most twice as wide as the clients' (the upload grows with the widths below each layer).
+    prior_scale: "layer" (default): σ, σ₀, μ₀ in units of each layer's root-mean-square unit coordinate,
+      measured on the clients' units as they are matched (`LayerPrior`), so σ = σ₀ = 1 means the same in every
+      layer and at every weight scale; "absolute": as given (the authors' code, σ = σ₀ = 1 for every layer).
+    client_start: "assigned" (default, the authors' code): each client restarts from the global model cut back
+      to its last assignment, at its own width; "global": every client starts from the whole global model
+      (the layers only grow).
     client_map: how clients are mapped in local training (see `fo.algorithms.fedavg`).
 
   Returns:
@@ -169,10 +228,13 @@ def fedma(
   """
   check_loss_fn(loss_fn)
   check_optimizer(client_optimizer, "client_optimizer")
-  check_prior(sigma, sigma0, gamma)
   check_int(iterations, "iterations", 0)
+  check_int(num_clients, "num_clients")
+  if client_start not in CLIENT_STARTS:
+    raise ValueError(f"client_start must be one of {CLIENT_STARTS}; got {client_start!r}.")
   layers = tuple(layers)
-  prior = dict(sigma=sigma, sigma0=sigma0, gamma=gamma, mu0=mu0, iterations=iterations, max_width=max_width)
+  prior = LayerPrior.make(len(layers) - 1, sigma=sigma, sigma0=sigma0, gamma=gamma, mu0=mu0, max_width=max_width,
+                          max_growth=max_growth, iterations=iterations, scale=prior_scale)
 
   @functools.partial(jax.jit, static_argnames="first")
   def train(params, data, mask, first):
@@ -191,8 +253,34 @@ def fedma(
   def init(params: PyTree, key: jax.Array) -> FedMAState:
     check_layers(params, layers)
     metrics = {name: jnp.zeros((), jnp.float32) for name in METRICS}
-    metrics["widths"] = jnp.asarray([np.shape(params[n]["bias"])[0] for n in layers[:-1]], jnp.int32)
-    return FedMAState(params=params, round=jnp.zeros((), jnp.int32), key=key, metrics=metrics)
+    widths = [np.shape(params[n]["bias"])[0] for n in layers[:-1]]
+    metrics["widths"] = jnp.asarray(widths, jnp.int32)
+    return FedMAState(params=params, round=jnp.zeros((), jnp.int32), key=key, metrics=metrics,
+                      assignments={n: jnp.full((num_clients, w), -1, jnp.int32) for n, w in zip(layers, widths)},
+                      assigned_round=jnp.full((num_clients,), -1, jnp.int32))
+
+  def starts(state: FedMAState, batches: ClientBatches) -> tuple[PyTree, int]:
+    """Each row's start (leaves `[C, ...]`) and how many rows restart from their own last assignment."""
+    num = batches.num_clients
+    if client_start == "global":
+      return jax.tree.map(lambda a: jnp.broadcast_to(a, (num,) + jnp.shape(a)), state.params), 0
+    ids = np.asarray(batches.client_id)
+    real = np.asarray(batches.weight) > 0
+    if np.any(real & ((ids < 0) | (ids >= num_clients))):
+      raise ValueError(f"batches.client_id must index the num_clients = {num_clients} clients; got "
+                       f"{ids[real].min()} … {ids[real].max()}.")
+    hidden = layers[:-1]
+    tables = {n: np.asarray(state.assignments[n]) for n in hidden}
+    current = np.asarray(state.assigned_round) == int(state.round)  # assignments into state.params
+    global_widths = [np.shape(state.params[n]["bias"])[0] for n in hidden]
+    popular = [_popular_units(tables[n], current, w, tables[n].shape[1]) for n, w in zip(hidden, global_widths)]
+    host = jax.tree.map(np.asarray, state.params)
+    rows, restarted = [], 0
+    for k in range(num):
+      own = real[k] and 0 <= ids[k] < num_clients and current[ids[k]]
+      restarted += int(own)
+      rows.append(select_units(host, layers, [tables[n][ids[k]] for n in hidden] if own else popular))
+    return _stack(rows), restarted
 
   def match(client_params: PyTree, batches: ClientBatches, seed: int = 0) -> tuple[PyTree, dict]:
     check_client_batches(batches)
@@ -217,16 +305,21 @@ def fedma(
     clients = _unstack(jax.tree.map(lambda a: np.asarray(a)[rows], client_params), len(rows))
     check_layers(clients[0], layers)
     num_classes = np.shape(clients[0][layers[-1]]["bias"])[0]
-    counts = _class_counts(data, mask[rows], num_classes)
-    params, widths, uploaded, diverged = match_layers(clients, layers, np.asarray(batches.weight)[rows],
-                                                            counts, retrain, seed, **prior)
-    return params, {"num_clients": len(rows) - diverged, "num_nonfinite": num_nonfinite + diverged,
-                    "widths": widths, "uploaded_floats": uploaded, "uploaders": len(rows)}
+    counts = _class_counts(data, mask[rows], num_classes) if class_weighted else None
+    result = match_layers(clients, layers, np.asarray(batches.weight)[rows], counts, retrain, seed, prior)
+    assignments = []
+    for per_client in result.assignments:  # back to the rows of `batches`
+      by_row: list[np.ndarray | None] = [None] * num
+      for row, a in zip(rows, per_client):
+        by_row[row] = a
+      assignments.append(by_row)
+    return result.params, {"num_clients": len(rows) - result.diverged,
+                           "num_nonfinite": num_nonfinite + result.diverged, "widths": result.widths,
+                           "uploaded_floats": result.uploaded, "uploaders": len(rows), "assignments": assignments}
 
   def run(state: FedMAState, batches: ClientBatches) -> FedMAState:
     check_client_batches(batches)
-    num = batches.num_clients
-    start = jax.tree.map(lambda a: jnp.broadcast_to(a, (num,) + jnp.shape(a)), state.params)
+    start, restarted = starts(state, batches)
     trained, losses = train(start, materialize(batches.data), batches.mask, 0)
     weight = np.asarray(batches.weight)
     losses = np.asarray(losses)
@@ -234,15 +327,30 @@ def fedma(
     seed = int(jax.random.randint(jax.random.fold_in(state.key, state.round), (), 0, 2**31 - 1))
     params, info = match(trained, batches, seed=seed)
     metrics = dict(state.metrics)
-    metrics.update(num_nonfinite=jnp.float32(info["num_nonfinite"]), num_clients=jnp.float32(info["num_clients"]))
-    if params is None:  # no finite client: the round is rejected, the model kept
-      return state.replace(round=state.round + 1, metrics=metrics)
+    metrics.update(num_nonfinite=jnp.float32(info["num_nonfinite"]), num_clients=jnp.float32(info["num_clients"]),
+                   num_restarted=jnp.float32(restarted))
+    assigned_round = np.array(state.assigned_round)
+    if params is None:  # no finite client: the round is rejected, the model kept, and so are the assignments into it
+      assigned_round = np.where(assigned_round == int(state.round), int(state.round) + 1, assigned_round)
+      return state.replace(round=state.round + 1, metrics=metrics,
+                           assigned_round=jnp.asarray(assigned_round, jnp.int32))
+    tables = {n: np.array(a) for n, a in state.assignments.items()}
+    if client_start == "assigned":
+      ids = np.asarray(batches.client_id)
+      for k in range(batches.num_clients):
+        mine = [info["assignments"][n][k] for n in range(len(layers) - 1)]
+        if all(a is not None for a in mine):  # matched in every layer: its next start
+          for name, a in zip(layers, mine):
+            tables[name][ids[k]] = a
+          assigned_round[ids[k]] = int(state.round) + 1
     metrics.update(
         client_loss=jnp.float32(np.sum(losses[ok] * weight[ok]) / max(np.sum(weight[ok]), 1e-30)),
         communication_rounds=jnp.float32(len(layers)), uploaded_floats=jnp.float32(info["uploaded_floats"]),
         bits_up=jnp.float32(32 * info["uploaded_floats"] / info["uploaders"]),
         bits_down=jnp.float32(32 * sum(math.prod(np.shape(x)) for x in jax.tree.leaves(params))),
         widths=jnp.asarray(info["widths"], jnp.int32))
-    return state.replace(params=params, round=state.round + 1, metrics=metrics)
+    return state.replace(params=params, round=state.round + 1, metrics=metrics,
+                         assignments={n: jnp.asarray(a, jnp.int32) for n, a in tables.items()},
+                         assigned_round=jnp.asarray(assigned_round, jnp.int32))
 
   return MatchedAveraging(init=init, run=run, match=match)

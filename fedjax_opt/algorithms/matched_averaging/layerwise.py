@@ -29,16 +29,16 @@ layer-wise rule, also for one-shot `pfnm`).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_opt.algorithms.matched_averaging.matching import bbp_map
+from fedjax_opt.algorithms.matched_averaging.matching import LayerPrior, bbp_map
 from fedjax_opt.algorithms.matched_averaging.neurons import apply_assignment, as_neurons, expand_inputs, from_neurons
 
-__all__ = ["match_layers"]
+__all__ = ["Matched", "match_layers"]
 
 
 def _average(vectors: list[np.ndarray], assignments: list[np.ndarray], owned: list[np.ndarray],
@@ -71,28 +71,47 @@ class _Layerwise(NamedTuple):
   owned: list[np.ndarray]
 
 
+class Matched(NamedTuple):
+  """What `match_layers` returns.
+
+  Attributes:
+    params: the global params (jnp arrays), None when every client's retraining diverged.
+    widths: the global hidden widths, one per matched layer.
+    uploaded: the floats the clients uploaded (each layer once per client).
+    diverged: the clients left out after a retraining diverged.
+    assignments: per hidden layer, per client (in the order given) its units' global indices `[L_j,n]`, or None
+      for a client left out before that layer was matched.
+  """
+
+  params: dict | None
+  widths: list[int]
+  uploaded: int
+  diverged: int
+  assignments: list[list[np.ndarray | None]]
+
+
 def match_layers(client_params: list[dict], layers: tuple[str, ...], client_weights: np.ndarray,
                  class_counts: np.ndarray | None,
                  retrain: Callable[[list[dict], int, np.ndarray], list[dict]] | None,
-                 seed: int, **prior: Any) -> tuple[dict | None, list[int], int, int]:
-  """Algorithm 1 of FedMA (PFNM one-shot when `retrain` is None).
+                 seed: int, prior: LayerPrior) -> Matched:
+  """Algorithm 1 of FedMA (PFNM one-shot when `retrain` is None), layer n matched with `prior.for_layer(n, ...)`.
 
   `retrain(params_list, first, rows)` trains layers[first:] of the clients `rows` (indices into
   `client_params`). A client whose retrained model is not finite is left out of every later layer and of the
-  classifier (counted in the last return value); if none is left, the params are None.
-
-  Returns:
-    (global params, the global hidden widths, the floats the clients uploaded: each layer once per client, the
-    clients left out after a retraining diverged).
+  classifier (counted in `diverged`); if none is left, the params are None.
   """
   state = _Layerwise(params=[dict(p) for p in client_params],
                      owned=[np.ones(as_neurons(p[layers[0]]).shape[1]) for p in client_params])
-  widths, uploaded = [], 0
+  widths, uploaded, assignments = [], 0, []
   alive = np.arange(len(client_params))
   for n, name in enumerate(layers[:-1]):
     vectors = [as_neurons(p[name]) for p in state.params]
     uploaded += sum(v.size for v in vectors)
-    matching = bbp_map(vectors, seed=seed + n, **prior)
+    matching = bbp_map(vectors, seed=seed + n, **prior.for_layer(n, vectors))
+    per_client: list[np.ndarray | None] = [None] * len(client_params)
+    for row, a in zip(alive, matching.assignments):
+      per_client[row] = np.asarray(a, np.int64)
+    assignments.append(per_client)
     ones = [np.ones(v.shape[0]) for v in vectors]
     merged = _average(vectors, matching.assignments, state.owned, ones, matching.width)
     dtype = np.asarray(state.params[0][name]["kernel"]).dtype
@@ -112,7 +131,7 @@ def match_layers(client_params: list[dict], layers: tuple[str, ...], client_weig
       finite = np.asarray([all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(p)) for p in trained])
       if not finite.all():  # a client whose retraining diverged leaves the round: it is not matched any further
         if not finite.any():
-          return None, widths, uploaded, len(client_params)
+          return Matched(None, widths, uploaded, len(client_params), assignments)
         trained, alive = [p for p, ok in zip(trained, finite) if ok], alive[finite]
       state = _Layerwise(params=trained, owned=[np.ones_like(o) for o, ok in zip(owned, finite) if ok])
     widths.append(matching.width)
@@ -125,5 +144,5 @@ def match_layers(client_params: list[dict], layers: tuple[str, ...], client_weig
   merged = _average(vectors, identity, state.owned, weights, vectors[0].shape[0])
   out = dict(state.params[0])
   out[name] = from_neurons(merged, np.shape(out[name]["kernel"]), np.asarray(out[name]["kernel"]).dtype)
-  return ({k: jax.tree.map(jnp.asarray, out[k]) for k in layers}, widths, uploaded,
-          len(client_params) - len(alive))
+  return Matched({k: jax.tree.map(jnp.asarray, out[k]) for k in layers}, widths, uploaded,
+                 len(client_params) - len(alive), assignments)

@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["LayerMatching", "bbp_map", "check_prior", "match_client"]
+__all__ = ["LayerMatching", "LayerPrior", "bbp_map", "check_prior", "match_client"]
 
 
 def check_prior(sigma: float, sigma0: float, gamma: float) -> None:
@@ -188,3 +188,81 @@ def bbp_map(neurons: Sequence[np.ndarray], *, sigma: float = 1.0, sigma0: float 
       width = max(width, int(assignments[j].max(initial=-1)) + 1)
   assignments, width = _compact(assignments, skip=-1)
   return LayerMatching(assignments, width)
+
+
+PRIOR_SCALES = ("layer", "absolute")
+
+
+def _per_layer(value: Any, name: str, num_hidden: int) -> tuple:
+  """A value for every hidden layer: a scalar repeated, or a sequence of exactly `num_hidden` values."""
+  if isinstance(value, (list, tuple, np.ndarray)):
+    values = tuple(value.tolist() if isinstance(value, np.ndarray) else value)
+    if len(values) != num_hidden:
+      raise ValueError(f"{name} must be one value for every layer or one per hidden layer ({num_hidden}); "
+                       f"got {len(values)} values.")
+    return values
+  return (value,) * num_hidden
+
+
+class LayerPrior(NamedTuple):
+  """BBP-MAP's settings for every hidden layer of a layer-wise matching (`layerwise.match_layers`).
+
+  Each of `sigma`, `sigma0`, `gamma`, `mu0`, `max_width` holds one value per
+  hidden layer (`LayerPrior.make` accepts a scalar for all). With
+  `scale="layer"`, layer n's σ, σ₀ and μ₀ are in units of r_n, the root mean
+  square coordinate of the clients' units being matched in that layer
+  (r_n² = Σ_jl ‖v_jl‖² / (Σ_j L_j · D_n), read from the data at matching
+  time): the matching then depends on the units' directions and relative
+  distances, not on the layer's weight scale, which differs between layers
+  and changes as training goes on. `scale="absolute"` uses the values as
+  given (the authors' code: σ = σ₀ = 1 in every layer). The width cap of
+  layer n is the smaller of `max_width[n]` and `max_growth` times the widest
+  client's units in that layer (None: that cap off); BBP-MAP never opens
+  fewer units than a client has (`match_client`).
+  """
+
+  sigma: tuple
+  sigma0: tuple
+  gamma: tuple
+  mu0: tuple
+  max_width: tuple
+  max_growth: float | None
+  iterations: int
+  scale: str
+
+  @classmethod
+  def make(cls, num_hidden: int, *, sigma: Any = 1.0, sigma0: Any = 1.0, gamma: Any = 1.0, mu0: Any = 0.0,
+           max_width: Any = None, max_growth: float | None = None, iterations: int = 3,
+           scale: str = "layer") -> "LayerPrior":
+    """Checked settings, each a scalar for every hidden layer or a sequence of one per hidden layer."""
+    if scale not in PRIOR_SCALES:
+      raise ValueError(f"prior_scale must be one of {PRIOR_SCALES}; got {scale!r}.")
+    if max_growth is not None and not (isinstance(max_growth, (int, float, np.floating))
+                                       and not isinstance(max_growth, bool) and math.isfinite(max_growth)
+                                       and max_growth >= 1):
+      raise ValueError(f"max_growth must be None or a finite number >= 1; got {max_growth!r}.")
+    prior = cls(*(_per_layer(v, k, num_hidden) for k, v in (("sigma", sigma), ("sigma0", sigma0), ("gamma", gamma),
+                                                              ("mu0", mu0), ("max_width", max_width))),
+                max_growth=max_growth, iterations=iterations, scale=scale)
+    for s, s0, g, w in zip(prior.sigma, prior.sigma0, prior.gamma, prior.max_width):
+      check_prior(s, s0, g)
+      if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1):
+        raise ValueError(f"max_width must be None or an int >= 1 (for every layer or one per hidden layer); "
+                         f"got {w!r}.")
+    return prior
+
+  def for_layer(self, n: int, neurons: Sequence[np.ndarray]) -> dict[str, Any]:
+    """`bbp_map`'s keyword arguments for hidden layer n, whose clients' units are `neurons` (J arrays `[L_j, D]`).
+
+    The cap is the smaller of `max_width[n]` and `int(max_growth · max_j L_j)` (None: no cap).
+    """
+    unit = 1.0
+    if self.scale == "layer":
+      squares = sum(float(np.sum(np.square(v, dtype=np.float64))) for v in neurons)
+      count = sum(np.size(v) for v in neurons)
+      unit = math.sqrt(squares / count) if count and squares > 0 else 1.0
+    caps = [c for c in (self.max_width[n],
+                        None if self.max_growth is None or not neurons else
+                        int(self.max_growth * max(np.shape(v)[0] for v in neurons))) if c is not None]
+    return dict(sigma=self.sigma[n] * unit, sigma0=self.sigma0[n] * unit, gamma=self.gamma[n],
+                mu0=self.mu0[n] * unit, max_width=min(caps) if caps else None, iterations=self.iterations)

@@ -35,7 +35,8 @@ import numpy as np
 
 from fedjax_opt.core.types import PyTree
 
-__all__ = ["apply_assignment", "as_neurons", "check_layers", "expand_inputs", "from_neurons"]
+__all__ = ["apply_assignment", "as_neurons", "check_layers", "expand_inputs", "from_neurons", "select_inputs",
+           "select_units"]
 
 
 def as_neurons(layer: PyTree) -> np.ndarray:
@@ -80,6 +81,42 @@ def expand_inputs(kernel: np.ndarray, assignment: np.ndarray, width: int) -> np.
   out[tuple(index)] = blocks
   if kernel.ndim == 2:
     return out.reshape(-1, kernel.shape[1])
+  return out
+
+
+def select_inputs(kernel: np.ndarray, chosen: np.ndarray, width: int) -> np.ndarray:
+  """The inverse of `expand_inputs`: the input rows (blocks after a flatten) that read the units `chosen` of `width`."""
+  kernel = np.asarray(kernel)
+  view, axis = _input_axis(kernel, width)
+  picked = np.take(kernel.reshape(view), np.asarray(chosen, np.int64), axis=axis)
+  if kernel.ndim == 2:
+    return picked.reshape(-1, kernel.shape[1])
+  return picked
+
+
+def select_units(params: PyTree, layers: Sequence[str], chosen: Sequence[np.ndarray]) -> dict:
+  """A client's network cut out of a wider global one: FedMA's restart from the global model (the authors' code).
+
+  For each hidden layer n, `chosen[n]` (`[L_j,n]` distinct indices into the
+  global layer's units, in the client's order: its last assignment) picks the
+  layer's units (kernel columns / conv filters and biases) and the next
+  layer's input rows (blocks of rows after a channels-last flatten); the
+  classifier keeps its classes. The inverse of `apply_assignment` for the
+  units the client has: cutting a client out of the model it was moved into
+  gives the client back.
+
+  Returns:
+    A new params dict of host numpy arrays, hidden widths `len(chosen[n])`.
+  """
+  out = {name: {k: np.asarray(v) for k, v in params[name].items()} for name in layers}
+  for n, name in enumerate(layers[:-1]):
+    width = np.shape(out[name]["bias"])[0]
+    pick = np.asarray(chosen[n], np.int64)
+    if len(np.unique(pick)) != len(pick) or pick.min(initial=0) < 0 or pick.max(initial=-1) >= width:
+      raise ValueError(f"the units chosen in layer {name!r} must be distinct indices in [0, {width}); got {pick}.")
+    out[name] = {"kernel": out[name]["kernel"][..., pick], "bias": out[name]["bias"][pick]}
+    above = layers[n + 1]
+    out[above] = dict(out[above], kernel=select_inputs(out[above]["kernel"], pick, width))
   return out
 
 

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from fedjax_opt.algorithms.matched_averaging.layerwise import match_layers
+from fedjax_opt.algorithms.matched_averaging.matching import LayerPrior
 from fedjax_opt.algorithms.matched_averaging.neurons import check_layers
 from fedjax_opt.core.types import PyTree
 from fedjax_opt.core.validation import check_int
@@ -46,8 +47,9 @@ def _check_class_counts(class_counts: Any, num: int, num_classes: int) -> np.nda
   return counts
 
 
-def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float = 1.0, sigma0: float = 1.0,
-         gamma: float = 1.0, mu0: float = 0.0, iterations: int = 3, max_width: int | None = None,
+def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: Any = 1.0, sigma0: Any = 1.0,
+         gamma: Any = 1.0, mu0: Any = 0.0, iterations: int = 3, max_width: Any = None,
+         max_growth: float | None = None, prior_scale: str = "layer",
          client_weights: Sequence[float] | None = None, class_counts: Any = None, seed: int = 0) -> PyTree:
   """One-shot matched averaging (PFNM, with FedMA's layer-wise rule): J trained networks -> one global network.
 
@@ -66,6 +68,12 @@ def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float
     mu0: μ₀ (prior mean).
     iterations: BBP-MAP refinement passes per layer.
     max_width: None, or a cap on each global layer's width.
+    max_growth: None, or a cap on each global layer's width relative to the widest client's layer
+      (`int(max_growth · max_j L_j)`; the smaller cap applies when both are set).
+      Each of sigma, sigma0, gamma, mu0, max_width: one value for every hidden layer or a sequence of one per
+      hidden layer (`LayerPrior`).
+    prior_scale: "layer" (σ, σ₀, μ₀ in units of each layer's root-mean-square unit coordinate, measured on the
+      clients' units) or "absolute" (as given, the authors' code); see `LayerPrior`.
     client_weights: n_j for the classifier average when `class_counts` is None or a class is held
       by no client; default uniform.
     class_counts: None, or `[J, K]` n_jk, client j's examples of class k (any array-like, finite, >= 0): the
@@ -86,6 +94,6 @@ def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: float
   check_int(iterations, "iterations", 0)
   num_classes = int(np.shape(client_params[0][layers[-1]]["bias"])[0])
   class_counts = _check_class_counts(class_counts, num, num_classes)
-  params, _, _, _ = match_layers(client_params, layers, weights, class_counts, None, seed, sigma=sigma, sigma0=sigma0,
-                                 gamma=gamma, mu0=mu0, iterations=iterations, max_width=max_width)
-  return params
+  prior = LayerPrior.make(len(layers) - 1, sigma=sigma, sigma0=sigma0, gamma=gamma, mu0=mu0, max_width=max_width,
+                          max_growth=max_growth, iterations=iterations, scale=prior_scale)
+  return match_layers(client_params, layers, weights, class_counts, None, seed, prior).params
