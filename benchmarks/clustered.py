@@ -42,38 +42,41 @@ out 20 % of its examples as its test split (`fo.data.pack`):
     weights π_t, which end concentrated on one component, mean max_m π_tm in
     the JSON) against the planted groups; reported at the end and the first
     round at which it is exactly 1.
-(b) FedMA against FedAvg (`fedma`, `pfnm`; host-driven). Digits split over
-    N = 10 clients by Dirichlet(0.5) label skew, every client every round,
-    S = 50 SGD steps of B = 20. Three configurations: an MLP 64-32-32-10 at
-    lr 0.5 (the setting of docs/algorithms.md's measurement), the same MLP at
-    lr 0.1, and the EMNIST CNN on 8×8 images
-    (`fo.models.emnist_cnn(10, image_shape=(8, 8))`) at lr 0.1 (tried at 0.5
-    first: from one of the two starts FedAvg stayed at chance accuracy for 8
-    rounds and FedMA's second round raised); --quick runs the first only.
-    The models are applied with `mlp_apply` / `emnist_cnn_apply` so that grown
-    widths work. One FedMA round is L communications (one per layer, L = 3
-    or 4) and uploads each layer once, so R FedMA rounds upload about what R
-    FedAvg rounds do (the exact floats: FedMA's `uploaded_floats` metric,
-    FedAvg's N·P per round); FedAvg is reported after R rounds (the same
-    upload) and after R·L rounds (the same number of communications); R = 3
-    (MLP), 2 (CNN), 1 with --quick.
-    One-shot: every client trains 200 steps (about 28 epochs of its 144
-    examples; 50 with --quick) from one common start, then (i) one
+(b) FedMA against FedAvg (`fedma`, `pfnm`; host-driven), the FedMA paper's
+    headline claim: more accurate at the same upload. Each data set split
+    over N = 10 clients by Dirichlet(0.5) label skew, every client every round
+    (as in the authors' runs), S local SGD steps of B = 20. Configurations
+    (`FEDMA["configs"]`): digits with an MLP 64-32-32-10 at lr 0.1 and at lr
+    0.5, digits with the EMNIST CNN on 8×8 images
+    (`fo.models.emnist_cnn(10, image_shape=(8, 8))`) at lr 0.1, all S = 50;
+    MNIST 5k with the 2NN MLP 784-200-200-10 (S = 50) and the EMNIST CNN on
+    28×28 (1.2M parameters; S = 20, 2 FedMA rounds, to keep the CPU run in
+    minutes) at lr 0.1; 3 FedMA rounds otherwise. The models are applied
+    with `mlp_apply` / `emnist_cnn_apply` so that grown widths work. Methods
+    (`FEDMA["variants"]`): FedMA with its defaults (each client restarts from
+    the global model cut to its last assignment, σ = σ₀ = 1 in each layer's
+    own units, widths capped at twice the clients', Algorithm 1's
+    class-weighted classifier); the same with the n_j-weighted classifier
+    (`class_weighted=False`); and, on digits, FedMA as it was before (every
+    client starts from the grown global model, σ = σ₀ = 1 in absolute units,
+    no cap). One FedMA round is L communications (one per layer, L = 3 or 4)
+    and uploads each layer once per client, with its inputs in the global
+    widths of the layer below (FedMA's `uploaded_floats` metric); FedAvg
+    uploads N·P floats a round. Upload is in MB of float32 (10⁶ bytes). FedAvg
+    is reported after its first round that has uploaded at least as much as
+    FedMA (it never gets less) and after R·L rounds (the same number of
+    communications); FedMA − FedAvg is the mean over seeds of the per-seed
+    differences at the same upload.
+    One shot (digits only): every client trains 200 steps (about 28 epochs of
+    its 144 examples; 50 with --quick) from one common start, then (i) one
     coordinate-wise average of those models (n_k weights), (ii) one
     `fedma.match` of them (layer-wise matching, with its retraining of the
-    layers above on the same batches), (iii) `pfnm` (matching only). This
-    split's clients hold 143-144 train examples each, so (i) is nearly the
-    plain mean; from a common start (iii) opened no unit and stayed within
-    0.01 of (i) in accuracy in every run here (after the 50 steps of --quick
-    it was the plain mean to float rounding). Accuracy is on all clients'
-    test splits. Training at lr 0.5 is chaotic here: a float-rounding
-    difference after one round (e.g. another `client_map` mode) moves
-    FedAvg's accuracy two rounds later by up to 0.1, so (b) runs 3 seeds for
-    the MLPs, 2 for the CNN (1 with --quick), each with its own initial model
-    and batch stream (the split is fixed), and reports the mean and the
-    range. MLP and CNN kernels start N(0, 1/fan_in) (drawn by NumPy), biases
-    0. A FedMA round that raises is recorded (round, error) and ends that
-    seed's FedMA rows; the tables say so.
+    layers above on the same batches), (iii) `pfnm` (matching only). Accuracy
+    is on all clients' test splits (the global model). Three seeds (1 with
+    --quick), each with its own initial model and batch stream (the split is
+    fixed); mean and range. MLP and CNN kernels start N(0, 1/fan_in) (drawn
+    by NumPy), biases 0. A FedMA round that raises is recorded (round, error)
+    and ends that seed's rows of that method; the tables say so.
 (c) FedMD (`fedmd`). 300 digits are drawn out of the pool first as the public
     set D₀ (inputs for the digest; its labels only for the
     `consensus_accuracy` metric); the rest is split over N = 10 clients with
@@ -87,12 +90,15 @@ out 20 % of its examples as its test split (`fo.data.pack`):
     test splits (the ten classes), and the consensus accuracy: argmax of the
     mean score over all clients, on the same test examples.
 
-    python benchmarks/clustered.py            # about 10 minutes on 2 CPU cores
+    python benchmarks/clustered.py            # all three parts
+    python benchmarks/clustered.py --part b   # (b) alone; keeps (a) and (c) of the JSON already there
     python benchmarks/clustered.py --quick    # digits, labels, G = 2, 3 (FedEM: 2), 40 rounds, small (b), (c)
 
-Writes benchmarks/results/clustered.json and docs/img/clustered.png
+Writes benchmarks/results/clustered.json, docs/img/clustered.png and
+docs/img/clustered_fedma.png (part (b): accuracy against MB uploaded)
 (`--quick`: *_quick.*; `--out-dir`, `--img-dir` to choose), and prints the
-tables as Markdown.
+tables as Markdown. The seconds each part took are in the JSON
+(`part_seconds`).
 """
 
 from __future__ import annotations
@@ -115,20 +121,36 @@ import fedjax_opt as fo
 SEED = 0
 CLUSTERED = dict(num_clients=24, local_steps=5, batch_size=20, client_lr=0.1, test_fraction=0.2, select_last=5,
                  eps_1=0.1, eps_2=0.3, max_clusters=6, chunk=10)
-FEDMA = dict(num_clients=10, alpha=0.5, local_steps=50, batch_size=20, hidden=(32, 32),
-             configs={"mlp_lr0.5": ("mlp", 0.5), "mlp_lr0.1": ("mlp", 0.1), "cnn_lr0.1": ("cnn", 0.1)})
+FEDMA = dict(
+    num_clients=10, alpha=0.5, batch_size=20,
+    configs={"digits_mlp": dict(data="digits", model="mlp", hidden=(32, 32), lr=0.1, local_steps=50),
+             "digits_mlp_lr0.5": dict(data="digits", model="mlp", hidden=(32, 32), lr=0.5, local_steps=50),
+             "digits_cnn": dict(data="digits", model="cnn", lr=0.1, local_steps=50),
+             "mnist5k_mlp": dict(data="mnist5k", model="mlp", hidden=(200, 200), lr=0.1, local_steps=50),
+             "mnist5k_cnn": dict(data="mnist5k", model="cnn", lr=0.1, local_steps=20)},
+    variants={"fedma": {}, "fedma_clients": {"class_weighted": False},
+              "fedma_grown": {"client_start": "global", "prior_scale": "absolute", "max_growth": None}})
+VARIANT_LABELS = {"fedma": "FedMA", "fedma_clients": "FedMA, n_j-weighted classifier",
+                  "fedma_grown": "FedMA before (grown global start, absolute σ, no cap)"}
 FEDMD = dict(num_clients=10, public=300, classes_per_client=2, local_steps=8, batch_size=16, client_lr=0.05,
              digest_lr=0.2, digest_steps=20, public_per_round=200, digest_batch_size=50)
 FULL = dict(datasets=("digits", "mnist5k"), variants=("labels", "rotated"), groups=(2, 3, 4), fedem_groups=(2, 3, 4),
-            rounds=100, restarts=5,
-            eval_every=5, fedma_configs=("mlp_lr0.5", "mlp_lr0.1", "cnn_lr0.1"), fedma_rounds={"mlp": 3, "cnn": 2},
-            fedma_seeds={"mlp": (0, 1, 2), "cnn": (0, 1)}, one_shot_steps=200, fedmd_rounds=40,
+            rounds=100, restarts=5, eval_every=5,
+            fedma_configs=("digits_mlp", "digits_mlp_lr0.5", "digits_cnn", "mnist5k_mlp", "mnist5k_cnn"),
+            fedma_rounds={"digits_mlp": 3, "digits_mlp_lr0.5": 3, "digits_cnn": 3, "mnist5k_mlp": 3, "mnist5k_cnn": 2},
+            fedavg_rounds={}, fedma_seeds=(0, 1, 2),
+            fedma_variants={"digits_mlp": ("fedma", "fedma_clients", "fedma_grown"),
+                            "digits_mlp_lr0.5": ("fedma", "fedma_clients", "fedma_grown"),
+                            "digits_cnn": ("fedma", "fedma_clients", "fedma_grown"),
+                            "mnist5k_mlp": ("fedma", "fedma_clients"), "mnist5k_cnn": ("fedma", "fedma_clients")},
+            one_shot_steps={"digits_mlp": 200, "digits_mlp_lr0.5": 200, "digits_cnn": 200}, fedmd_rounds=40,
             fedmd_architectures=("logistic_regression", "mlp_32", "mlp_128x2"))
 QUICK = dict(datasets=("digits",), variants=("labels",), groups=(2, 3), fedem_groups=(2,), rounds=40, restarts=3,
              eval_every=5,
-             fedma_configs=("mlp_lr0.5",), fedma_rounds={"mlp": 1}, fedma_seeds={"mlp": (0,)},
-             one_shot_steps=50, fedmd_rounds=15,
+             fedma_configs=("digits_mlp",), fedma_rounds={"digits_mlp": 1}, fedavg_rounds={}, fedma_seeds=(0,),
+             fedma_variants={"digits_mlp": ("fedma",)}, one_shot_steps={"digits_mlp": 50}, fedmd_rounds=15,
              fedmd_architectures=("logistic_regression", "mlp_32"))
+PARTS = {"a": "clustered", "b": "fedma", "c": "fedmd"}
 METHODS = ("fedavg", "ifca", "cfl", "fedem")
 NUM_CLASSES = 10
 
@@ -351,19 +373,22 @@ def initial_params(model, seed: int):
 # ---- (b) FedMA against FedAvg -------------------------------------------------------------------------------------
 
 
-def _fedma_model(kind: str):
+def _fedma_model(config: dict):
   """(model, its apply for any widths, its layers in forward order): `fo.algorithms.fedma_model`."""
-  if kind == "mlp":
-    model = fo.models.from_flax(fo.models.MLP(64, FEDMA["hidden"], NUM_CLASSES), (64,), name="mlp")
+  side = 8 if config["data"] == "digits" else 28
+  if config["model"] == "mlp":
+    model = fo.models.from_flax(fo.models.MLP(side * side, config["hidden"], NUM_CLASSES), (side * side,),
+                                name="mlp")
   else:
-    model = fo.models.emnist_cnn(NUM_CLASSES, image_shape=(8, 8))
+    model = fo.models.emnist_cnn(NUM_CLASSES, image_shape=(side, side))
   agnostic, layers = fo.algorithms.fedma_model(model)
   return model, agnostic.apply, layers
 
 
 class _FedMATask(NamedTuple):
-  """What every seed of one model shares (compiled once): data, model, loss, FedAvg's step, local training."""
+  """What every seed of one configuration shares (compiled once): data, model, loss, FedAvg's step, training."""
 
+  config: dict
   ds: Any
   model: Any
   apply_fn: Any
@@ -377,74 +402,90 @@ class _FedMATask(NamedTuple):
   optimizer: Any
 
 
-def _fedma_task(config: str) -> _FedMATask:
+def _fedma_task(name: str) -> _FedMATask:
   s = FEDMA
-  kind, lr = s["configs"][config]
-  ds = fo.data.load("digits", partition="dirichlet", alpha=s["alpha"], num_clients=s["num_clients"], seed=SEED,
-                    flatten=kind == "mlp")
-  model, apply_fn, layers = _fedma_model(kind)
+  config = s["configs"][name]
+  ds = fo.data.load(config["data"], partition="dirichlet", alpha=s["alpha"], num_clients=s["num_clients"],
+                    seed=SEED, flatten=config["model"] == "mlp")
+  model, apply_fn, layers = _fedma_model(config)
   loss_fn = fo.models.classification_loss(apply_fn)
   tests = fo.data.unpack(ds, "test")
   test_x = jnp.asarray(np.concatenate([t["x"] for t in tests]))
   test_y = jnp.asarray(np.concatenate([t["y"] for t in tests]))
   hits = jax.jit(lambda p: jnp.mean(jnp.argmax(apply_fn(p, test_x), -1) == test_y))
-  optimizer = optax.sgd(lr)
+  optimizer = optax.sgd(config["lr"])
   fedavg = fo.algorithms.fedavg(loss_fn, client_optimizer=optimizer)
   local = jax.jit(lambda params, data, mask: jax.vmap(lambda d, m: jax.tree.map(
       jnp.add, params, fo.core.local_train(loss_fn, optimizer, params, d, m).delta))(data, mask))
-  sample = jax.jit(lambda d, key, r, steps=s["local_steps"]: fo.data.sample_round(
+  sample = jax.jit(lambda d, key, r, steps=config["local_steps"]: fo.data.sample_round(
       jax.random.fold_in(key, r), d, s["num_clients"], steps, s["batch_size"], client_sampling="all"),
                    static_argnames="steps")
-  return _FedMATask(ds, model, apply_fn, layers, loss_fn, lambda p: float(hits(p)), fedavg, jax.jit(fedavg.step),
-                    local, sample, optimizer)
+  return _FedMATask(config, ds, model, apply_fn, layers, loss_fn, lambda p: float(hits(p)), fedavg,
+                    jax.jit(fedavg.step), local, sample, optimizer)
 
 
-def _fedma_one(task: _FedMATask, seed: int, rounds: int, one_shot_steps: int) -> dict:
-  """FedMA and FedAvg from one start (`initial_params(model, 100 + seed)`) on one stream of rounds (key `seed`)."""
-  s = FEDMA
-  n = s["num_clients"]
+def megabytes(floats: float) -> float:
+  """float32 values as megabytes (10⁶ bytes), the unit of `fedjax-opt run`'s "MB sent"."""
+  return 4.0 * floats / 1e6
+
+
+def _fedma_one(task: _FedMATask, seed: int, rounds: int, fedavg_rounds: int, one_shot_steps: int,
+               variants: dict) -> dict:
+  """FedMA (each variant) and FedAvg from one start (`initial_params(model, 100 + seed)`) on one stream of rounds."""
+  n = FEDMA["num_clients"]
   ds, layers, accuracy, sample = task.ds, task.layers, task.accuracy, task.sample
   params = initial_params(task.model, 100 + seed)
   num_params = fo.models.count_params(params)
   key = jax.random.key(seed)
-  fedma = fo.algorithms.fedma(task.loss_fn, layers=layers, client_optimizer=task.optimizer)
-  state = fedma.init(params, key)
-  ma_rows, uploaded, failure = [], 0.0, None
-  for r in range(rounds):
-    try:
-      state = fedma.run(state, sample(ds, key, r))
-    except ValueError as err:  # see _FAILURE_NOTE
-      failure = {"round": r + 1, "error": f"{type(err).__name__}: {err}"}
-      break
-    uploaded += float(state.metrics["uploaded_floats"])
-    ma_rows.append({"round": r + 1, "communications": (r + 1) * len(layers), "uploaded_floats": uploaded,
-                    "round_uploaded_floats": float(state.metrics["uploaded_floats"]),
-                    "num_nonfinite": int(state.metrics["num_nonfinite"]),
-                    "widths": [int(w) for w in state.metrics["widths"]], "accuracy": accuracy(state.params)})
+  out = {"seed": seed, "num_params": num_params,
+         "initial_widths": [int(np.shape(params[name]["bias"])[0]) for name in layers[:-1]], "fedma": {},
+         "fedma_failure": {}}
+  for variant, options in variants.items():
+    fedma = fo.algorithms.fedma(task.loss_fn, layers=layers, client_optimizer=task.optimizer, num_clients=n,
+                                **options)
+    state = fedma.init(params, key)
+    rows, uploaded, failure = [], 0.0, None
+    for r in range(rounds):
+      start = time.perf_counter()
+      try:
+        state = fedma.run(state, sample(ds, key, r))
+      except ValueError as err:  # see _FAILURE_NOTE
+        failure = {"round": r + 1, "error": f"{type(err).__name__}: {err}"}
+        break
+      uploaded += float(state.metrics["uploaded_floats"])
+      rows.append({"round": r + 1, "communications": (r + 1) * len(layers), "uploaded_floats": uploaded,
+                   "uploaded_mb": megabytes(uploaded), "round_uploaded_floats": float(state.metrics["uploaded_floats"]),
+                   "num_nonfinite": int(state.metrics["num_nonfinite"]),
+                   "num_restarted": int(state.metrics["num_restarted"]),
+                   "widths": [int(w) for w in state.metrics["widths"]], "accuracy": accuracy(state.params),
+                   "seconds": time.perf_counter() - start})
+    out["fedma"][variant], out["fedma_failure"][variant] = rows, failure
   avg_state = task.fedavg.init(params, key)
   avg_rows = []
-  for r in range(rounds * len(layers)):
+  for r in range(fedavg_rounds):
     avg_state = task.fedavg_step(avg_state, sample(ds, key, r))
     avg_rows.append({"round": r + 1, "communications": r + 1, "uploaded_floats": float((r + 1) * n * num_params),
-                     "accuracy": accuracy(avg_state.params)})
-  # One shot: local training from one common start, then one aggregation of the same local models.
-  batches = sample(ds, key, 10_000, steps=one_shot_steps)
-  local = task.local(params, fo.core.materialize(batches.data), batches.mask)
-  weights = np.asarray(batches.weight)
-  averaged = jax.tree.map(lambda a: jnp.tensordot(jnp.asarray(weights / weights.sum(), a.dtype), a, axes=1), local)
-  matched, info = fedma.match(local, batches, seed=seed)
-  clients = [jax.tree.map(lambda a, k=k: a[k], local) for k in range(n)]
-  pfnm = fo.algorithms.pfnm(clients, layers=layers)
-  one_shot = {
-      "local_models": {"accuracy": float(np.mean([accuracy(c) for c in clients])), "uploaded_floats": 0.0},
-      "average": {"accuracy": accuracy(averaged), "uploaded_floats": float(n * num_params), "communications": 1},
-      "fedma_match": {"accuracy": accuracy(matched), "uploaded_floats": float(info["uploaded_floats"]),
-                      "communications": len(layers), "widths": [int(w) for w in info["widths"]]},
-      "pfnm": {"accuracy": accuracy(pfnm), "uploaded_floats": float(n * num_params), "communications": 1,
-               "widths": [int(np.shape(pfnm[name]["bias"])[0]) for name in layers[:-1]]},
-  }
-  return {"seed": seed, "fedma": ma_rows, "fedma_failure": failure, "fedavg": avg_rows, "one_shot": one_shot,
-          "num_params": num_params, "initial_widths": [int(np.shape(params[name]["bias"])[0]) for name in layers[:-1]]}
+                     "uploaded_mb": megabytes((r + 1) * n * num_params), "accuracy": accuracy(avg_state.params)})
+  out["fedavg"] = avg_rows
+  if one_shot_steps:  # local training from one common start, then one aggregation of the same local models
+    batches = sample(ds, key, 10_000, steps=one_shot_steps)
+    local = task.local(params, fo.core.materialize(batches.data), batches.mask)
+    weights = np.asarray(batches.weight)
+    averaged = jax.tree.map(lambda a: jnp.tensordot(jnp.asarray(weights / weights.sum(), a.dtype), a, axes=1),
+                            local)
+    fedma = fo.algorithms.fedma(task.loss_fn, layers=layers, client_optimizer=task.optimizer, num_clients=n)
+    matched, info = fedma.match(local, batches, seed=seed)
+    clients = [jax.tree.map(lambda a, k=k: a[k], local) for k in range(n)]
+    pfnm = fo.algorithms.pfnm(clients, layers=layers)
+    out["one_shot"] = {
+        "local_models": {"accuracy": float(np.mean([accuracy(c) for c in clients])), "uploaded_floats": 0.0},
+        "average": {"accuracy": accuracy(averaged), "uploaded_floats": float(n * num_params), "communications": 1},
+        "fedma_match": {"accuracy": accuracy(matched), "uploaded_floats": float(info["uploaded_floats"]),
+                        "communications": len(layers), "widths": [int(w) for w in info["widths"]]},
+        "pfnm": {"accuracy": accuracy(pfnm), "uploaded_floats": float(n * num_params), "communications": 1,
+                 "widths": [int(np.shape(pfnm[name]["bias"])[0]) for name in layers[:-1]]},
+    }
+  return out
 
 
 _FAILURE_NOTE = (
@@ -459,36 +500,48 @@ def _spread(values: list[float]) -> dict | None:
           "count": len(values)}
 
 
+def fedavg_at_upload(rows: list[dict], floats: float) -> dict | None:
+  """FedAvg's first round that has uploaded at least `floats` (it never gets less than FedMA); None if none has."""
+  return next((row for row in rows if row["uploaded_floats"] >= floats * (1 - 1e-9)), None)
+
+
 def run_fedma(settings: dict, log) -> dict:
   out = {}
-  for config in settings["fedma_configs"]:
+  for name in settings["fedma_configs"]:
     start = time.perf_counter()
-    kind, lr = FEDMA["configs"][config]
-    task = _fedma_task(config)
-    layers = task.layers
-    rounds = settings["fedma_rounds"][kind]
-    runs = [_fedma_one(task, seed, rounds, settings["one_shot_steps"]) for seed in settings["fedma_seeds"][kind]]
-    done = [r for r in runs if r["fedma_failure"] is None]
-    summary = {
-        "fedma": _spread([r["fedma"][-1]["accuracy"] for r in done]),
-        "fedma_uploaded_floats": _spread([r["fedma"][-1]["uploaded_floats"] for r in done]),
-        "fedma_failed_seeds": [r["seed"] for r in runs if r["fedma_failure"] is not None],
-        "fedavg_same_upload": _spread([r["fedavg"][rounds - 1]["accuracy"] for r in runs]),
-        "fedavg_same_communications": _spread([r["fedavg"][-1]["accuracy"] for r in runs]),
-        "one_shot": {w: _spread([r["one_shot"][w]["accuracy"] for r in runs]) for w in runs[0]["one_shot"]},
-    }
-    out[config] = {"model": kind, "client_lr": lr, "num_params": runs[0]["num_params"], "layers": list(layers),
-                   "initial_widths": runs[0]["initial_widths"], "fedma_rounds": rounds,
-                   "fedavg_rounds": rounds * len(layers), "runs": runs, "summary": summary,
-                   "seconds": time.perf_counter() - start}
-    if summary["fedma_failed_seeds"]:
-      out[config]["failure_note"] = _FAILURE_NOTE
-    fedma_mean = "–" if summary["fedma"] is None else f"{summary['fedma']['mean']:.3f}"
-    log(f"  (b) {config}: FedMA {fedma_mean} (failed seeds {summary['fedma_failed_seeds']}), FedAvg same upload "
-        f"{summary['fedavg_same_upload']['mean']:.3f}, same communications "
-        f"{summary['fedavg_same_communications']['mean']:.3f}; one shot: average "
-        f"{summary['one_shot']['average']['mean']:.3f}, match {summary['one_shot']['fedma_match']['mean']:.3f}, pfnm "
-        f"{summary['one_shot']['pfnm']['mean']:.3f}  ({len(runs)} seeds, {out[config]['seconds']:5.1f} s)")
+    task = _fedma_task(name)
+    config = task.config
+    rounds, seeds = settings["fedma_rounds"][name], settings["fedma_seeds"]
+    fedavg_rounds = settings["fedavg_rounds"].get(name, rounds * len(task.layers))
+    variants = {v: FEDMA["variants"][v] for v in settings["fedma_variants"][name]}
+    runs = [_fedma_one(task, seed, rounds, fedavg_rounds, settings["one_shot_steps"].get(name, 0), variants)
+            for seed in seeds]
+    summary = {"fedavg_same_communications": _spread([r["fedavg"][min(rounds * len(task.layers), fedavg_rounds) - 1]
+                                                      ["accuracy"] for r in runs])}
+    for variant in variants:
+      done = [r for r in runs if r["fedma_failure"][variant] is None]
+      same = [fedavg_at_upload(r["fedavg"], r["fedma"][variant][-1]["uploaded_floats"]) for r in done]
+      summary[variant] = {
+          "fedma": _spread([r["fedma"][variant][-1]["accuracy"] for r in done]),
+          "uploaded_mb": _spread([r["fedma"][variant][-1]["uploaded_mb"] for r in done]),
+          "failed_seeds": [r["seed"] for r in runs if r["fedma_failure"][variant] is not None],
+          "fedavg_same_upload": _spread([row["accuracy"] for row in same if row is not None]),
+          "fedavg_same_upload_rounds": [None if row is None else row["round"] for row in same],
+          "fedma_minus_fedavg": _spread([r["fedma"][variant][-1]["accuracy"] - row["accuracy"]
+                                         for r, row in zip(done, same) if row is not None]),
+      }
+    if runs[0].get("one_shot"):
+      summary["one_shot"] = {w: _spread([r["one_shot"][w]["accuracy"] for r in runs]) for w in runs[0]["one_shot"]}
+    out[name] = {**config, "hidden": list(config.get("hidden", ())), "num_params": runs[0]["num_params"],
+                 "layers": list(task.layers), "initial_widths": runs[0]["initial_widths"], "fedma_rounds": rounds,
+                 "fedavg_rounds": fedavg_rounds, "variants": {v: FEDMA["variants"][v] for v in variants},
+                 "runs": runs, "summary": summary, "seconds": time.perf_counter() - start}
+    main_variant = next(iter(variants))
+    head = summary[main_variant]
+    log(f"  (b) {name}: FedMA {_fmt(head['fedma'] and head['fedma']['mean'])} at "
+        f"{_fmt(head['uploaded_mb'] and head['uploaded_mb']['mean'], '.2f')} MB, FedAvg same upload "
+        f"{_fmt(head['fedavg_same_upload'] and head['fedavg_same_upload']['mean'])}, same communications "
+        f"{summary['fedavg_same_communications']['mean']:.3f} ({len(runs)} seeds, {out[name]['seconds']:5.1f} s)")
   return out
 
 
@@ -563,6 +616,67 @@ def _fmt(value, spec=".3f", none="–"):
   return none if value is None else format(value, spec)
 
 
+def _spread_text(v: dict | None, spec: str = ".3f") -> str:
+  return "–" if v is None else f"{v['mean']:{spec}} [{v['min']:{spec}}, {v['max']:{spec}}]"
+
+
+def fedma_tables(result: dict) -> list[str]:
+  """Part (b)'s Markdown: FedMA against FedAvg at the same upload, and the one-shot aggregations."""
+  st, lines = result["settings"], []
+  lines.append(f"(b) FedMA against FedAvg, Dirichlet({FEDMA['alpha']}), N = {FEDMA['num_clients']} clients (all per "
+               f"round), S local SGD steps of B = {FEDMA['batch_size']}: test accuracy (mean over seeds [min, max]) "
+               "after R FedMA rounds (R·L communications), and FedAvg's after its first round that has uploaded at "
+               "least as many MB (all clients, float32); FedMA − FedAvg is the mean of the per-seed differences")
+  lines.append("")
+  lines.append("| data, model (P), lr, S | method | seeds | rounds | MB uploaded | accuracy | FedMA − FedAvg | "
+               "hidden widths |")
+  lines.append("|---|---|---|---|---|---|---|---|")
+  failures = []
+  for name, res in result["fedma"].items():
+    runs, summary = res["runs"], res["summary"]
+    title = (f"{res['data']}, {res['model']} (P = {res['num_params']:,}), lr {res['lr']}, S = {res['local_steps']}")
+    for variant in res["variants"]:
+      v = summary[variant]
+      done = [run for run in runs if run["fedma_failure"][variant] is None]
+      widths = " ".join(str(run["fedma"][variant][-1]["widths"]) for run in done)
+      seeds = f"{len(done)} of {len(runs)}" if len(done) < len(runs) else str(len(runs))
+      lines.append(f"| {title} | {VARIANT_LABELS[variant]} | {seeds} | {res['fedma_rounds']} | "
+                   f"{_spread_text(v['uploaded_mb'], '.2f')} | {_spread_text(v['fedma'])} | "
+                   f"{_spread_text(v['fedma_minus_fedavg'], '+.3f')} | {widths} |")
+      lines.append(f"| {title} | FedAvg, same upload as {VARIANT_LABELS[variant]} | {len(runs)} | "
+                   f"{' / '.join(str(r) for r in v['fedavg_same_upload_rounds'])} | | "
+                   f"{_spread_text(v['fedavg_same_upload'])} | | {res['initial_widths']} |")
+      failures += [f"{name} {variant}, seed {run['seed']}: round {run['fedma_failure'][variant]['round']}, "
+                   f"{run['fedma_failure'][variant]['error']}" for run in runs
+                   if run["fedma_failure"][variant] is not None]
+    same = min(res["fedma_rounds"] * len(res["layers"]), res["fedavg_rounds"])
+    lines.append(f"| {title} | FedAvg, R·L rounds (the same communications) | {len(runs)} | {same} | "
+                 f"{runs[0]['fedavg'][same - 1]['uploaded_mb']:.2f} | "
+                 f"{_spread_text(summary['fedavg_same_communications'])} | | {res['initial_widths']} |")
+  if failures:
+    lines.append("")
+    lines.append("FedMA failed (" + "; ".join(failures) + "): " + _FAILURE_NOTE)
+  with_one_shot = {name: res for name, res in result["fedma"].items() if "one_shot" in res["summary"]}
+  if with_one_shot:
+    lines.append("")
+    lines.append("(b') One shot: every client trains from one common start, then one aggregation of those models "
+                 "(accuracy: mean over seeds, [min, max])")
+    lines.append("")
+    lines.append("| configuration | local steps | aggregation | communications | MB uploaded | accuracy | "
+                 "hidden widths |")
+    lines.append("|---|---|---|---|---|---|---|")
+    labels = {"local_models": "none (mean of the local models' accuracies)", "average": "coordinate-wise average",
+              "fedma_match": "fedma.match (with retraining)", "pfnm": "pfnm (matching only)"}
+    for name, res in with_one_shot.items():
+      for what, row in res["runs"][0]["one_shot"].items():
+        widths = " ".join(str(run["one_shot"][what]["widths"]) for run in res["runs"]) if "widths" in row else (
+            str(res["initial_widths"]) if what == "average" else "–")
+        lines.append(f"| {name} | {st['one_shot_steps'][name]} | {labels[what]} | {row.get('communications', 0)} | "
+                     f"{megabytes(row['uploaded_floats']):.2f} | {_spread_text(res['summary']['one_shot'][what])} | "
+                     f"{widths} |")
+  return lines
+
+
 def tables(result: dict) -> str:
   lines = []
   st = result["settings"]
@@ -583,46 +697,7 @@ def tables(result: dict) -> str:
                        f"{_fmt(res.get('ari'), '.2f')} | "
                        f"{res.get('num_clusters', 1)} | {_fmt(res.get('first_exact_round'), 'd')} | {restarts} |")
   lines.append("")
-  lines.append(f"(b) FedMA against FedAvg, digits, Dirichlet({FEDMA['alpha']}), N = {FEDMA['num_clients']} (all per "
-               f"round), S = {FEDMA['local_steps']} local SGD steps of B = {FEDMA['batch_size']} (lr in the model "
-               f"column): "
-               f"test accuracy (mean over seeds, [min, max]), communication rounds and floats uploaded (all clients)")
-  lines.append("")
-  lines.append("| model | method | seeds | rounds | communications | floats uploaded | accuracy | hidden widths |")
-  lines.append("|---|---|---|---|---|---|---|---|")
-  spread = lambda v: "–" if v is None else f"{v['mean']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
-  failures = []
-  for kind, res in result["fedma"].items():
-    r, runs, summary = res["fedma_rounds"], res["runs"], res["summary"]
-    done = [run for run in runs if run["fedma_failure"] is None]
-    widths = " ".join(str(run["fedma"][-1]["widths"]) for run in done)
-    seeds = f"{len(done)} of {len(runs)}" if len(done) < len(runs) else str(len(runs))
-    upload = "–" if not done else f"{summary['fedma_uploaded_floats']['mean']:,.0f}"
-    lines.append(f"| {kind} (P = {res['num_params']:,}) | FedMA | {seeds} | {r} | {r * len(res['layers'])} | "
-                 f"{upload} | {spread(summary['fedma'])} | {widths} |")
-    failures += [f"{kind}, seed {run['seed']}: round {run['fedma_failure']['round']}, "
-                 f"{run['fedma_failure']['error']}" for run in runs if run["fedma_failure"] is not None]
-    for row, what, key in ((runs[0]["fedavg"][r - 1], "same upload", "fedavg_same_upload"),
-                           (runs[0]["fedavg"][-1], "same communications", "fedavg_same_communications")):
-      lines.append(f"| {kind} | FedAvg ({what}) | {len(runs)} | {row['round']} | {row['communications']} | "
-                   f"{row['uploaded_floats']:,.0f} | {spread(summary[key])} | {res['initial_widths']} |")
-  if failures:
-    lines.append("")
-    lines.append("FedMA failed (" + "; ".join(failures) + "): " + _FAILURE_NOTE)
-  lines.append("")
-  lines.append(f"(b') One shot: every client trains {st['one_shot_steps']} steps from one common start, then one "
-               "aggregation of those models (accuracy: mean over seeds, [min, max])")
-  lines.append("")
-  lines.append("| model | aggregation | communications | floats uploaded | accuracy | hidden widths |")
-  lines.append("|---|---|---|---|---|---|")
-  labels = {"local_models": "none (mean of the local models' accuracies)", "average": "coordinate-wise average",
-            "fedma_match": "fedma.match (with retraining)", "pfnm": "pfnm (matching only)"}
-  for kind, res in result["fedma"].items():
-    for what, row in res["runs"][0]["one_shot"].items():
-      widths = " ".join(str(run["one_shot"][what]["widths"]) for run in res["runs"]) if "widths" in row else (
-          str(res["initial_widths"]) if what == "average" else "–")
-      lines.append(f"| {kind} | {labels[what]} | {row.get('communications', 0)} | {row['uploaded_floats']:,.0f} | "
-                   f"{spread(res['summary']['one_shot'][what])} | {widths} |")
+  lines.extend(fedma_tables(result))
   lines.append("")
   md = result["fedmd"]
   lines.append(f"(c) FedMD, digits, {FEDMD['public']} public examples, N = {FEDMD['num_clients']} clients with "
@@ -687,22 +762,7 @@ def plot(result: dict, path: str) -> None:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   ax = rest[1]
-  for i, (kind, res) in enumerate(result["fedma"].items()):
-    for j, run in enumerate(res["runs"]):
-      first = j == 0
-      ax.plot([r["uploaded_floats"] for r in run["fedavg"]], [r["accuracy"] for r in run["fedavg"]], "-", marker=".",
-              color=f"C{2 * i}", alpha=0.8, label=f"FedAvg, {kind}" if first else None)
-      ax.plot([r["uploaded_floats"] for r in run["fedma"]], [r["accuracy"] for r in run["fedma"]], "--", marker="s",
-              color=f"C{2 * i + 1}", alpha=0.8, label=f"FedMA, {kind}" if first else None)
-  ax.set_xscale("log")
-  ax.set_ylim(0, 1)
-  ax.set_xlabel("floats uploaded (all clients, cumulative)")
-  ax.set_ylabel("test accuracy")
-  ax.set_title("(b) FedMA vs FedAvg, digits Dirichlet(0.5), each seed", fontsize=10)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  ax = rest[2]
-  kinds = list(result["fedma"])
+  kinds = [k for k, res in result["fedma"].items() if "one_shot" in res["summary"]]
   what = ["local_models", "average", "fedma_match", "pfnm"]
   width = 0.8 / len(kinds)
   for i, kind in enumerate(kinds):
@@ -718,7 +778,7 @@ def plot(result: dict, path: str) -> None:
   ax.set_title("(b) one shot from a common start (bars: seed range)", fontsize=10)
   ax.grid(alpha=0.3, axis="y")
   ax.legend(fontsize=8)
-  ax = rest[3]
+  ax = rest[2]
   md = result["fedmd"]
   names = md["architectures"] + ["consensus"]
   for i, label in enumerate(("local", "fedmd")):
@@ -732,9 +792,53 @@ def plot(result: dict, path: str) -> None:
   ax.set_title(f"(c) FedMD, {FEDMD['classes_per_client']} classes per client", fontsize=10)
   ax.grid(alpha=0.3, axis="y")
   ax.legend(fontsize=8)
-  for ax in rest[4:]:
+  for ax in rest[3:]:
     ax.axis("off")
   fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def plot_fedma(result: dict, path: str) -> None:
+  """Part (b): test accuracy against MB uploaded, one panel per configuration (mean over seeds, bars: range)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  configs = list(result["fedma"])
+  fig, axes = plt.subplots(1, len(configs), figsize=(4.4 * len(configs), 4.0), squeeze=False)
+  styles = {"fedma": ("tab:red", "s", "--"), "fedma_clients": ("tab:purple", "D", ":"),
+            "fedma_grown": ("tab:brown", "v", "-.")}
+  for ax, name in zip(axes[0], configs):
+    res = result["fedma"][name]
+    rows = np.array([[r["accuracy"] for r in run["fedavg"]] for run in res["runs"]])
+    mb = [r["uploaded_mb"] for r in res["runs"][0]["fedavg"]]
+    ax.plot(mb, rows.mean(0), "-", marker="o", mfc="white", color="tab:gray", label="FedAvg (mean)")
+    ax.fill_between(mb, rows.min(0), rows.max(0), color="tab:gray", alpha=0.2)
+    for variant in res["variants"]:
+      done = [run["fedma"][variant] for run in res["runs"] if run["fedma_failure"][variant] is None]
+      if not done:
+        continue
+      length = min(len(rows_) for rows_ in done)
+      acc = np.array([[r["accuracy"] for r in rows_[:length]] for rows_ in done])
+      x = np.array([[r["uploaded_mb"] for r in rows_[:length]] for rows_ in done]).mean(0)
+      color, marker, line = styles[variant]
+      ax.errorbar(x, acc.mean(0), yerr=[acc.mean(0) - acc.min(0), acc.max(0) - acc.mean(0)], color=color,
+                  marker=marker, mfc="white", linestyle=line, capsize=3, label=VARIANT_LABELS[variant])
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("MB uploaded (all clients, cumulative)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"{res['data']}, {res['model']}, lr {res['lr']}, S = {res['local_steps']}", fontsize=10)
+    ax.grid(alpha=0.3)
+  handles, labels = axes[0][0].get_legend_handles_labels()
+  seen = dict(zip(labels, handles))
+  for ax in axes[0][1:]:
+    for h, lab in zip(*ax.get_legend_handles_labels()):
+      seen.setdefault(lab, h)
+  fig.legend(list(seen.values()), list(seen.keys()), loc="lower center", ncol=min(len(seen), 4), fontsize=9)
+  fig.suptitle(f"(b) FedMA against FedAvg, Dirichlet({FEDMA['alpha']}), {FEDMA['num_clients']} clients, all per "
+               f"round\n(mean over seeds, bars and band: range)", fontsize=10)
+  fig.tight_layout(rect=(0, 0.1, 1, 0.92))
   fig.savefig(path, dpi=100)
   plt.close(fig)
 
@@ -742,32 +846,44 @@ def plot(result: dict, path: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="digits, labels, G = 2 and 3, 40 rounds; small (b), (c)")
+  parser.add_argument("--part", choices=("all", *PARTS), default="all",
+                      help="run one part (a, b or c) and keep the other parts' results of the JSON already there")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   parser.add_argument("--out-dir", default=os.path.join(root, "benchmarks", "results"))
-  parser.add_argument("--img-dir", default=os.path.join(root, "docs", "img"), help="where the PNG goes")
+  parser.add_argument("--img-dir", default=os.path.join(root, "docs", "img"), help="where the PNGs go")
   args = parser.parse_args(argv)
   settings = dict(QUICK if args.quick else FULL)
   log = lambda line: print(line, flush=True)
-  start = time.perf_counter()
-  result: dict[str, Any] = {
-      "settings": {**settings, "clustered": CLUSTERED, "fedma": FEDMA, "fedmd": FEDMD, "seed": SEED,
-                   "quick": args.quick, "jax": jax.__version__, "backend": jax.default_backend(),
-                   "machine": platform.machine(), "cpu_count": os.cpu_count()},
-  }
-  result["clustered"] = run_clustered(settings, log)
-  result["fedma"] = run_fedma(settings, log)
-  result["fedmd"] = run_fedmd(settings, log)
-  result["seconds"] = time.perf_counter() - start
   suffix = "_quick" if args.quick else ""
+  path = os.path.join(args.out_dir, f"clustered{suffix}.json")
+  parts = list(PARTS) if args.part == "all" else [args.part]
+  result: dict[str, Any] = {}
+  if args.part != "all":
+    if not os.path.exists(path):
+      parser.error(f"--part {args.part} keeps the other parts of {path}, which does not exist: run all parts first")
+    with open(path, encoding="utf-8") as f:
+      result = json.load(f)
+  result["settings"] = {**settings, "clustered": CLUSTERED, "fedma": FEDMA, "fedmd": FEDMD, "seed": SEED,
+                        "quick": args.quick, "jax": jax.__version__, "backend": jax.default_backend(),
+                        "machine": platform.machine(), "cpu_count": os.cpu_count()}
+  runners = {"a": run_clustered, "b": run_fedma, "c": run_fedmd}
+  seconds = result.setdefault("part_seconds", {})
+  for part in parts:
+    start = time.perf_counter()
+    result[PARTS[part]] = runners[part](settings, log)
+    seconds[part] = time.perf_counter() - start
+  result["seconds"] = sum(seconds.values())
   os.makedirs(args.out_dir, exist_ok=True)
   os.makedirs(args.img_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, f"clustered{suffix}.json")
   with open(path, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1, allow_nan=False)
   png = os.path.join(args.img_dir, f"clustered{suffix}.png")
+  fedma_png = os.path.join(args.img_dir, f"clustered_fedma{suffix}.png")
   plot(result, png)
+  plot_fedma(result, fedma_png)
   print(tables(result))
-  print(f"wrote {path} and {png} ({result['seconds']:.0f} s)")
+  print(f"wrote {path}, {png} and {fedma_png} (parts {', '.join(parts)}: "
+        f"{sum(seconds[p] for p in parts):.0f} s)")
   return result
 
 

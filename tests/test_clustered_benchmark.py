@@ -48,8 +48,9 @@ def _cases(result):
 
 def test_writes_the_json_and_the_figure(quick):
   _, out_dir, result = quick
-  assert sorted(os.listdir(out_dir)) == ["clustered_quick.json", "clustered_quick.png"]
+  assert sorted(os.listdir(out_dir)) == ["clustered_fedma_quick.png", "clustered_quick.json", "clustered_quick.png"]
   assert (out_dir / "clustered_quick.png").stat().st_size > 10_000
+  assert (out_dir / "clustered_fedma_quick.png").stat().st_size > 10_000
   assert result["settings"]["quick"] and result["settings"]["jax"]
   cases = list(_cases(result))
   assert [(n, v, g) for n, v, g, _ in cases] == [("digits", "labels", 2), ("digits", "labels", 3)]
@@ -124,25 +125,33 @@ def test_fedmd_beats_local_training_and_its_consensus_is_a_good_classifier(quick
 
 
 def test_fedma_uploads_are_its_layer_sizes_and_fedavg_uploads_n_times_p(quick):
-  assert list(quick[2]["fedma"]) == ["mlp_lr0.5"]
-  res = quick[2]["fedma"]["mlp_lr0.5"]
+  assert list(quick[2]["fedma"]) == ["digits_mlp"]
+  res = quick[2]["fedma"]["digits_mlp"]
+  assert list(res["variants"]) == ["fedma"]
   n = quick[2]["settings"]["fedma"]["num_clients"]
   dims = [64] + res["initial_widths"] + [10]
   assert res["num_params"] == sum((a + 1) * b for a, b in itertools.pairwise(dims))
   for run in res["runs"]:
-    before, total = res["initial_widths"], 0.0
-    assert run["fedma_failure"] is None and len(run["fedma"]) == res["fedma_rounds"]
-    for row in run["fedma"]:
-      # every client uploads each layer once: its own units (the widths it trained) over the matched inputs below
+    total, rows = 0.0, run["fedma"]["fedma"]
+    assert run["fedma_failure"]["fedma"] is None and len(rows) == res["fedma_rounds"]
+    for row in rows:
+      # every client keeps its width (it restarts from its cut of the global model) and uploads each layer once:
+      # its own units over the matched global inputs below
+      assert all(w0 <= w <= 2 * w0 for w, w0 in zip(row["widths"], res["initial_widths"]))  # max_growth = 2
       inputs = [64] + row["widths"]
-      units = before + [10]
+      units = res["initial_widths"] + [10]
       expected = n * sum((i + 1) * u for i, u in zip(inputs, units))
       assert row["round_uploaded_floats"] == expected
       total += expected
       assert row["uploaded_floats"] == total and row["communications"] == row["round"] * len(res["layers"])
-      before = row["widths"]
+      assert row["uploaded_mb"] == pytest.approx(4 * total / 1e6)
     for row in run["fedavg"]:
       assert row["uploaded_floats"] == row["round"] * n * res["num_params"]
+    # FedAvg "at the same upload" is its first round that has uploaded at least as much as FedMA
+    same = next(r for r in run["fedavg"] if r["uploaded_floats"] >= rows[-1]["uploaded_floats"])
+    assert res["summary"]["fedma"]["fedavg_same_upload_rounds"] == [same["round"]]
+    assert res["summary"]["fedma"]["fedma_minus_fedavg"]["mean"] == pytest.approx(
+        rows[-1]["accuracy"] - same["accuracy"])
     one = run["one_shot"]
     # from a common start the units stay at their own indices: pfnm is the plain mean, the average of equal clients
     assert abs(one["pfnm"]["accuracy"] - one["average"]["accuracy"]) <= 0.01
