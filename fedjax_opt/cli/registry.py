@@ -829,7 +829,8 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       # ---- matched averaging (host-driven) --------------------------------------------------------------------
       "fedma": lambda a: Spec(
           "matched", "match hidden units layer by layer (BBP-MAP, Hungarian), average, retrain the layers "
-          "above (Wang et al. 2020); widths grow", a.fedma,
+          "above; each client restarts from its matched units (Wang et al. 2020); widths follow the matching",
+          a.fedma,
           {"client_lr": CLIENT_LR, "sigma": 1.0, "sigma0": 1.0, "gamma": 1.0, "iterations": 3},
           _fedma_wire, communication="metrics", eval_model=_fedma_model, train_model=_fedma_model),
       # ---- asynchronous (--async) ------------------------------------------------------------------------------
