@@ -109,10 +109,11 @@ def test_permuted_copies_are_matched_back_to_the_network_and_coordinate_averagin
 @pytest.fixture(scope="module")
 def frozen():
   """FedMA without local training (lr 0) on the MLP 6-5-4-3, layers at most as wide as the clients', no refinement
-  passes: one set of compiled programs (3 clients of widths 5, 4) for the tests that use it."""
+  passes, the classifier averaged with the clients' weights: one set of compiled programs (3 clients of widths
+  5, 4) for the tests that use it."""
   return fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
                              client_optimizer=optax.sgd(0.0), num_clients=4, client_map="vmap", iterations=0,
-                             max_growth=1.0)
+                             max_growth=1.0, class_weighted=False)
 
 
 def test_fedma_match_without_training_returns_permuted_copies_as_one_network(frozen):
@@ -160,6 +161,22 @@ def test_the_classifier_is_the_class_weighted_average_of_the_clients_classifiers
     np.testing.assert_allclose(np.asarray(got["output"][leaf]), expected, atol=1e-6, rtol=0)
   np.testing.assert_allclose(np.asarray(got["output"]["kernel"][:, 0]), stacked["kernel"][0, :, 0], atol=1e-6)
   np.testing.assert_allclose(np.asarray(got["output"]["kernel"][:, 2]), stacked["kernel"][2, :, 2], atol=1e-6)
+
+
+def test_without_class_weights_fedma_averages_the_classifier_with_the_clients_weights(frozen):
+  """`class_weighted=False`: W_N = Σ_j n_j W_{j,N} / Σ_j n_j (FedAvg's weights), whatever the round's labels;
+  NumPy in the network's own unit order (the hidden layers, permuted copies, come back exactly)."""
+  _, base = _mlp(seed=3)
+  rng = np.random.default_rng(5)
+  heads = [_random_params({"output": (4, 3)}, seed=40 + j)["output"] for j in range(3)]
+  clients = [_permuted(dict(base, output=head), MLP_LAYERS, rng) for head in heads]
+  weights = np.array([2.0, 5.0, 9.0])
+  batches = _batches(rng, num_clients=3, input_dim=6, classes=3).replace(weight=jnp.asarray(weights, jnp.float32))
+  matched, _ = frozen.match(jax.tree.map(lambda *a: np.stack(a), *clients), batches)
+  got = _unpermute(matched, base, MLP_LAYERS)
+  for leaf in ("kernel", "bias"):
+    expected = sum(w * np.asarray(h[leaf], np.float64) for w, h in zip(weights, heads)) / weights.sum()
+    np.testing.assert_allclose(np.asarray(got["output"][leaf]), expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("counts, message", [
@@ -461,11 +478,13 @@ def test_select_units_is_the_authors_client_restart_and_undoes_moving_a_client_i
 
 
 def test_a_fedma_round_restarts_each_client_from_the_global_model_cut_to_its_last_assignment(frozen):
-  """A state whose global model (widths 8, 7) was matched from clients 0, 1, 2 of widths 5, 4 (their assignments in
-  the state). The round takes clients 2, 0 and 3 with local training off (lr 0; no refinement passes), so it is the
-  matching of its starts: clients 2 and 0 start from the global model cut to their assignments (the NumPy
-  transcription of the authors' restart), client 3 (never matched) from the 5 and 4 global units the most clients
-  used (ties: the lower index). Starting everyone from the whole global model (before) matches other models."""
+  """A state after round 1 whose global model (widths 8, 7) was matched from clients 0 and 2 of widths 5, 4 (their
+  assignments in the state); client 1's assignment is from round 0 (stale: it indexes another global model),
+  client 3 was never matched. The round takes clients 2, 1 and 3 with local training off (lr 0; no refinement
+  passes), so it is the matching of its starts: client 2 starts from the global model cut to its assignment (the
+  NumPy transcription of the authors' restart), clients 1 and 3 from the 5 and 4 global units that clients 0 and
+  2 used most (ties: the lower index). Starting everyone from the whole global model (before) matches other
+  models."""
   _, wide = _mlp(hidden=(8, 7), seed=12)
   _, params = _mlp()
   rng = np.random.default_rng(11)
@@ -473,27 +492,28 @@ def test_a_fedma_round_restarts_each_client_from_the_global_model_cut_to_its_las
             "hidden_1": np.stack([rng.permutation(7)[:4] for _ in range(3)] + [np.full(4, -1)])}
   state = frozen.init(params, jax.random.key(0))
   assert {n: a.shape for n, a in state.assignments.items()} == {"hidden_0": (4, 5), "hidden_1": (4, 4)}
-  state = state.replace(params=jax.tree.map(jnp.asarray, wide),
+  state = state.replace(params=jax.tree.map(jnp.asarray, wide), round=jnp.ones((), jnp.int32),
                         assignments={n: jnp.asarray(a, jnp.int32) for n, a in tables.items()},
-                        assigned_round=jnp.asarray([0, 0, 0, -1], jnp.int32))
-  batches = _batches(rng, num_clients=3, input_dim=6, classes=3).replace(client_id=jnp.asarray([2, 0, 3], jnp.int32))
+                        assigned_round=jnp.asarray([1, 0, 1, -1], jnp.int32))
+  batches = _batches(rng, num_clients=3, input_dim=6, classes=3).replace(client_id=jnp.asarray([2, 1, 3], jnp.int32))
   popular = []
   for name, width in (("hidden_0", 8), ("hidden_1", 7)):
     counts = np.zeros(width, int)
-    for j in range(3):
+    for j in (0, 2):  # the clients of the last matching
       for i in tables[name][j]:
         counts[i] += 1
     order = sorted(range(width), key=lambda i: (-counts[i], i))
     popular.append(sorted(order[:tables[name].shape[1]]))
-  starts = [_restart_reference(wide, MLP_LAYERS, [tables["hidden_0"][j], tables["hidden_1"][j]]) for j in (2, 0)]
-  starts.append(_restart_reference(wide, MLP_LAYERS, popular))
+  starts = [_restart_reference(wide, MLP_LAYERS, [tables["hidden_0"][2], tables["hidden_1"][2]])]
+  starts += [_restart_reference(wide, MLP_LAYERS, popular)] * 2
   expected, info = frozen.match(jax.tree.map(lambda *a: np.stack(a).astype(np.float32), *starts), batches)
   after = frozen.run(state, batches)
   _assert_same_params(after.params, expected, atol=0)
-  assert float(after.metrics["num_restarted"]) == 2
-  np.testing.assert_array_equal(after.assigned_round, [1, 0, 1, 1])  # client 1 keeps its stale assignment
+  assert float(after.metrics["num_restarted"]) == 1
+  np.testing.assert_array_equal(after.assigned_round, [1, 2, 2, 2])  # client 0 keeps its own, stale from now on
+  np.testing.assert_array_equal(after.assignments["hidden_0"][0], tables["hidden_0"][0])
   for n, name in enumerate(MLP_LAYERS[:-1]):  # the new assignments of the round's clients, in their rows' order
-    for row, client in enumerate((2, 0, 3)):
+    for row, client in enumerate((2, 1, 3)):
       np.testing.assert_array_equal(after.assignments[name][client], info["assignments"][n][row])
 
 
