@@ -532,7 +532,20 @@ class _PoisonedTake:
 
   def __call__(self, source: PyTree, refs: tuple[PyTree, jax.Array]) -> PyTree:
     inner, rows = refs
-    clean = self.take(source, inner)
+    return self._attacked(self.take(source, inner), rows)
+
+  @property
+  def has_local_split(self) -> bool:
+    """Whether the clean data gives the clients' train splits (then they are poisoned as the rounds are)."""
+    return bool(getattr(self.take, "has_local_split", False))
+
+  def local_split(self, source: PyTree, refs: tuple[PyTree, jax.Array]) -> tuple[PyTree, jax.Array]:
+    """The clients' whole train splits, the attackers' poisoned by `data_attack` like their rounds."""
+    inner, rows = refs
+    data, mask = self.take.local_split(source, inner)
+    return self._attacked(data, rows), mask
+
+  def _attacked(self, clean: PyTree, rows: jax.Array) -> PyTree:
     if rows.ndim == 0:  # one client
       one = self.data_attack.apply(jax.tree.map(lambda a: a[None], clean), rows[None])
       return jax.tree.map(lambda a: a[0], one)

@@ -51,10 +51,13 @@ EXAMPLES = {
     "ifca": lambda **kw: fo.algorithms.ifca(loss_fn, num_clusters=2, num_clients=N, client_optimizer=_sgd(), **kw),
     "clustered_fl": lambda **kw: fo.algorithms.clustered_fl(loss_fn, eps_1=10.0, eps_2=0.0, max_clusters=3,
                                                             num_clients=N, client_optimizer=_sgd(), **kw),
-    "fedem": lambda **kw: fo.algorithms.fedem(loss_fn, num_components=2, num_clients=N, client_optimizer=_sgd(), **kw),
+    # e_step="round": under the default "auto", deferred data from a packed dataset gives FedEM each client's
+    # whole train split, more than the eager batches hold (tests/test_fedem.py checks that path).
+    "fedem": lambda **kw: fo.algorithms.fedem(loss_fn, num_components=2, num_clients=N, client_optimizer=_sgd(),
+                                              e_step="round", **kw),
     "d_fedem": lambda **kw: fo.algorithms.d_fedem(loss_fn, num_components=2,
                                                   graph=fo.graphs.metropolis_hastings(fo.graphs.ring(N)),
-                                                  client_optimizer=_sgd(), **kw),
+                                                  client_optimizer=_sgd(), e_step="round", **kw),
     "fedmd": lambda **kw: fo.algorithms.fedmd(
         loss_fn, apply_fn=lambda p, x: (x @ p["w"] + p["b"])[:, None], num_clients=N,
         public_data={"x": jnp.asarray(np.linspace(-1, 1, 4 * D).reshape(4, D), jnp.float32)}, public_per_round=4,

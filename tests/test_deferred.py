@@ -16,7 +16,11 @@
 * a loop round really gathers inside the loop: its compiled memory does not
   grow with C, while the same round on eager data grows by the
   `[C, S, B, D]` batch;
-* data poisoning stays deferred and poisons the same rows.
+* data poisoning stays deferred and poisons the same rows;
+* the sampler's data also gives each client's whole train split
+  (`with_local_split`, what FedEM's E-step reads): every train example in
+  stored order, no test example, the all-zero slot past n_k, the attackers'
+  split poisoned; hand-built arrays and token windows are refused in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import pytest
 from algorithm_examples import loss_fn
 
 import fedjax_opt as fo
-from fedjax_opt.core import DeferredData, materialize
+from fedjax_opt.core import DeferredData, has_local_split, materialize, with_local_split
 from fedjax_opt.data.sampling import sample_round
 
 
@@ -95,6 +99,46 @@ def test_deferred_data_is_no_dict():
     DeferredData(lazy.source, lazy.refs, type("Unhashable", (), {"__call__": lambda *a: a, "__hash__": None})())
   with pytest.raises(TypeError, match="take must be callable"):
     DeferredData(lazy.source, lazy.refs, 3)
+
+
+def test_with_local_split_gives_every_train_example_of_each_sampled_client_and_no_test_example():
+  rng = np.random.default_rng(5)
+  sizes = [3, 17, 1, 9, 12]
+  train = [{"x": rng.normal(size=(n, 4)).astype(np.float32), "y": rng.integers(0, 3, n)} for n in sizes]
+  test = [{"x": rng.normal(size=(2, 4)).astype(np.float32) + 50.0, "y": rng.integers(0, 3, 2)} for _ in sizes]
+  dataset = fo.data.pack(train, test_clients=test)
+  lazy = sample_round(jax.random.key(2), dataset, 3, 2, 4, deferred=True)
+  assert has_local_split(lazy.data) and not has_local_split(materialize(lazy.data))
+  both = materialize(with_local_split(lazy.data))
+  _assert_trees_equal(both["round"], materialize(lazy.data))
+  (local, mask), ids = both["local"], np.asarray(lazy.client_id)
+  assert mask.shape == (3, 1, max(sizes)) and local["x"].shape == (3, 1, max(sizes), 4)
+  for c, k in enumerate(ids):
+    np.testing.assert_array_equal(np.asarray(mask)[c, 0], np.arange(max(sizes)) < sizes[k])
+    np.testing.assert_array_equal(np.asarray(local["x"])[c, 0, :sizes[k]], train[k]["x"])
+    np.testing.assert_array_equal(np.asarray(local["y"])[c, 0, :sizes[k]], train[k]["y"])
+    assert not np.any(np.asarray(local["x"])[c, 0, sizes[k]:])  # the zero slot, never a test example
+  # One client's refs give that client's split (what a client loop gathers).
+  one = with_local_split(lazy.data).take(lazy.data.source, jax.tree.map(lambda r: r[1], lazy.data.refs))
+  _assert_trees_equal(one["local"], jax.tree.map(lambda a: a[1], both["local"]))
+  # Poisoned deferred data poisons the attackers' splits as it does their rounds.
+  flip = fo.attacks.label_flip(3)
+  seen = []
+  poisoned = fo.attacks.poison(fo.FederatedAlgorithm(lambda p, k: p, lambda s, b: seen.append(b) or s), flip,
+                               attackers=[int(ids[0])])
+  poisoned.step(None, lazy)
+  (bad, bad_mask), = [materialize(with_local_split(seen[0].data))["local"]]
+  k = int(ids[0])
+  np.testing.assert_array_equal(np.asarray(bad["y"])[0, 0, :sizes[k]], 2 - train[k]["y"])
+  np.testing.assert_array_equal(np.asarray(bad["y"])[1:], np.asarray(local["y"])[1:])
+  np.testing.assert_array_equal(bad_mask, mask)
+  with pytest.raises(ValueError, match="does not hold the clients' train splits"):
+    with_local_split(materialize(lazy.data))
+  streams = [rng.integers(0, 7, n).astype(np.uint8) for n in (40, 25)]
+  windows = sample_round(jax.random.key(0), fo.data.pack_sequences(streams, 6), 2, 1, 2, deferred=True)
+  assert not has_local_split(windows.data)
+  with pytest.raises(ValueError, match="does not hold the clients' train splits"):
+    with_local_split(windows.data)
 
 
 def test_deferred_token_windows_are_the_gathered_windows():

@@ -119,6 +119,53 @@ def test_one_round_is_the_numpy_transcription_of_algorithm_1():
   np.testing.assert_allclose(np.asarray(new.mixture_weights).sum(1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("client_map", ["vmap", "sequential"])
+def test_the_e_step_reads_every_train_example_of_a_sampled_client(client_map):
+  """Algorithm 1's π over all n_t train examples (not the round's slots), from `sample_round(deferred=True)`."""
+  rng = np.random.default_rng(11)
+  m, s, b, eta = 2, 2, 3, 0.3
+  sizes = [14, 4, 9, 20, 7]  # most larger than the round's S·B = 6 slots
+  comps = [{"w": rng.normal(size=(D, K)), "b": rng.normal(size=K) * 0.3} for _ in range(m)]
+  train = [{"x": rng.normal(size=(n, D)).astype(np.float32), "y": rng.integers(0, K, n)} for n in sizes]
+  test = [{"x": rng.normal(size=(3, D)).astype(np.float32), "y": rng.integers(0, K, 3)} for _ in sizes]
+  dataset = fo.data.pack(train, test_clients=test)
+  table = rng.dirichlet(np.ones(m), size=len(sizes))
+  batches = fo.data.sample_round(jax.random.key(4), dataset, 3, s, b, deferred=True)
+  start = {"components": _stack(comps), "weights": jnp.full((m,), 0.5)}
+
+  def one_round(e_step, data):
+    algo = fo.algorithms.fedem(ce_loss, num_components=m, num_clients=len(sizes), client_optimizer=optax.sgd(eta),
+                               e_step=e_step, client_map=client_map)
+    state = algo.init(start, jax.random.key(0)).replace(mixture_weights=jnp.asarray(table, jnp.float32))
+    return jax.jit(algo.step)(state, batches.replace(data=data))
+
+  new = one_round("auto", batches.data)
+  eager = fo.core.materialize(batches.data)
+  x, y = np.asarray(eager["x"], np.float64), np.asarray(eager["y"])
+  ids, mask, weight = np.asarray(batches.client_id), np.asarray(batches.mask), np.asarray(batches.weight)
+  deltas, want, slots_pi = [], table.copy(), table.copy()
+  for c, t in enumerate(ids):
+    delta, slots_pi[t] = np_client_step(comps, table[t], x[c], y[c], mask[c], eta)
+    deltas.append(delta)
+    want[t] = np_estep(comps, table[t], train[t]["x"].astype(np.float64), train[t]["y"]).mean(0)
+  share = weight / weight.sum()
+  for j in range(m):
+    w = comps[j]["w"] + sum(share[c] * deltas[c][j][0] for c in range(len(ids)))
+    np.testing.assert_allclose(new.params["components"]["w"][j], w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(new.mixture_weights, want, rtol=1e-5, atol=1e-6)
+  assert np.abs(want[ids] - slots_pi[ids]).max() > 0.01  # the round's slots alone give another π
+  local = one_round("local", batches.data)
+  np.testing.assert_allclose(local.mixture_weights, new.mixture_weights, rtol=1e-6, atol=1e-7)
+  # The minibatch form: on the same deferred data, and what "auto" does with hand-built arrays.
+  for form in (one_round("round", batches.data), one_round("auto", eager)):
+    np.testing.assert_allclose(form.mixture_weights, slots_pi, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(form.params["components"]["w"], new.params["components"]["w"], rtol=1e-6)
+  with pytest.raises(ValueError, match="fedem: e_step='local' reads every client's train split"):
+    one_round("local", eager)
+  with pytest.raises(ValueError, match="e_step must be one of"):
+    fo.algorithms.fedem(ce_loss, num_components=m, num_clients=5, client_optimizer=optax.sgd(eta), e_step="all")
+
+
 def test_one_component_is_fedavg():
   rng = np.random.default_rng(2)
   _, x, y, _ = _random_problem(rng, 1, 4, 3, 5)
@@ -269,6 +316,31 @@ def test_d_fedem_round_on_a_ring_is_the_numpy_transcription():
   one = fo.personalized_params(new, 3)
   np.testing.assert_allclose(one["weights"], new_pis[3], rtol=1e-5)
   assert float(new.metrics["bytes_sent"]) == 2 * m * (D * K + K) * 4  # two neighbours, M components each
+
+
+def test_d_fedem_e_step_reads_every_train_example_of_each_node():
+  rng = np.random.default_rng(12)
+  m, sizes = 2, [10, 3, 8, 12]
+  comps = [{"w": rng.normal(size=(D, K)), "b": rng.normal(size=K) * 0.3} for _ in range(m)]
+  train = [{"x": rng.normal(size=(n, D)).astype(np.float32), "y": rng.integers(0, K, n)} for n in sizes]
+  dataset = fo.data.pack(train)
+  batches = fo.data.sample_round(jax.random.key(1), dataset, 4, 1, 2, client_sampling="all", deferred=True)
+  pis = rng.dirichlet(np.ones(m), size=4)
+  for e_step, local in (("auto", True), ("round", False)):
+    algo = fo.algorithms.d_fedem(ce_loss, num_components=m, graph=fo.graphs.ring(4),
+                                 client_optimizer=optax.sgd(0.1), e_step=e_step)
+    state = algo.init({"components": _stack(comps), "weights": jnp.full((m,), 0.5)}, jax.random.key(0))
+    state = state.replace(local_params={**state.local_params, "weights": jnp.asarray(pis, jnp.float32)})
+    new = jax.jit(algo.step)(state, batches)
+    eager = fo.core.materialize(batches.data)
+    for t in range(4):
+      if local:
+        x, y = train[t]["x"], train[t]["y"]
+      else:
+        keep = np.asarray(batches.mask)[t]
+        x, y = np.asarray(eager["x"])[t][keep], np.asarray(eager["y"])[t][keep]
+      want = np_estep(comps, pis[t], x.astype(np.float64), y).mean(0)
+      np.testing.assert_allclose(new.local_params["weights"][t], want, rtol=1e-5, atol=1e-6)
 
 
 def test_d_fedem_on_the_complete_uniform_graph_is_fedem():

@@ -515,6 +515,15 @@ def test_a_fedma_round_restarts_each_client_from_the_global_model_cut_to_its_las
   for n, name in enumerate(MLP_LAYERS[:-1]):  # the new assignments of the round's clients, in their rows' order
     for row, client in enumerate((2, 1, 3)):
       np.testing.assert_array_equal(after.assignments[name][client], info["assignments"][n][row])
+  # client_start="global": every client starts from the whole global model, and no assignment is stored.
+  whole = fo.algorithms.fedma(fo.models.classification_loss(ma.mlp_apply), layers=MLP_LAYERS,
+                              client_optimizer=optax.sgd(0.0), num_clients=4, client_map="vmap", iterations=0,
+                              max_growth=1.0, class_weighted=False, client_start="global")
+  expected, _ = whole.match(jax.tree.map(lambda a: np.stack([a] * 3).astype(np.float32), wide), batches)
+  after = whole.run(state, batches)
+  _assert_same_params(after.params, expected, atol=0)
+  assert float(after.metrics["num_restarted"]) == 0
+  np.testing.assert_array_equal(after.assigned_round, state.assigned_round)
 
 
 # ---- end to end --------------------------------------------------------------------------------------------------

@@ -11,17 +11,29 @@ e.g. softmax cross-entropy), and client t predicts with its own mixture
 
     p_t(y | x) = Σ_m π_tm p_θm(y | x).
 
-Round k (Algorithm 1 of the paper, with the round's S·B examples of a sampled
-client standing for its data):
+Round k (Algorithm 1 of the paper):
 
-    E-step (client t, each of its examples s_i):
+    E-step (client t, each of its n_t train examples s_i):
         q_t(z_i = m) = π_tm exp(−ℓ(θ_m; s_i)) / Σ_m' π_tm' exp(−ℓ(θ_m'; s_i))
     M-step (client t):
-        π_tm ← (1/n_t) Σ_i q_t(z_i = m)
+        π_tm ← (1/n_t) Σ_{i ≤ n_t} q_t(z_i = m)
         θ_m^t ← LocalSolver(θ_m; Σ_i q_t(z_i = m) ℓ(·; s_i)/n_t),  for every m
-                 (S masked steps of the client optimizer on the q-weighted loss, from θ_m)
+                 (S masked steps of the client optimizer on the q-weighted loss of the round's
+                 mini-batches, from θ_m; each slot's example weighted by its own q)
     server:
         θ_m ← θ_m + ServerOpt(−Σ_t w_t (θ_m^t − θ_m) / Σ_t w_t),  w_t = n_t  (every m at once)
+
+Which examples the E-step reads (`e_step`): "local", all n_t train examples
+of the client, as Algorithm 1 and the authors' code do; the round's program
+then reads them from the packed dataset (the round's data must be the
+`DeferredData` of `sample_round(..., deferred=True)`, which `fo.train` and
+the command line pass). "round": the round's S·B slots stand for the
+client's data (π is the mean of q over the slots' real examples; past a
+partial epoch an example the round repeats counts twice). "auto" (the
+default): "local" when the round's data holds the train splits
+(`core.types.has_local_split`), "round" otherwise, e.g. for `[C, S, B, ...]`
+arrays built by hand. Both compute q with the round's starting θ and π, so
+the local training's weights are the same in both; only the new π differs.
 
 With one component (M = 1), q ≡ 1, π ≡ 1 and the round is FedAvg's exactly.
 The E-step is computed in log space (a softmax of log π_tm − ℓ(θ_m; s_i) over
@@ -57,6 +69,7 @@ receives from its neighbours (the π_t never leave their node).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -73,13 +86,26 @@ from fedjax_opt.core.local import LocalResult, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
 from fedjax_opt.core.server import apply_server_update, client_is_finite
 from fedjax_opt.core.tree import select_rows
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
-from fedjax_opt.core.validation import (check_client_batches, check_full_participation, check_int, check_key,
-                                        check_loss_fn, check_num_clients, check_optimizer, check_positive)
+from fedjax_opt.core.types import (ClientBatches, FederatedAlgorithm, LossFn, PyTree, has_local_split, materialize,
+                                   with_local_split)
+from fedjax_opt.core.validation import (check_choice, check_client_batches, check_full_participation, check_int,
+                                        check_key, check_loss_fn, check_num_clients, check_optimizer, check_positive)
 
 __all__ = ["DFedEMState", "FedEMState", "client_params", "d_fedem", "fedem", "mixture_model", "responsibilities"]
 
 _WEIGHT_KEY = "__fedem_q"
+E_STEPS = ("auto", "local", "round")
+
+
+def _round_data(name: str, e_step: str, data: Any) -> tuple[Any, bool]:
+  """The round's data for the client step and whether its E-step reads the train splits (`e_step`)."""
+  if e_step == "round" or (e_step == "auto" and not has_local_split(data)):
+    return data, False
+  if not has_local_split(data):
+    raise ValueError(f"{name}: e_step='local' reads every client's train split, so the round's data must be "
+                     "sample_round(..., deferred=True)'s DeferredData over plain examples (fo.train passes it); "
+                     "got data that does not hold the splits. Use e_step='round' for hand-built batches.")
+  return with_local_split(data), True
 
 
 @flax.struct.dataclass
@@ -163,13 +189,22 @@ def client_params(state: FedEMState, client_id: Any) -> PyTree:
 
 
 def _client_em(loss_fn: LossFn, optimizer: optax.GradientTransformation, components: PyTree, data: PyTree,
-               mask: jax.Array, pi: jax.Array) -> tuple[LocalResult, jax.Array]:
+               mask: jax.Array, pi: jax.Array, local: bool = False) -> tuple[LocalResult, jax.Array]:
   """One client's E-step, π update and q-weighted local training of every component from θ.
 
+  With `local`, `data` is `with_local_split`'s `{"round": ..., "local": (train data, train mask)}` and the
+  new π is the mean of q over the client's train split; otherwise over the round's real slots.
+
   Returns `(LocalResult, new π)`: the result's delta is stacked `[M, ...]`, its loss the mixture's
-  −log p(y | x) with the old π, its counts those of the (shared) data.
+  −log p(y | x) with the old π over the round's slots, its counts those of the (shared) data.
   """
-  q, new_pi, nll = _em_step(loss_fn, components, pi, data, mask)
+  if local:
+    local_data, local_mask = data["local"]
+    data = data["round"]
+    new_pi = _em_step(loss_fn, components, pi, local_data, local_mask)[1]
+    q, _, nll = _em_step(loss_fn, components, pi, data, mask)
+  else:
+    q, new_pi, nll = _em_step(loss_fn, components, pi, data, mask)
 
   def weighted_loss(params, batch):
     rest = {k: v for k, v in batch.items() if k != _WEIGHT_KEY}
@@ -207,6 +242,7 @@ def fedem(
     server_optimizer: optax.GradientTransformation | None = None,
     init_noise: Any = 1.0,
     em_iterations: int = 10,
+    e_step: str = "auto",
     aggregator: aggregators_lib.Aggregator | None = None,
     client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
@@ -225,6 +261,8 @@ def fedem(
       from the key, so the components differ (EM cannot separate identical components). Pass params
       already in FedEM's form ({"components": [M, ...], "weights": [M]}) to start from given components.
     em_iterations: EM iterations of `personalize` (π of a client from its data, components fixed).
+    e_step: which examples give the new π (module docstring): "local" (all n_t train examples, Algorithm 1;
+      needs the round's data deferred), "round" (the round's slots) or "auto" ("local" when the data allows).
     aggregator: default `aggregators.weighted_mean()` (w_t = n_t, the paper's average).
     client_map: how clients are mapped (`fedjax_opt.core.client_map`).
 
@@ -238,13 +276,14 @@ def fedem(
   check_optimizer(client_optimizer, "client_optimizer")
   check_positive(init_noise, "init_noise", allow_zero=True)
   em_iterations = check_int(em_iterations, "em_iterations", 1)
+  e_step = check_choice(e_step, "e_step", E_STEPS)
   server_optimizer = optax.sgd(1.0) if server_optimizer is None else server_optimizer
   check_optimizer(server_optimizer, "server_optimizer")
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
   mode = client_map_lib.resolve(client_map)
 
-  def client_update(components, data, mask, pi):
-    result, new_pi = _client_em(loss_fn, client_optimizer, components, data, mask, pi)
+  def client_update(local, components, data, mask, pi):
+    result, new_pi = _client_em(loss_fn, client_optimizer, components, data, mask, pi, local)
     return ClientOutput(result, rows=(new_pi,))
 
   def init(params: PyTree, key: jax.Array) -> FedEMState:
@@ -260,7 +299,9 @@ def fedem(
     check_client_batches(batches)
     key, agg_key = jax.random.split(state.key)
     components = state.params["components"]
-    out = client_round(mode, client_update, components, batches, tables=(state.mixture_weights,),
+    data, local = _round_data("fedem", e_step, batches.data)
+    out = client_round(mode, functools.partial(client_update, local), components, batches.replace(data=data),
+                       tables=(state.mixture_weights,),
                        aggregator=aggregator, aggregator_state=state.aggregator_state, key=agg_key)
     new_components, server_opt_state = apply_server_update(
         server_optimizer, components, state.server_opt_state, out.agg.update, out.agg.accepted)
@@ -322,6 +363,7 @@ def d_fedem(
     graph: Any,
     client_optimizer: optax.GradientTransformation,
     init_noise: Any = 1.0,
+    e_step: str = "auto",
     client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """D-FedEM (Marfoq et al. 2021, the fully decentralized variant): FedEM's client step, then gossip.
@@ -344,6 +386,7 @@ def d_fedem(
       matrix `[N, N]` / sequence `[T, N, N]`, as in `gossip`.
     client_optimizer: every component's local solver (S masked steps).
     init_noise: as in `fedem` (every node starts from the same M components).
+    e_step: as in `fedem`: "local" (a node's new π from all its train examples), "round" or "auto".
     client_map: how the nodes' steps are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
@@ -354,13 +397,14 @@ def d_fedem(
   m = check_int(num_components, "num_components", 1)
   check_optimizer(client_optimizer, "client_optimizer")
   check_positive(init_noise, "init_noise", allow_zero=True)
+  e_step = check_choice(e_step, "e_step", E_STEPS)
   mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
   mode = client_map_lib.resolve(client_map)
 
-  def node_update(_, node):
+  def node_update(local, _, node):
     data, mask, comps, pi = node
-    result, new_pi = _client_em(loss_fn, client_optimizer, comps, data, mask, pi)
+    result, new_pi = _client_em(loss_fn, client_optimizer, comps, data, mask, pi, local)
     return result.delta, new_pi, result.loss, result.num_examples
 
   def summary(table):
@@ -385,8 +429,9 @@ def d_fedem(
                        f"C = N = {n} (row i = node i); got C = {batches.num_clients}.")
     check_full_participation(batches, n, ordered=True)
     comps, weights = state.local_params["components"], state.local_params["weights"]
+    data, local = _round_data("d_fedem", e_step, batches.data)
     delta, new_pi, loss, count = client_map_lib.map_clients(
-        mode, node_update, None, (materialize(batches.data), batches.mask, comps, weights))
+        mode, functools.partial(node_update, local), None, (materialize(data), batches.mask, comps, weights))
     ok = client_is_finite(delta) & client_is_finite(new_pi) & jnp.isfinite(loss)
     rows = lambda new, old: select_rows(ok, new, old)  # noqa: E731
     delta = rows(delta, jax.tree.map(jnp.zeros_like, delta))

@@ -18,7 +18,7 @@ __getattr__, __dir__, __all__ = _lazy.attach(
     submodules=("asynchrony", "client_map", "clusters", "per_client", "validation"),
     names={
         ".types": ("Aggregator", "ClientBatches", "ClientStage", "DeferredData", "FederatedAlgorithm", "LossFn",
-                   "PyTree", "ServerState", "StagedState", "materialize"),
+                   "PyTree", "ServerState", "StagedState", "has_local_split", "materialize", "with_local_split"),
         ".client_map": ("map_clients",),
         ".local": ("LocalResult", "as_single_step", "local_train", "masked_mean_loss"),
         ".server": ("Aggregated", "aggregate_updates", "apply_server_update", "check_aggregator",
@@ -38,4 +38,5 @@ if TYPE_CHECKING:
                                       initial_round_metrics, round_metrics)
   from fedjax_opt.core.tree import global_norm, select_tree
   from fedjax_opt.core.types import (Aggregator, ClientBatches, ClientStage, DeferredData, FederatedAlgorithm, LossFn,
-                                     PyTree, ServerState, StagedState, materialize)
+                                     PyTree, ServerState, StagedState, has_local_split, materialize,
+                                     with_local_split)

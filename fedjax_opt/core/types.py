@@ -41,13 +41,14 @@ with its per-client rows in the aggregator's state (`StagedState`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Protocol
 
 import flax.struct
 import jax
 
 __all__ = ["Aggregator", "ClientBatches", "ClientStage", "DeferredData", "FederatedAlgorithm", "LossFn", "PyTree",
-           "ServerState", "StagedState", "StreamingSum", "materialize"]
+           "ServerState", "StagedState", "StreamingSum", "has_local_split", "materialize", "with_local_split"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -73,6 +74,12 @@ class DeferredData:
   hashable and equal from one round to the next: a module-level function or
   a frozen dataclass (`fedjax_opt.data.sampling` and `fedjax_opt.attacks`
   use one), not a lambda or `functools.partial` made anew each round.
+
+  Optionally, `take` also gives each client's whole train split: a `take`
+  with `has_local_split` True has `take.local_split(source, refs) ->
+  (data [..., 1, n, ...], mask [..., 1, n])`, every train example of each
+  client as one batch (the sampler's does, for plain examples;
+  `with_local_split` puts it beside the round's data).
 
   It is not a dict: code that reads the data calls `materialize(data)`.
   Three places look inside instead, to gather less than the whole batch:
@@ -107,6 +114,37 @@ class DeferredData:
   def __repr__(self) -> str:
     shapes = jax.tree.map(lambda a: getattr(a, "shape", a), self.refs)
     return f"DeferredData(refs={shapes}, take={self.take!r})"
+
+
+def has_local_split(data: Any) -> bool:
+  """Whether `data` (a round's `ClientBatches.data`) can give each client's whole train split."""
+  return isinstance(data, DeferredData) and bool(getattr(data.take, "has_local_split", False))
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithLocalSplit:
+  """A `take` giving `{"round": take(source, refs), "local": take.local_split(source, refs)}`."""
+
+  take: Callable[[PyTree, PyTree], PyTree]
+
+  def __call__(self, source: PyTree, refs: PyTree) -> dict:
+    return {"round": self.take(source, refs), "local": self.take.local_split(source, refs)}
+
+
+def with_local_split(data: DeferredData) -> DeferredData:
+  """The round's data with each client's whole train split beside it, still deferred.
+
+  Materialized (a chunk of clients at a time in a client loop), it is
+  `{"round": data [C, S, B, ...], "local": (train data [C, 1, n, ...], mask [C, 1, n])}`:
+  what a client step reads when it needs every local example (FedEM's E-step).
+
+  Raises:
+    ValueError: when `data` cannot give it (`has_local_split(data)` is False).
+  """
+  if not has_local_split(data):
+    raise ValueError("with_local_split: the round's data does not hold the clients' train splits; it must be the "
+                     "DeferredData of sample_round(..., deferred=True) over plain examples (fo.train samples so).")
+  return DeferredData(data.source, data.refs, _WithLocalSplit(data.take))
 
 
 def materialize(data: PyTree) -> PyTree:

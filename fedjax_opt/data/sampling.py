@@ -262,10 +262,10 @@ def _client_indices(bits: jax.Array, n: jax.Array, local_steps: int, batch_size:
   return jnp.where(valid, index, 0), valid
 
 
-def _take(examples: dict, refs: tuple[jax.Array, jax.Array], sequence_length: int) -> dict:
+def _take(examples: dict, refs: tuple[jax.Array, ...], sequence_length: int) -> dict:
   """Examples of clients `refs[0] [...]` at slots `refs[1] [..., S, B]` (any leading axes, masked slots already
   pointing at the all-zero slot)."""
-  client_ids, index = refs
+  client_ids, index = refs[0], refs[1]
   rows = client_ids[..., None, None]
   if sequence_length:
     tokens = examples["tokens"]
@@ -286,20 +286,49 @@ def _take(examples: dict, refs: tuple[jax.Array, jax.Array], sequence_length: in
 class _Take:
   """The `take` of a deferred round: `_take(examples, refs, sequence_length)`.
 
-  A value (equal for equal `sequence_length`), so a jitted step that receives
-  the `DeferredData` compiles once, not once per round.
+  A value (equal for an equal dataset layout), so a jitted
+  step that receives the `DeferredData` compiles once, not once per round.
+  Its refs are `(client_ids [C], index [C, S, B], train_count [C])`.
+
+  It also gives each client's whole train split (`local_split`, the optional
+  part of `DeferredData`'s protocol, `core.types.with_local_split`): methods
+  whose client step reads every local example, not only the round's
+  mini-batches (FedEM's E-step), read it there.
   """
 
   sequence_length: int
+  max_train: int = 0
+  zero_index: int = 0
 
-  def __call__(self, examples: dict, refs: tuple[jax.Array, jax.Array]) -> dict:
+  def __call__(self, examples: dict, refs: tuple[jax.Array, ...]) -> dict:
     return _take(examples, refs, self.sequence_length)
+
+  @property
+  def has_local_split(self) -> bool:
+    """Whether `local_split` can read the clients' train splits (plain examples: yes; token windows: no)."""
+    return self.sequence_length == 0
+
+  def local_split(self, examples: dict, refs: tuple[jax.Array, ...]) -> tuple[dict, jax.Array]:
+    """Each client's train examples as one batch: `(data [..., 1, n, ...], mask [..., 1, n])`, n = `max_train`.
+
+    Slot i of client k holds its i-th stored train example, real while i < n_k; the other slots read the
+    all-zero slot (never a test example), so the batch is finite wherever the client's data is.
+    """
+    if not self.has_local_split:
+      raise ValueError("local_split: a token-window dataset has no per-example train split to read; read the "
+                       "round's windows instead.")
+    client_ids, _, count = refs
+    n = max(self.max_train, 1)
+    slots = jnp.arange(n, dtype=jnp.int32)
+    mask = slots < count[..., None]
+    local = jnp.where(mask, slots, self.zero_index)[..., None, :]
+    return _take(examples, (client_ids, local), 0), mask[..., None, :]
 
 
 def _refs(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array,
-          mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`(client_ids, index)` with masked slots reading the dataset's all-zero slot (`zero_index`)."""
-  return client_ids, jnp.where(mask, index, dataset.zero_index)
+          mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`(client_ids, index, train_count[client_ids])` with masked slots reading the dataset's all-zero slot."""
+  return client_ids, jnp.where(mask, index, dataset.zero_index), dataset.train_count[client_ids]
 
 
 def gather(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array, mask: jax.Array) -> dict:
@@ -317,7 +346,8 @@ def gather(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array, m
 def deferred_gather(dataset: FederatedDataset, client_ids: jax.Array, index: jax.Array,
                     mask: jax.Array) -> DeferredData:
   """`gather(dataset, client_ids, index, mask)` as a `DeferredData`: nothing is gathered until the data is used."""
-  return DeferredData(dataset.examples, _refs(dataset, client_ids, index, mask), _Take(dataset.sequence_length))
+  return DeferredData(dataset.examples, _refs(dataset, client_ids, index, mask),
+                      _Take(dataset.sequence_length, dataset.max_train, dataset.zero_index))
 
 
 def sample_round(

@@ -88,7 +88,9 @@ class FedMAState:
       and the matched clients of the layer's parameter count), `bits_up`
       (32 · uploaded_floats / matched clients: float32 bits per client),
       `bits_down` (32 · the new global model's parameter count: each global
-      layer is broadcast once, as it is matched), `widths` (`[N − 1]`
+      layer is broadcast once, as it is matched; a client cuts its next
+      start out of those layers with its own assignment, so the restart
+      downloads nothing more), `widths` (`[N − 1]`
       global hidden widths), `num_restarted` (clients that started from
       their own last assignment).
     assignments: `{hidden layer: [num_clients, L_n] int32}`: each client's
