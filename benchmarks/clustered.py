@@ -23,7 +23,9 @@ out 20 % of its examples as its test split (`fo.data.pack`):
               perturbed around the zero model);
       CFL     `clustered_fl` with ε₁ = 0.1, ε₂ = 0.3 (one pair for both data
               sets and variants), at most 6 clusters: it has to find G itself;
-      FedEM   `fedem` with M = G components.
+      FedEM   `fedem` with M = G components; its E-step on the round's
+              batches (`e_step="round"`: the rounds are drawn ahead, in
+              chunks, as arrays, which do not hold the clients' train splits).
     IFCA and FedEM converge to the planted groups only from a good enough
     start (both papers), so each runs from 5 starts (3 with --quick) and
     keeps the run of lowest training loss (its `client_loss` metric, mean of
@@ -213,7 +215,7 @@ class _Method:
                                              max_clusters=s["max_clusters"], num_clients=n, client_optimizer=opt)
     elif name == "fedem":
       self.algo = fo.algorithms.fedem(model.loss_fn, num_components=num_clusters, num_clients=n,
-                                      client_optimizer=opt)
+                                      client_optimizer=opt, e_step="round")
       self.mixture = fo.algorithms.fedem_mixture_model(model)
     else:
       raise ValueError(name)
