@@ -7,6 +7,7 @@ and one `x_<function>__mutmut_<k>` per mutant); mutmut itself is not needed.
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -90,3 +91,28 @@ def test_the_privacy_and_compression_modules_are_targets_by_their_own_names():
   assert mutation.TESTS_OF["accounting"][0] == "tests/test_accounting.py"
   assert mutation._module_of("fedjax_opt.privacy.accounting.x_round_event__mutmut_7") == "accounting"
   assert mutation._module_of("fedjax_opt.privacy.secure.x__masks__mutmut_12") == "secure"
+
+
+def test_a_survivor_is_rechecked_against_every_test_file_of_its_module(tmp_path, monkeypatch):
+  """mutmut runs a mutant only against the tests it saw call the mutated function, which misses tests of objects
+  built at import time; the recheck runs all of the module's test files with the mutant switched on
+  (`MUTANT_UNDER_TEST`), so a mutant they catch is killed, one they pass survives."""
+  (tmp_path / "mutants" / "tests").mkdir(parents=True)
+  (tmp_path / "mutants" / "tests" / "test_one.py").write_text(
+      "import os\n\ndef test_it():\n  assert os.environ['MUTANT_UNDER_TEST'] != 'fedjax_opt.compression.x_qsgd__mutmut_2'\n")
+  monkeypatch.setattr(mutation, "_test_files", lambda module: ["tests/test_one.py"])
+  env = {"PATH": "/usr/bin:/bin"}
+  assert mutation._recheck(tmp_path, "fedjax_opt.compression.x_qsgd__mutmut_2", env, 120) == "killed"
+  assert mutation._recheck(tmp_path, "fedjax_opt.compression.x_qsgd__mutmut_3", env, 120) == "survived"
+  assert "tests/test_downlink.py" in mutation.TESTS_OF["compression"]  # the broadcast's compressor is tested there
+
+
+def test_a_stopped_run_is_read_from_the_results_mutmut_stored(tmp_path):
+  meta = tmp_path / "mutants" / "fedjax_opt" / "compression.py.meta"
+  meta.parent.mkdir(parents=True)
+  codes = {"fedjax_opt.compression.x_sign__mutmut_1": 1, "fedjax_opt.compression.x_sign__mutmut_2": 0,
+           "fedjax_opt.compression.x_sign__mutmut_3": None, "fedjax_opt.compression.x_sign__mutmut_4": 36}
+  meta.write_text(json.dumps({"exit_code_by_key": codes}))
+  assert mutation._stored_results(tmp_path, ["compression", "dp"]) == {
+      "fedjax_opt.compression.x_sign__mutmut_1": "killed", "fedjax_opt.compression.x_sign__mutmut_2": "survived",
+      "fedjax_opt.compression.x_sign__mutmut_4": "timeout"}

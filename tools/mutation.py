@@ -15,7 +15,18 @@ metric names are left alone, `NOT_UPDATE_RULES`) and runs the tests that reach t
 test file plus the shared checks (tests/test_rounds.py, test_every_algorithm.py,
 test_convention.py, test_bits_metrics.py). A mutant is killed when a test fails, survives when all
 pass; a timeout is a mutant whose tests ran much longer than the clean run
-(JAX recompiles every mutant, so the allowance is generous). The script
+(JAX recompiles every mutant, so the allowance is generous).
+
+mutmut runs, for each mutant, the tests it saw call the mutated function.
+A test that uses an object built at import time (a module-level
+`qsgd(bits=4)`, a cached compiled step) calls the factory in no test, so
+mutmut never runs it for that factory's mutants. Every survivor is therefore
+run again against all of its module's test files (`MUTANT_UNDER_TEST`, the
+way mutmut itself switches a mutant on): a failure there kills it
+("rechecked" in the table). `--no-recheck` skips that pass.
+`--collect WORKDIR` writes the table of a run that was stopped (from the
+results mutmut stored in its work copy so far) without running anything
+but the recheck. The script
 prints a table (per module: mutants, killed, timeouts, survived) and writes it
 with the surviving mutants' names to `--out` as JSON; `mutmut show <name>`
 (run in the work copy the script prints) shows a survivor's diff.
@@ -70,7 +81,7 @@ TESTS_OF = {
     "dp": ["tests/test_privacy.py", "tests/test_compression_composition.py"],
     "secure": ["tests/test_secure_aggregation.py", "tests/test_compression_composition.py"],
     "accounting": ["tests/test_accounting.py"],
-    "compression": [*COMPRESSION_TESTS, "tests/test_compression_families.py"],
+    "compression": [*COMPRESSION_TESTS, "tests/test_compression_families.py", "tests/test_downlink.py"],
     "attacks": ["tests/test_attacks.py", "tests/test_robust_aggregators.py"],
     **{f"asynchrony.{m}": ["tests/test_asynchrony.py", "tests/test_asynchronous.py", "tests/test_cli_network.py"]
        for m in ("history", "distributions", "schedules", "staleness", "events", "synchronous")},
@@ -157,6 +168,47 @@ def _generated_changes(work: pathlib.Path, module: str, env: dict) -> dict[str, 
     shutil.rmtree(work / "mutants", ignore_errors=True)
 
 
+def _test_files(module: str) -> list[str]:
+  """Every test file of `module` (its own and the shared checks) that exists."""
+  return sorted(t for t in {*TESTS_OF[module], *SHARED_TESTS} if (ROOT / t).exists())
+
+
+def _recheck(work: pathlib.Path, name: str, env: dict, timeout: float) -> str:
+  """A survivor run against all of its module's test files: "killed" (a test fails or cannot be collected),
+  "survived" (all pass), or "timeout"."""
+  mutant_env = dict(env, MUTANT_UNDER_TEST=name)
+  try:
+    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                           *_test_files(_module_of(name))], cwd=work / "mutants", env=mutant_env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout, check=False)
+  except subprocess.TimeoutExpired:
+    return "timeout"
+  return "survived" if done.returncode in (0, 5) else "killed"
+
+
+def _stored_results(work: pathlib.Path, modules: list[str]) -> dict[str, str]:
+  """The status of every mutant mutmut has run so far in `work` (from its `.meta` files), by name."""
+  statuses = {}
+  for module in modules:
+    meta = work / "mutants" / (_path(module) + ".meta")
+    if not meta.exists():
+      continue
+    for name, code in json.loads(meta.read_text()).get("exit_code_by_key", {}).items():
+      if code is not None:
+        statuses[name] = _status_of_exit_code(code)
+  return statuses
+
+
+def _status_of_exit_code(code: int) -> str:
+  """mutmut's name for a mutant's stored exit code (mutmut.stats.status_by_exit_code, where it exists)."""
+  try:
+    from mutmut.stats import status_by_exit_code  # pylint: disable=import-outside-toplevel
+    return status_by_exit_code[code]
+  except ImportError:
+    return {0: "survived", 1: "killed", 3: "killed", 5: "no tests", 33: "no tests", 36: "timeout", 24: "timeout",
+            -24: "timeout", 152: "timeout", 255: "timeout"}.get(code, "suspicious")
+
+
 def _config(modules: list[str], timeout: float) -> str:
   targets = {_path(m) for m in modules}
   skip = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "fedjax_opt").rglob("*.py")
@@ -187,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                            "by their change, so edits elsewhere in the module do not matter")
   parser.add_argument("--functions", nargs="+", default=None, metavar="NAME",
                       help="mutate only these functions of the modules (e.g. _logistic_z_update after rewriting it)")
+  parser.add_argument("--no-recheck", action="store_true",
+                      help="do not run the survivors again against all of their module's test files")
+  parser.add_argument("--collect", default=None, metavar="WORKDIR",
+                      help="the work copy of an earlier (e.g. stopped) run: tabulate what it ran, recheck its "
+                           "survivors, run no new mutant")
   args = parser.parse_args(argv)
   args.modules = _modules(args.modules)
   try:
@@ -199,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
   if shutil.which("mutmut") is None and not (pathlib.Path(sys.executable).parent / "mutmut").exists():
     print("mutmut is not installed in this environment (pip install mutmut).", file=sys.stderr)
     return 2
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if args.collect:
+    work = pathlib.Path(args.collect)
+    statuses = _stored_results(work, args.modules)
+    if not statuses:
+      print(f"--collect: no mutant of {', '.join(args.modules)} has run in {work}.", file=sys.stderr)
+      return 2
+    return _report(work, statuses, args, env)
   work = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="fedjax_opt-mutation-"))
   if work.exists():
     shutil.rmtree(work)
@@ -206,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
   pyproject = work / "pyproject.toml"
   pyproject.write_text(pyproject.read_text().split("\n[tool.mutmut]")[0] + _config(args.modules, args.timeout))
   mutmut = str(pathlib.Path(sys.executable).parent / "mutmut")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
   print(f"mutating {', '.join(args.modules)} in {work} ...", flush=True)
   names = []
   if args.functions or args.only:
@@ -235,24 +299,42 @@ def main(argv: list[str] | None = None) -> int:
                  stdout=None if args.verbose else subprocess.DEVNULL)
   listing = subprocess.run([mutmut, "results", "--all", "true"], cwd=work, env=env, capture_output=True, text=True)
   only = set(names)
-  counts = collections.defaultdict(collections.Counter)
-  survivors = collections.defaultdict(list)
+  statuses = {}
   for line in listing.stdout.splitlines():
     if ":" not in line:
       continue
     name, status = (s.strip() for s in line.rsplit(":", 1))
-    if only and name not in only:
-      continue
+    if not only or name in only:
+      statuses[name] = status
+  return _report(work, statuses, args, env)
+
+
+def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespace, env: dict) -> int:
+  """Recheck the survivors (unless --no-recheck), print the table and write --out."""
+  rechecked = collections.Counter()
+  if not args.no_recheck:
+    pending = [n for n, status in statuses.items() if status == "survived"]
+    for i, name in enumerate(pending):
+      status = _recheck(work, name, env, 10 * 60 + args.timeout)
+      print(f"recheck {i + 1}/{len(pending)} {name.rsplit('.', 1)[-1]}: {status}", flush=True)
+      if status != "survived":
+        statuses[name] = status
+        rechecked[_module_of(name)] += 1
+  counts = collections.defaultdict(collections.Counter)
+  survivors = collections.defaultdict(list)
+  for name, status in statuses.items():
     module = _module_of(name)
     counts[module][status] += 1
     if status == "survived":
       survivors[module].append(name)
   table = {m: {"mutants": sum(c.values()), "killed": c["killed"], "timeout": c["timeout"],
-               "survived": c["survived"], "other": sum(c.values()) - c["killed"] - c["timeout"] - c["survived"]}
+               "survived": c["survived"], "other": sum(c.values()) - c["killed"] - c["timeout"] - c["survived"],
+               "rechecked": rechecked[m]}
            for m, c in sorted(counts.items())}
-  print(f"{'module':<16} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} {'other':>6}")
+  print(f"{'module':<16} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} {'other':>6} {'rechecked':>10}")
   for m, row in table.items():
-    print(f"{m:<16} {row['mutants']:>8} {row['killed']:>7} {row['timeout']:>8} {row['survived']:>9} {row['other']:>6}")
+    print(f"{m:<16} {row['mutants']:>8} {row['killed']:>7} {row['timeout']:>8} {row['survived']:>9} {row['other']:>6} "
+          f"{row['rechecked']:>10}")
   if args.out:
     changes = {}
     for module, group in survivors.items():
