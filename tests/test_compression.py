@@ -84,6 +84,37 @@ def test_qsgd_bits_sets_the_levels_and_zero_stays_zero():
   np.testing.assert_array_equal(out, np.zeros(5))
 
 
+def test_qsgd_holds_its_levels_exactly_up_to_24_bits_and_2_to_the_23_levels():
+  """float32 holds integers up to 2^24 exactly: the largest codes are 24 bits (s = 2^23 − 1) or s = 2^23 levels."""
+  assert C.qsgd(bits=24).name == f"qsgd(s={2 ** 23 - 1})" and C.qsgd(bits=24).bits(jnp.zeros(3)) == 32 + 3 * 24
+  assert C.qsgd(2 ** 23).name == f"qsgd(s={2 ** 23})"
+  with pytest.raises(ValueError, match="bits must be <= 24"):
+    C.qsgd(bits=25)
+  with pytest.raises(ValueError, match=r"levels must be <= 2\*\*23"):
+    C.qsgd(2 ** 23 + 1)
+
+
+def test_under_x64_a_float64_update_sends_its_norm_and_scale_as_float32():
+  """QSGD's ‖x‖₂ and sign's ‖x‖₁/P travel as one float32 each (their bit counts charge 32): a float64 update is
+  rebuilt from the float32-rounded value, against a float64 NumPy transcription with the same uniform draws."""
+  rng = np.random.default_rng(9)
+  x = rng.normal(size=50) * (1 + 1e-3 * rng.random(50))
+  key = jax.random.key(4)
+  with jax.enable_x64(True):
+    x64 = jnp.asarray(x, jnp.float64)
+    got_q, _ = jax.jit(C.qsgd(5).compress)(key, x64)
+    got_s, _ = jax.jit(C.sign().compress)(key, x64)
+    u = np.asarray(jax.random.uniform(key, (50,), jnp.float64))
+  assert got_q.dtype == jnp.float64 and got_s.dtype == jnp.float64
+  norm = float(np.float32(np.linalg.norm(x)))
+  scaled = np.abs(x) / norm * 5
+  xi = np.floor(scaled) + (u < scaled - np.floor(scaled))
+  np.testing.assert_allclose(got_q, norm * np.sign(x) * xi / 5, rtol=1e-14, atol=0)
+  scale = float(np.float32(np.abs(x).mean()))
+  np.testing.assert_allclose(got_s, scale * np.where(x >= 0, 1.0, -1.0), rtol=1e-14, atol=0)
+  assert abs(norm - np.linalg.norm(x)) > 1e-12 * norm  # the float32 rounding is visible at this tolerance
+
+
 def test_rand_k_is_unbiased_and_keeps_k_coordinates_scaled_by_p_over_k():
   p, k, m = 40, 4, 40_000
   x = _vector(p, seed=1)
@@ -179,6 +210,15 @@ def test_each_bit_count_matches_its_message_layout_in_the_compressor_and_the_rou
   state = step(algo.init(params, jax.random.key(0)), batches)
   assert float(state.metrics["bits_up"]) == _expected_bits(name, 4)
   assert float(state.metrics["bits_down"]) == 32 * 4
+
+
+def test_every_compressor_charges_a_float32_count_and_identity_each_leaf_at_its_own_width():
+  tree = {"w": jnp.ones((3, 4), jnp.float32), "h": jnp.ones((5,), jnp.bfloat16)}
+  for name, compressor in {**COMPRESSORS, "identity_fresh": C.identity()}.items():
+    _, bits = jax.jit(compressor.compress)(jax.random.key(0), tree)
+    assert bits.dtype == jnp.float32 and bits.shape == (), name
+  _, bits = C.identity().compress(jax.random.key(0), tree)
+  assert float(bits) == 32 * 12 + 16 * 5 == C.identity().bits(tree)
 
 
 def test_uncompressed_algorithms_report_every_bit_of_each_message():

@@ -238,6 +238,14 @@ def test_a_rejected_round_broadcasts_nothing_and_keeps_the_error(name):
   assert after.metrics["bits_down"] == 0
 
 
+def test_a_downlink_keeps_an_error_buffer_only_with_error_feedback():
+  params = {"w": jnp.ones((3,), jnp.float32), "b": jnp.zeros((), jnp.bfloat16)}
+  assert C.downlink(C.top_k(k=1), error_feedback=False).init(params) is None
+  error = C.downlink(C.top_k(k=1)).init(params)
+  assert jax.tree.map(lambda e: (e.shape, e.dtype, float(jnp.abs(e).sum())), error) == {
+      "w": ((3,), jnp.float32, 0.0), "b": ((), jnp.bfloat16, 0.0)}
+
+
 def test_bad_downlink_arguments_raise_clear_errors():
   sgd = optax.sgd(0.1)
   with pytest.raises(ValueError, match=r"sign\(scaled=False\).*not a model delta"):
