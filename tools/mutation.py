@@ -21,7 +21,7 @@ mutmut runs, for each mutant, the tests it saw call the mutated function.
 A test that uses an object built at import time (a module-level
 `qsgd(bits=4)`, a cached compiled step) calls the factory in no test, so
 mutmut never runs it for that factory's mutants. Every survivor is therefore
-run again against all of its module's test files (`MUTANT_UNDER_TEST`, the
+run again against all of its module's own test files (`MUTANT_UNDER_TEST`, the
 way mutmut itself switches a mutant on): a failure there kills it
 ("rechecked" in the table). `--no-recheck` skips that pass.
 `--collect WORKDIR` writes the table of a run that was stopped (from the
@@ -169,8 +169,8 @@ def _generated_changes(work: pathlib.Path, module: str, env: dict) -> dict[str, 
 
 
 def _test_files(module: str) -> list[str]:
-  """Every test file of `module` (its own and the shared checks) that exists."""
-  return sorted(t for t in {*TESTS_OF[module], *SHARED_TESTS} if (ROOT / t).exists())
+  """The test files of `module` itself (not the shared checks, which mutmut's selection reaches) that exist."""
+  return sorted(t for t in TESTS_OF[module] if (ROOT / t).exists())
 
 
 def _recheck(work: pathlib.Path, name: str, env: dict, timeout: float) -> str:
