@@ -529,13 +529,9 @@ def test_a_fedma_round_restarts_each_client_from_the_global_model_cut_to_its_las
 # ---- end to end --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_fedma_beats_fedavg_at_the_same_upload_on_a_label_skewed_split():
-  """The FedMA paper's headline claim on digits, Dirichlet(0.5), 10 clients all taking part, an MLP 64-32-32-10,
-  50 local SGD steps of 20 at lr 0.1: after 3 FedMA rounds (each layer uploaded once per client and round) the
-  global model is more accurate than FedAvg's after its first round that has uploaded at least as many floats
-  (benchmarks/clustered.py part (b) runs it over seeds, data sets and a CNN)."""
-  num_clients, local_steps, batch_size, eta_l = 10, 50, 20, 0.1
+def _digits_setting(num_clients=10, local_steps=50, batch_size=20):
+  """The end-to-end tests' setting: digits under Dirichlet(0.5) over 10 clients all taking part, the MLP
+  64-32-32-10, its loss and accuracy, and `sample(r)`, the batches of round r (`fold_in(key(0), r)`)."""
   ds = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=num_clients, seed=0)
   _, params = _mlp(64, (32, 32), 10, 0)
   loss_fn = fo.models.classification_loss(ma.mlp_apply)
@@ -544,6 +540,17 @@ def test_fedma_beats_fedavg_at_the_same_upload_on_a_label_skewed_split():
   sample = jax.jit(lambda r: fo.data.sample_round(jax.random.fold_in(key, r), ds, num_clients, local_steps,
                                                   batch_size, client_sampling="all"))
   accuracy = lambda p: float(fo.evaluate.global_model(p, ds, metric)["accuracy"])  # noqa: E731
+  return params, loss_fn, key, sample, accuracy
+
+
+@pytest.mark.slow
+def test_fedma_beats_fedavg_at_the_same_upload_on_a_label_skewed_split():
+  """The FedMA paper's headline claim on digits, Dirichlet(0.5), 10 clients all taking part, an MLP 64-32-32-10,
+  50 local SGD steps of 20 at lr 0.1: after 3 FedMA rounds (each layer uploaded once per client and round) the
+  global model is more accurate than FedAvg's after its first round that has uploaded at least as many floats
+  (benchmarks/clustered.py part (b) runs it over seeds, data sets and a CNN)."""
+  num_clients, eta_l = 10, 0.1
+  params, loss_fn, key, sample, accuracy = _digits_setting(num_clients)
   fedma = fo.algorithms.fedma(loss_fn, layers=MLP_LAYERS, client_optimizer=optax.sgd(eta_l), num_clients=num_clients)
   state, uploaded = fedma.init(params, key), 0.0
   for r in range(3):
@@ -566,17 +573,11 @@ def test_one_matching_of_local_models_beats_one_more_fedavg_round_from_a_fedavg_
   `fedma.match` on the same local models as FedAvg's round: the matching, the layer-wise retraining and the
   class-weighted classifier against one coordinate-wise average.
   """
-  num_clients, local_steps, batch_size, eta_l = 10, 50, 20, 0.5
-  ds = fo.data.load("digits", partition="dirichlet", alpha=0.5, num_clients=num_clients, seed=0)
-  _, params = _mlp(64, (32, 32), 10, 0)
-  loss_fn = fo.models.classification_loss(ma.mlp_apply)
-  metric = {"accuracy": fo.models.classification_accuracy(ma.mlp_apply)}
-  key = jax.random.key(0)
+  num_clients, eta_l = 10, 0.5
+  params, loss_fn, key, sample, accuracy = _digits_setting(num_clients)
   fedavg = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(eta_l))
   step = jax.jit(fedavg.step)
   state = fedavg.init(params, key)
-  sample = lambda r: fo.data.sample_round(jax.random.fold_in(key, r), ds, num_clients, local_steps,  # noqa: E731
-                                          batch_size, client_sampling="all")
   for r in range(3):
     state = step(state, sample(r))
   batches = sample(3)
@@ -586,6 +587,5 @@ def test_one_matching_of_local_models_beats_one_more_fedavg_round_from_a_fedavg_
   fedma = fo.algorithms.fedma(loss_fn, layers=MLP_LAYERS, client_optimizer=optax.sgd(eta_l), num_clients=num_clients)
   matched, info = fedma.match(local, batches)
   averaged = step(state, batches).params
-  accuracy = lambda p: float(fo.evaluate.global_model(p, ds, metric)["accuracy"])  # noqa: E731
   assert info["num_clients"] == num_clients
   assert accuracy(matched) > accuracy(averaged) + 0.05, (accuracy(matched), accuracy(averaged))
