@@ -115,6 +115,34 @@ def test_under_x64_a_float64_update_sends_its_norm_and_scale_as_float32():
   assert abs(norm - np.linalg.norm(x)) > 1e-12 * norm  # the float32 rounding is visible at this tolerance
 
 
+def test_qsgd_sends_zero_for_a_zero_coordinate_of_a_nonzero_update():
+  x = np.array([0.0, 1.5, 0.0, -2.0, 0.25], np.float32)
+  for compressor in (C.qsgd(1), C.qsgd(bits=8)):
+    out, _ = jax.jit(compressor.compress)(jax.random.key(2), jnp.asarray(x))
+    assert np.all(np.isfinite(out)) and np.all(np.asarray(out)[x == 0] == 0.0)
+    assert np.all(np.sign(out)[x != 0] * np.sign(x[x != 0]) >= 0)  # ξ ≥ 0 keeps each sign
+
+
+def test_a_float32_update_gets_the_same_message_with_x64_on():
+  """The draws follow the update's dtype, not JAX's default: a float32 model compresses the same either way."""
+  x = jnp.asarray(_vector(30, seed=5))
+  key = jax.random.key(6)
+  for compressor in (C.qsgd(3), C.rand_k(k=4), C.sign(), C.top_k(k=2)):
+    off, bits_off = compressor.compress(key, x)
+    with jax.enable_x64(True):
+      on, bits_on = compressor.compress(key, x)
+    assert on.dtype == jnp.float32 and float(bits_on) == float(bits_off), compressor.name
+    np.testing.assert_array_equal(on, off, err_msg=compressor.name)
+
+
+def test_the_unbiased_flag_is_a_bool_true_exactly_for_the_unbiased_compressors():
+  """E[C(x)] = x for identity, QSGD and rand-k (tested above); top-k and sign are biased."""
+  flags = {name: c.unbiased for name, c in COMPRESSORS.items()}
+  assert all(type(flag) is bool for flag in flags.values()), flags
+  assert flags == {"identity": True, "qsgd7": True, "qsgd5": True, "top_k3": False, "rand_k3": True,
+                   "sign": False, "sign_plain": False}
+
+
 def test_rand_k_is_unbiased_and_keeps_k_coordinates_scaled_by_p_over_k():
   p, k, m = 40, 4, 40_000
   x = _vector(p, seed=1)
