@@ -175,6 +175,39 @@ def test_top_k_keeps_exactly_the_k_largest_magnitudes_of_the_whole_pytree():
   assert int(np.sum(np.asarray(fraction_out) != 0)) == math.ceil(0.1 * flat.size)
 
 
+def test_a_vector_compressor_puts_each_leaf_back_in_place_at_its_dtype_and_computes_in_float32():
+  """The update is one vector of every leaf's entries in order (three leaves of other sizes and dtypes), computed
+  in at least float32, and each leaf comes back at its own place, shape and dtype."""
+  rng = np.random.default_rng(12)
+  tree = {"a": rng.normal(size=(2,)).astype(np.float32), "b": rng.normal(size=(5,)).astype(jnp.bfloat16),
+          "c": rng.normal(size=(1, 3)).astype(np.float32)}
+  flat = np.concatenate([np.asarray(tree[k], np.float64).reshape(-1) for k in "abc"])
+  key = jax.random.key(1)
+  same, _ = C.top_k(fraction=1.0).compress(key, tree)
+  signs, _ = C.sign().compress(key, tree)
+  scale = np.float32(np.abs(flat).mean())
+  for name in "abc":
+    assert same[name].dtype == tree[name].dtype and same[name].shape == tree[name].shape, name
+    np.testing.assert_array_equal(np.asarray(same[name], np.float64), np.asarray(tree[name], np.float64))
+    want = scale * np.where(np.asarray(tree[name], np.float64) >= 0, 1.0, -1.0)
+    assert signs[name].dtype == tree[name].dtype, name
+    np.testing.assert_allclose(np.asarray(signs[name], np.float64), want,
+                               rtol=1e-6 if tree[name].dtype == np.float32 else 8e-3)
+  # A bfloat16-only update is quantized from float32 values: the float32 copy's message, rounded per entry.
+  low = {"w": jnp.asarray(rng.normal(size=40), jnp.bfloat16)}
+  got, _ = C.qsgd(3).compress(key, low)
+  want, _ = C.qsgd(3).compress(key, {"w": low["w"].astype(jnp.float32)})
+  assert got["w"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(got["w"], np.float32), np.asarray(want["w"].astype(jnp.bfloat16), np.float32))
+
+
+def test_top_k_of_one_entry_charges_no_index_bits_and_a_small_fraction_keeps_one_coordinate():
+  assert C.top_k(k=1).bits(jnp.zeros(1)) == 32 and float(C.top_k(k=1).compress(jax.random.key(0), jnp.ones(1))[1]) == 32
+  out, bits = C.top_k(0.05).compress(jax.random.key(0), jnp.arange(1.0, 11.0))
+  np.testing.assert_array_equal(out, [0.0] * 9 + [10.0])
+  assert float(bits) == 32 + 4  # ⌈0.05 · 10⌉ = 1 value and its 4-bit index
+
+
 def test_sign_sends_the_mean_magnitude_times_a_one_bit_sign():
   x = np.array([1.5, -0.25, 0.0, -3.0, 2.0], np.float32)
   out, _ = C.sign().compress(jax.random.key(0), jnp.asarray(x))
@@ -500,6 +533,25 @@ def test_majority_vote_matches_numpy_and_streams():
 
 
 # ----------------------------------------------------------------------------- bad arguments
+
+
+def test_a_stage_keeps_a_residual_table_only_with_error_feedback_and_at_its_storage_dtype():
+  params = {"w": jnp.ones((3,), jnp.float32)}
+  stage = C.compress(C.top_k(k=1), num_clients=5)  # no error feedback: nothing per client, whatever N
+  assert stage.num_clients is None and stage.init(params) is None
+  fo.algorithms.scaffold(loss_fn, 0.01, 1.0, num_clients=N, aggregator=_chain(stage, fo.aggregators.mean()))
+  table = C.compress(C.top_k(k=1), error_feedback=True, num_clients=5, storage_dtype=jnp.bfloat16).init(params)
+  assert table["w"].shape == (5, 3) and table["w"].dtype == jnp.bfloat16
+
+
+def test_under_x64_a_residual_stored_in_bfloat16_is_added_at_the_update_dtype():
+  update = {"w": jnp.asarray([0.5, -2.0, 1.0], jnp.float32)}
+  residual = {"w": jnp.asarray([1.75, 0.5, -0.25], jnp.bfloat16)}
+  with jax.enable_x64(True):
+    sent, new, bits = C.send(C.top_k(k=1), jax.random.key(0), update, residual)
+  assert sent["w"].dtype == jnp.float32 and new["w"].dtype == jnp.float32
+  np.testing.assert_array_equal(sent["w"], [2.25, 0.0, 0.0])
+  np.testing.assert_array_equal(new["w"], [0.0, -1.5, 0.75])
 
 
 def test_bad_arguments_raise_clear_errors():
