@@ -23,7 +23,8 @@ A test that uses an object built at import time (a module-level
 mutmut never runs it for that factory's mutants. Every survivor is therefore
 run again against all of its module's own test files (`MUTANT_UNDER_TEST`, the
 way mutmut itself switches a mutant on): a failure there kills it
-("rechecked" in the table). `--no-recheck` skips that pass.
+("rechecked" in the table). So is every timeout: mutmut files a test session
+that crashed (exit 255, e.g. a mutant that breaks an import) as one. `--no-recheck` skips that pass.
 `--collect WORKDIR` writes the table of a run that was stopped (from the
 results mutmut stored in its work copy so far) without running anything
 but the recheck. The script
@@ -313,11 +314,12 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
   """Recheck the survivors (unless --no-recheck), print the table and write --out."""
   rechecked = collections.Counter()
   if not args.no_recheck:
-    pending = [n for n, status in statuses.items() if status == "survived"]
+    # mutmut also files a crash of the test session (exit 255, e.g. a mutant that breaks an import) as a timeout.
+    pending = [n for n, status in statuses.items() if status in ("survived", "timeout")]
     for i, name in enumerate(pending):
       status = _recheck(work, name, env, 10 * 60 + args.timeout)
       print(f"recheck {i + 1}/{len(pending)} {name.rsplit('.', 1)[-1]}: {status}", flush=True)
-      if status != "survived":
+      if status != statuses[name]:
         statuses[name] = status
         rechecked[_module_of(name)] += 1
   counts = collections.defaultdict(collections.Counter)
