@@ -6,6 +6,7 @@ and one `x_<function>__mutmut_<k>` per mutant); mutmut itself is not needed.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import pathlib
@@ -116,3 +117,18 @@ def test_a_stopped_run_is_read_from_the_results_mutmut_stored(tmp_path):
   assert mutation._stored_results(tmp_path, ["compression", "dp"]) == {
       "fedjax_opt.compression.x_sign__mutmut_1": "killed", "fedjax_opt.compression.x_sign__mutmut_2": "survived",
       "fedjax_opt.compression.x_sign__mutmut_4": "timeout"}
+
+
+def test_survivors_and_timeouts_are_rechecked_and_the_table_counts_the_outcome(tmp_path, monkeypatch):
+  """mutmut files a crashed test session (exit 255) as a timeout: those are run again as the survivors are."""
+  prefix = "fedjax_opt.compression.x_sign__mutmut_"
+  outcome = {prefix + "1": "killed", prefix + "2": "survived", prefix + "3": "killed"}
+  monkeypatch.setattr(mutation, "_recheck", lambda work, name, env, timeout: outcome[name])
+  monkeypatch.setattr(mutation, "_changes", lambda path, module: {prefix + "2": "x_sign\n- a\n+ b"})
+  args = argparse.Namespace(no_recheck=False, timeout=1.0, out=str(tmp_path / "out.json"))
+  statuses = {prefix + "1": "survived", prefix + "2": "survived", prefix + "3": "timeout", prefix + "4": "killed"}
+  assert mutation._report(tmp_path, statuses, args, {}) == 0
+  written = json.loads((tmp_path / "out.json").read_text())
+  assert written["table"]["compression"] == {"mutants": 4, "killed": 3, "timeout": 0, "survived": 1, "other": 0,
+                                             "rechecked": 2}
+  assert written["survivors"] == {"compression": [prefix + "2"]}
