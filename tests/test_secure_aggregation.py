@@ -106,6 +106,21 @@ def test_any_t_of_n_shamir_shares_give_the_secret_and_t_minus_1_do_not_determine
     assert np.sum((counts - 500) ** 2 / 500) < 24.3  # χ²(7) at 1 − 1e-3
 
 
+def test_shamir_shares_are_field_elements_whatever_the_secrets_type_and_the_x64_flag():
+  """Secrets given as Python integers, and a run with x64 on, give the uint32 shares of the same polynomial: the
+  coefficients come from 32-bit words whatever JAX's default widths."""
+  secrets, xs, key = [PRIME - 1, 0, 5, 2**30 + 7], np.arange(1, 6), jax.random.key(3)
+  want = P.shamir_share(key, jnp.asarray(secrets, jnp.uint32), 3, jnp.asarray(xs, jnp.uint32))
+  from_ints = P.shamir_share(key, secrets, 3, jnp.asarray(xs, jnp.uint32))
+  with jax.enable_x64(True):
+    wide = P.shamir_share(key, jnp.asarray(secrets, jnp.uint32), 3, jnp.asarray(xs, jnp.uint32))
+  for got in (from_ints, wide):
+    assert got.dtype == jnp.uint32
+    np.testing.assert_array_equal(got, want)
+  shares = np.asarray(want, np.int64)
+  assert [_lagrange_reference([(int(xs[j]), int(shares[k, j])) for j in (0, 2, 4)]) for k in range(4)] == secrets
+
+
 def _round(c=9, length=3000, seed=0):
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(c, length)).astype(np.float32) * 0.1
