@@ -92,6 +92,14 @@ Tuning (`tune`): optax on u (Adam by default), either
   Adaptation with Hypergradient Descent", ICLR 2018, whose one-step
   hyper-gradient is the window of one round).
 
+With a constant outer step size the hyper-iterates do not settle: Adam's
+steps on u stay about as long as its learning rate, and the online
+schedule's short windows see a different best value early and late in the
+run. `average=n` returns φ of the mean of the last n iterates u instead of
+the last one (Polyak–Ruppert tail averaging: Polyak, Juditsky, "Acceleration
+of Stochastic Approximation by Averaging", SIAM J. Control Optim. 1992; for
+"log", the geometric mean of the last n values).
+
 Several starting settings `[M]` run as one vmapped program, as `fo.sweep`
 runs a grid.
 """
@@ -470,13 +478,15 @@ class TuneResult(NamedTuple):
   """What `tune` returns; M is the number of starting settings, T the outer steps.
 
   Attributes:
-    hyper_params: `{name: [M]}`, the tuned values h (after the last update).
+    hyper_params: `{name: [M]}`, the tuned values h: after the last update, or with `average=n` φ of the mean of
+      the last n iterates u (then not `trajectory[:, -1]`).
     trajectory: `{name: [M, T + 1]}`, h before each outer step and after the last.
     values: `[M, T]`, the objective J at each outer step (at the h it started from): offline, after R rounds from
       the start; online, at the end of each window of the one run.
     gradients: `{name: [M, T]}`, ∇_u J at each outer step.
     state: online, the final state of the M runs (leaves `[M, ...]`); offline, the state after R rounds from the
-      start at the tuned values `hyper_params` (after the last update; `values` stops at the h before it).
+      start at the tuned values `hyper_params` (after the last update, or averaged; `values` stops at the h before
+      the last update).
   """
 
   hyper_params: dict[str, jax.Array]
@@ -492,7 +502,7 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
          optimizer: optax.GradientTransformation | None = None, sampling: Sampling | None = None,
          parametrization: Mapping[str, str] | None = None, truncate: int | None = None,
          checkpoint: int | str | None = 1, checkpoint_local_steps: bool = False, mode: str = "reverse",
-         callback: Callable | None = None) -> TuneResult:
+         callback: Callable | None = None, average: int | None = None) -> TuneResult:
   """Tunes the hyper-parameters with optax on u = φ⁻¹(h), by hyper-gradients; M starting settings in one program.
 
       offline:  u ← u − OuterOpt(∇_u J(u)),  J(u) the objective after R rounds from the same start, T times
@@ -513,6 +523,9 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
       runs (`jax.debug.callback`, in order), once per setting and outer step once its gradient is known: the
       setting's index m < M, the step t < T, h_t `{name: float}`, J(h_t) and ∇_u J `{name: float}` (progress
       lines, `fedjax-opt tune`).
+    average: None (the tuned values are the last iterate) or n in [1, T + 1]: φ of the mean of the last n
+      iterates u_{T+1−n}, …, u_T in the unconstrained coordinates (tail averaging, module docstring; u_0 is the
+      start, u_T the value after the last update, so n = 1 is the last iterate and n = T + 1 every one).
 
   Returns:
     `TuneResult` (leading axis M; M = 1 when the starting values are scalars).
@@ -531,6 +544,11 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
   if callback is not None and not callable(callback):
     raise TypeError(f"callback must be None or a callable (setting, step, hyper_params, value, gradients); got "
                     f"{type(callback).__name__}.")
+  if average is not None:
+    average = check_int(average, "average (the last n hyper-iterates averaged; None: the last one)")
+    if average > outer_steps + 1:
+      raise ValueError(f"average={average} exceeds the outer_steps + 1 = {outer_steps + 1} iterates (the start and "
+                       "one after each outer step).")
   report = _reporter(callback, parametrization)
   hyper_params = _check_hyper(hyper_params, "hyper_params")
   shapes = {name: np.shape(v) for name, v in hyper_params.items()}
@@ -546,6 +564,12 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
   vg = _value_and_grad_of(f, mode)
   block = _block_size(checkpoint, rounds)
 
+  def tuned(us, u_end):
+    """The last iterate, or the mean of the last `average` of the T + 1 iterates (`us` [T], then `u_end`)."""
+    if average is None:
+      return u_end
+    return jax.tree.map(lambda a, b: jnp.mean(jnp.concatenate([a, b[None]])[-average:], axis=0), us, u_end)
+
   def offline(u, setting):
     def outer(carry, step):
       u, opt_state = carry
@@ -555,8 +579,9 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
       return (optax.apply_updates(u, updates), opt_state), (u, value, grad)
 
     (u_end, _), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u)), jnp.arange(outer_steps))
-    _, state = f(u_end, params, key, data, validation)
-    return u_end, us, values, grads, state
+    u_tuned = tuned(us, u_end)
+    _, state = f(u_tuned, params, key, data, validation)
+    return u_tuned, u_end, us, values, grads, state
 
   def online(u, setting):
     init_key, data_key = _keys(key)
@@ -579,12 +604,13 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
 
     (u_end, _, state), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u), state0),
                                                           jnp.arange(outer_steps))
-    return u_end, us, values, grads, state
+    return tuned(us, u_end), u_end, us, values, grads, state
 
   program = jax.jit(jax.vmap(offline if schedule == "offline" else online))
   u0 = _as_float(u0)
-  u_end, us, values, grads, state = program(u0, jnp.arange(np.shape(next(iter(u0.values())))[0]))
+  u_tuned, u_end, us, values, grads, state = program(u0, jnp.arange(np.shape(next(iter(u0.values())))[0]))
   h_end = constrain(u_end, parametrization)
   h_steps = constrain(us, parametrization)  # [M, T]
   trajectory = {name: jnp.concatenate([h_steps[name], h_end[name][:, None]], axis=1) for name in h_end}
-  return TuneResult(hyper_params=h_end, trajectory=trajectory, values=values, gradients=grads, state=state)
+  return TuneResult(hyper_params=constrain(u_tuned, parametrization), trajectory=trajectory, values=values,
+                    gradients=grads, state=state)

@@ -337,3 +337,62 @@ def test_online_tuning_climbs_to_the_one_round_optimum_and_continues_one_run():
     np.testing.assert_allclose(np.asarray(result.values[0]), values, rtol=1e-9, atol=1e-30)
     np.testing.assert_allclose(float(result.state.params["w"][0]), x, rtol=1e-12)
     assert abs(x - C_TRAIN) < 1e-3 * (1 - 0.1) ** windows
+
+
+def _closed_form_offline_trajectory(kind, lr0, outer_lr, steps):
+  """SGD on u for J(η) = ½ (x_R(η) − c_val)², x_R = c + (1 − η)^R (x_0 − c), in float64 NumPy: the T + 1 iterates u."""
+  to_u = {"log": np.log, "logit": lambda h: np.log(h / (1 - h))}[kind]
+  to_h = {"log": np.exp, "logit": lambda u: 1 / (1 + np.exp(-u))}[kind]
+  u, us = to_u(lr0), []
+  for _ in range(steps + 1):
+    us.append(u)
+    eta = to_h(u)
+    x = C_TRAIN + (1 - eta) ** TUNE_ROUNDS * (X0 - C_TRAIN)
+    dj_deta = (x - C_VAL) * (-TUNE_ROUNDS * (1 - eta) ** (TUNE_ROUNDS - 1) * (X0 - C_TRAIN))
+    u = u - outer_lr * dj_deta * (eta if kind == "log" else eta * (1 - eta))
+  return np.asarray(us), to_h
+
+
+@pytest.mark.parametrize("kind", ["log", "logit"])
+def test_average_is_the_mean_of_the_last_iterates_in_the_unconstrained_coordinates(kind):
+  """average=n: φ of the mean of the last n of the T + 1 iterates u. Against SGD on the closed form replayed in NumPy:
+  for "log" the geometric mean of the step sizes, for "logit" the sigmoid of the mean logit (neither is their
+  arithmetic mean, which is checked to differ); offline, the state is the closed-form run at the averaged η."""
+  steps, n, outer_lr = 6, 4, 4.0
+  us, to_h = _closed_form_offline_trajectory(kind, 0.02, outer_lr, steps)
+  expected = to_h(us[-n:].mean())
+  assert abs(expected - to_h(us[-n:]).mean()) > 1e-3 * expected  # the averages differ on this trajectory
+  with jax.enable_x64(True):
+    runs = {a: fo.hyper.tune(_scalar_fedavg, SCALAR_OBJECTIVE, {"lr": 0.02}, {"w": jnp.float64(X0)},
+                             jax.random.key(0), _scalar_batches(C_TRAIN), _scalar_batches(C_VAL), rounds=TUNE_ROUNDS,
+                             outer_steps=steps, optimizer=optax.sgd(outer_lr), parametrization={"lr": kind},
+                             average=a)
+            for a in (None, 1, n)}
+  np.testing.assert_allclose(np.asarray(runs[n].trajectory["lr"][0]), to_h(us), rtol=1e-9)
+  np.testing.assert_allclose(float(runs[n].hyper_params["lr"][0]), expected, rtol=1e-9)
+  x_at = C_TRAIN + (1 - expected) ** TUNE_ROUNDS * (X0 - C_TRAIN)
+  np.testing.assert_allclose(float(runs[n].state.params["w"][0]), x_at, rtol=1e-9)
+  # n = 1 and None are the last iterate.
+  for a in (None, 1):
+    np.testing.assert_allclose(float(runs[a].hyper_params["lr"][0]), to_h(us[-1]), rtol=1e-9)
+
+
+def test_online_average_of_every_iterate_keeps_the_run_and_refuses_bad_counts():
+  """Online, average=T+1: the geometric mean of the whole trajectory (start included); the state is the run's own
+  (the same with and without averaging). average outside [1, T + 1] or not an int: one-line errors."""
+  windows = 8
+  with jax.enable_x64(True):
+    args = (_scalar_fedavg, SCALAR_OBJECTIVE, {"lr": 0.1}, {"w": jnp.float64(X0)}, jax.random.key(0),
+            _scalar_batches(C_TRAIN), _scalar_batches(C_TRAIN))
+    kwargs = dict(rounds=1, outer_steps=windows, schedule="online", optimizer=optax.adam(0.2))
+    plain = fo.hyper.tune(*args, **kwargs)
+    averaged = fo.hyper.tune(*args, average=windows + 1, **kwargs)
+  lr = np.asarray(plain.trajectory["lr"][0], np.float64)
+  np.testing.assert_allclose(float(averaged.hyper_params["lr"][0]), np.exp(np.log(lr).mean()), rtol=1e-9)
+  np.testing.assert_allclose(float(averaged.state.params["w"][0]), float(plain.state.params["w"][0]), rtol=1e-12)
+  with pytest.raises(ValueError, match=r"average=10 exceeds the outer_steps \+ 1 = 9 iterates"):
+    fo.hyper.tune(*args, average=windows + 2, **kwargs)
+  with pytest.raises(ValueError, match="average .* must be a Python int >= 1"):
+    fo.hyper.tune(*args, average=0, **kwargs)
+  with pytest.raises(TypeError, match="average .* must be a Python int >= 1"):
+    fo.hyper.tune(*args, average=2.0, **kwargs)
