@@ -20,26 +20,42 @@ S: the state (model, FedAdam's two moments), A: one round's residuals. Only comp
 results of `hypergrad.json` as they are.
 
 Tuning. FedAdam's client and server learning rates on MNIST 5k (Dirichlet 0.5), and Ditto's λ and personal step
-size η on label-sorted MNIST 5k (2 shards of one label each per client), both with the 2NN MLP:
+size η on label-sorted MNIST 5k (2 shards of one label each per client), both with the 2NN MLP and R = 100 rounds,
+for seeds 0, 1, 2 (seed s: the partition and the clients' train/test split drawn with s, the model initialized from
+key(2s), the run's key, its init key and data stream, key(2s + 1)):
 
-* the grid: 5×5 log-spaced points, run as one `fo.sweep` program for R rounds; its best validation accuracy;
-* the hyper-gradient: `fo.hyper.tune(schedule="online")` from a start 10× below the grid's centre in every
-  hyper-parameter (the grid's smallest corner), windows of K rounds of one run of R rounds, Adam (0.3) on the log
-  hyper-parameters; then a fresh run of R rounds at the tuned values, from the same start and data stream as the
-  grid's runs. Reported: the validation accuracy of that fresh run (Ditto: of each client's personal model), and
-  of the tuning run itself;
-* offline: `fo.hyper.tune(schedule="offline")` from the same start, T = 6 outer steps (Adam 0.5), each
-  differentiating the whole R-round run (no short horizon), then the fresh run at the tuned values: 3R·T + R
-  rounds.
+* the grid: 5×5 log-spaced points, run as one `fo.sweep` program for R rounds (25R rounds); its best validation
+  accuracy, and for reference its point of least validation loss (the tuner's objective);
+* the protocol, from a start 10× below the grid's centre in every hyper-parameter (the grid's smallest corner),
+  the validation loss as objective (Ditto: of each client's personal model on its own test examples), Adam on the
+  log hyper-parameters:
+  1. online (`fo.hyper.tune(schedule="online", average=11)`): one run of R rounds in 20 windows of 5 rounds, each
+     window's hyper-gradient an Adam (0.3) step; the result is the geometric mean of the last 11 of the 21
+     iterates (tail averaging): 3R rounds;
+  2. whole-run steps (`schedule="offline"`): 3 Adam (0.3) steps from that mean, each differentiating the whole
+     R-round run from the start: 9R rounds;
+  3. the run at the tuned values: the offline schedule's final state, R rounds from the grid's start and data
+     stream (R rounds). Its validation accuracy (Ditto: of each client's personal model) is the one reported.
+  13R rounds in all, about half the grid's 25R.
+  Why the two stages: a window's hyper-gradient sees how h acts over 5 rounds, not over the run (short-horizon
+  bias, Wu et al. 2018), and late in the run it lowers the step sizes and λ; with Adam's constant step the last
+  iterate is wherever that drift and the overshoot of the climb from the start have left it. Averaging the second
+  half removes most of the oscillation, the whole-run steps remove the short-horizon bias.
+* diagnostics, not counted: fresh runs at the online schedule's last iterate (the protocol before averaging and the
+  whole-run steps), at its tail average, at the grid's best point (it must reproduce the grid's accuracy) and at
+  the tuned values (it must reproduce the protocol's run); seed 0 only, offline from the start: 6 steps of Adam 0.5
+  of the whole run from the start, then the run at the tuned values (19R rounds).
 
-Compute is counted in rounds trained, a backward round as two (the recomputed forward and the backward itself):
-the grid 25·R, the online tuning R + 2R = 3R, and the fresh run R: 4R in all. The validation data is the
-clients' test split (the grid's best point is chosen on it too).
+Compute is counted in rounds trained, a backward round as two (the recomputed forward and the backward itself).
+The validation data is the clients' test split (the grid's best point is chosen on it too, so it is the best of 25
+noisy estimates on 1,000 examples, where one example is 0.1 point).
 
-    python benchmarks/hypergrad.py            # R = 25 … 200 (memory), R = 100 (tuning); a GPU is advised
-    python benchmarks/hypergrad.py --quick    # a 784-16-16-10 MLP, R = 4, FedAdam only: a smoke test
+    python benchmarks/hypergrad.py                 # R = 25 … 200 (memory), R = 100 (tuning); a GPU is advised
+    python benchmarks/hypergrad.py --part tuning   # the tuning only (about 1.5 h on two CPU cores)
+    python benchmarks/hypergrad.py --quick         # a 784-16-16-10 MLP, R = 4, FedAdam, seed 0: a smoke test
 
-Writes benchmarks/results/hypergrad.json (`hypergrad_quick.json`).
+Writes benchmarks/results/hypergrad.json (`hypergrad_quick.json`) and docs/img/hypergrad_tuning.png (the grid with
+each seed's trajectories). `--part tuning` keeps the file's memory part and its earlier results.
 """
 
 from __future__ import annotations
@@ -60,7 +76,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import fedjax_opt as fo  # noqa: E402  pylint: disable=wrong-import-position
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "img", "hypergrad_tuning.png")
 SAMPLING = fo.Sampling(clients_per_round=10, batch_size=20, local_steps=10)
+ONLINE_LR = 0.3  # Adam on the log hyper-parameters, online windows
+REFINE_LR = 0.3  # Adam on the log hyper-parameters, whole-run steps
 
 
 def _data(partition: str, **options):
@@ -153,133 +172,283 @@ def memory(rounds_list, quick: bool) -> list[dict]:
   return rows
 
 
-def _grid_and_tune(name, make, dataset, validation, params, objective, accuracy, grid_axes, start, rounds, window,
-                   quick) -> dict:
-  grid = fo.sweep.grid(**grid_axes)
+def _evaluation(model, personalized: bool):
+  """`(state, validation) -> (accuracy, validation loss)`: the reported metric and the tuner's objective."""
+  accuracy = _accuracy(model, personalized)
+  loss = fo.hyper.validation_loss(model.loss_fn, personalized=personalized)
+  return lambda state, batches: (accuracy(state, batches), loss(state, batches))
+
+
+def _scan_rounds(algorithm_step, state, data_key, dataset, rounds, round_of):
+  def body(s, _):
+    batches = fo.data.sample_round(jax.random.fold_in(data_key, round_of(s)), dataset, deferred=True,
+                                   **SAMPLING.kwargs())
+    return algorithm_step(s, batches), None
+
+  return jax.lax.scan(body, state, None, length=rounds)[0]
+
+
+def _grid(make, grid, evaluation, params, key, dataset, validation, rounds):
+  """The 25 grid points as one `fo.sweep` program of R rounds: accuracy and validation loss of each."""
   swept = fo.sweep.vmap_algorithm(lambda **h: make(h), grid)
 
   @jax.jit
-  def run_grid(params, key, dataset, validation):
+  def run(params, key, dataset, validation):
     init_key, data_key = jax.random.split(key)
-    state = swept.init(params, init_key)
+    state = _scan_rounds(swept.step, swept.init(params, init_key), data_key, dataset, rounds, lambda s: s.round[0])
+    return jax.vmap(lambda s: evaluation(s, validation))(state)
 
-    def body(s, _):
-      r = s.round[0]
-      batches = fo.data.sample_round(jax.random.fold_in(data_key, r), dataset, deferred=True, **SAMPLING.kwargs())
-      return swept.step(s, batches), None
+  accuracy, loss = run(params, key, dataset, validation)
+  return np.asarray(accuracy), np.asarray(loss)
 
-    state = jax.lax.scan(body, state, None, length=rounds)[0]
-    return jax.vmap(lambda s: accuracy(s, validation))(state)
 
-  t0 = time.perf_counter()
-  grid_accuracy = np.asarray(jax.block_until_ready(run_grid(params, jax.random.key(1), dataset, validation)))
-  grid_seconds = time.perf_counter() - t0
-  best = int(np.argmax(grid_accuracy))
-  @jax.jit
-  def run_at(h, params, key, dataset, validation):
-    """R rounds of `make(h)` from the grid's start and data stream: the run the grid's member at h would be."""
+def _fresh_runs(make, evaluation, rounds):
+  """`(h {name: [M]}, params, key, dataset, validation) -> (accuracy [M], loss [M])`: R rounds of `make(h)` from
+  the grid's start and data stream (what the grid's member at h would be), M settings in one program."""
+
+  def one(h, params, key, dataset, validation):
     algorithm = make(h)
     init_key, data_key = jax.random.split(key)
+    state = _scan_rounds(algorithm.step, algorithm.init(params, init_key), data_key, dataset, rounds,
+                         lambda s: s.round)
+    return evaluation(state, validation)
 
-    def body(s, _):
-      batches = fo.data.sample_round(jax.random.fold_in(data_key, s.round), dataset, deferred=True,
-                                     **SAMPLING.kwargs())
-      return algorithm.step(s, batches), None
+  return jax.jit(jax.vmap(one, in_axes=(0, None, None, None, None)))
 
-    state = jax.lax.scan(body, algorithm.init(params, init_key), None, length=rounds)[0]
-    return accuracy(state, validation)
 
-  t0 = time.perf_counter()
-  result = fo.hyper.tune(make, objective, start, params, jax.random.key(1), dataset, validation, rounds=window,
-                         outer_steps=rounds // window, schedule="online", optimizer=optax.adam(0.3),
-                         sampling=SAMPLING)
-  online_accuracy = float(jax.jit(accuracy)(fo.sweep.member(result.state, 0), validation))
-  tuned = {k: v[0] for k, v in result.hyper_params.items()}
-  tuned_accuracy = float(run_at(tuned, params, jax.random.key(1), dataset, validation))
-  tune_seconds = time.perf_counter() - t0
-  # The check that run_at is the grid's run: at the grid's best point it gives the grid's accuracy.
-  at_best = float(run_at({k: jnp.asarray(v[best], jnp.float32) for k, v in grid.items()}, params,
-                         jax.random.key(1), dataset, validation))
-  out = {
-      "task": name, "rounds": rounds, "window": window,
-      "grid": {k: [float(v) for v in vals] for k, vals in grid_axes.items()},
-      "grid_accuracy": [float(a) for a in grid_accuracy],
-      "grid_best": {**{k: float(v[best]) for k, v in grid.items()}, "accuracy": float(grid_accuracy[best])},
-      "grid_rounds_trained": 25 * rounds, "grid_seconds": round(grid_seconds, 2),
-      "tune_start": {k: float(v) for k, v in start.items()},
-      "tune_trajectory": {k: [float(x) for x in np.asarray(v[0])] for k, v in result.trajectory.items()},
-      "tune_validation_loss": [float(x) for x in np.asarray(result.values[0])],
-      "tune_online_accuracy": online_accuracy, "tune_accuracy": tuned_accuracy,
-      "tune_rounds_trained": 4 * rounds, "tune_seconds": round(tune_seconds, 2),
-      "grid_best_rerun_accuracy": at_best,
+def _floats(x):
+  return [float(v) for v in np.asarray(x).reshape(-1)]
+
+
+def _h(values, index=None):
+  return {k: float(np.asarray(v).reshape(-1)[0 if index is None else index]) for k, v in values.items()}
+
+
+def _protocol(make, objective, evaluation, start, params, key, dataset, validation, rounds, window, refine_steps):
+  """The tuning protocol: online windows with tail averaging, then whole-run offline steps from the average.
+
+  Returns the record of one seed's tuning, its accuracy that of the run at the tuned values (the offline
+  schedule's final state: R rounds from the start, as the grid's member at those values would run)."""
+  windows = rounds // window
+  online = fo.hyper.tune(make, objective, start, params, key, dataset, validation, rounds=window,
+                         outer_steps=windows, schedule="online", optimizer=optax.adam(ONLINE_LR), sampling=SAMPLING,
+                         average=windows // 2 + 1)
+  averaged = {k: v[0] for k, v in online.hyper_params.items()}
+  refined = fo.hyper.tune(make, objective, averaged, params, key, dataset, validation, rounds=rounds,
+                          outer_steps=refine_steps, schedule="offline", optimizer=optax.adam(REFINE_LR),
+                          sampling=SAMPLING)
+  accuracy, loss = jax.jit(evaluation)(fo.sweep.member(refined.state, 0), validation)
+  return {
+      "online_trajectory": {k: _floats(v[0]) for k, v in online.trajectory.items()},
+      "online_validation_loss": _floats(online.values[0]),
+      "online_average": _h(online.hyper_params),
+      "refine_trajectory": {k: _floats(v[0]) for k, v in refined.trajectory.items()},
+      "refine_validation_loss": _floats(refined.values[0]),
+      "tuned": _h(refined.hyper_params),
+      "tune_accuracy": float(accuracy), "tune_validation_loss": float(loss),
   }
-  out["gap_points"] = round(100 * (out["grid_best"]["accuracy"] - tuned_accuracy), 2)
-  # Offline: every outer step differentiates the whole R-round run from the same start (no short-horizon bias),
-  # 3R rounds a step; T steps and the fresh run stay under the grid's 25R.
-  outer = 2 if quick else 6
+
+
+def _seed_record(name, make, evaluation, objective, grid_axes, start, params, key, dataset, validation, rounds,
+                 window, refine_steps, offline_from_start) -> dict:
+  grid = fo.sweep.grid(**grid_axes)
   t0 = time.perf_counter()
-  offline = fo.hyper.tune(make, objective, start, params, jax.random.key(1), dataset, validation, rounds=rounds,
-                          outer_steps=outer, schedule="offline", optimizer=optax.adam(0.5), sampling=SAMPLING)
-  tuned_offline = {k: v[0] for k, v in offline.hyper_params.items()}
-  offline_accuracy = float(run_at(tuned_offline, params, jax.random.key(1), dataset, validation))
+  grid_accuracy, grid_loss = _grid(make, grid, evaluation, params, key, dataset, validation, rounds)
+  grid_seconds = time.perf_counter() - t0
+  best, best_by_loss = int(np.argmax(grid_accuracy)), int(np.argmin(grid_loss))
+  t0 = time.perf_counter()
+  out = _protocol(make, objective, evaluation, start, params, key, dataset, validation, rounds, window, refine_steps)
+  tune_seconds = time.perf_counter() - t0
   out.update({
-      "offline_outer_steps": outer, "offline_accuracy": offline_accuracy,
-      "offline_trajectory": {k: [float(x) for x in np.asarray(v[0])] for k, v in offline.trajectory.items()},
-      "offline_validation_loss": [float(x) for x in np.asarray(offline.values[0])],
-      "offline_rounds_trained": 3 * rounds * outer + rounds,
-      "offline_seconds": round(time.perf_counter() - t0, 2),
-      "offline_gap_points": round(100 * (out["grid_best"]["accuracy"] - offline_accuracy), 2),
+      "grid_accuracy": _floats(grid_accuracy), "grid_validation_loss": _floats(grid_loss),
+      "grid_best": {**_h(grid, best), "accuracy": float(grid_accuracy[best]),
+                    "validation_loss": float(grid_loss[best])},
+      "grid_best_by_loss": {**_h(grid, best_by_loss), "accuracy": float(grid_accuracy[best_by_loss]),
+                            "validation_loss": float(grid_loss[best_by_loss])},
+      "grid_rounds_trained": 25 * rounds, "grid_seconds": round(grid_seconds, 2),
+      "tune_rounds_trained": 3 * rounds + 3 * rounds * refine_steps + rounds, "tune_seconds": round(tune_seconds, 2),
   })
-  print(f"{name}: offline hyper-gradient ({outer} steps of the whole run) {100 * offline_accuracy:.2f}% at "
-        f"{ {k: round(float(v), 5) for k, v in tuned_offline.items()} } ({out['offline_rounds_trained']} rounds)",
+  out["gap_points"] = round(100 * (out["grid_best"]["accuracy"] - out["tune_accuracy"]), 2)
+  # Diagnostics, not part of the protocol (R rounds each, not counted): fresh runs at the online schedule's last
+  # iterate (the protocol before tail averaging and refinement), at its tail average, at the grid's best point
+  # (which must give the grid's accuracy: the fresh run is the grid's member) and at the tuned values.
+  last = {k: v[-1] for k, v in out["online_trajectory"].items()}
+  points = [last, out["online_average"], _h(grid, best), out["tuned"]]
+  accuracy, loss = _fresh_runs(make, evaluation, rounds)(
+      {k: jnp.asarray([p[k] for p in points], jnp.float32) for k in grid}, params, key, dataset, validation)
+  out["online_last"] = {**last, "accuracy": float(accuracy[0]), "validation_loss": float(loss[0])}
+  out["online_average"] = {**out["online_average"], "accuracy": float(accuracy[1]), "validation_loss": float(loss[1])}
+  out["grid_best_rerun_accuracy"] = float(accuracy[2])
+  out["tuned_rerun_accuracy"] = float(accuracy[3])  # must be tune_accuracy: the offline state is that run
+  if offline_from_start:
+    # Offline from the start: every outer step differentiates the whole R-round run (no short-horizon bias),
+    # 3R rounds a step; T steps and the run at the tuned values.
+    outer = 2 if rounds < 10 else 6
+    t0 = time.perf_counter()
+    offline = fo.hyper.tune(make, objective, start, params, key, dataset, validation, rounds=rounds,
+                            outer_steps=outer, schedule="offline", optimizer=optax.adam(0.5), sampling=SAMPLING)
+    offline_accuracy, _ = jax.jit(evaluation)(fo.sweep.member(offline.state, 0), validation)
+    out["offline_from_start"] = {
+        "outer_steps": outer, "adam": 0.5, "accuracy": float(offline_accuracy),
+        "trajectory": {k: _floats(v[0]) for k, v in offline.trajectory.items()},
+        "validation_loss": _floats(offline.values[0]), "rounds_trained": 3 * rounds * outer + rounds,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "gap_points": round(100 * (out["grid_best"]["accuracy"] - float(offline_accuracy)), 2)}
+  print(f"{name}: grid best {100 * out['grid_best']['accuracy']:.1f}% at {_h(grid, best)} ({25 * rounds} rounds, "
+        f"{grid_seconds:.0f} s); tuned {100 * out['tune_accuracy']:.1f}% at "
+        f"{ {k: round(v, 4) for k, v in out['tuned'].items()} } ({out['tune_rounds_trained']} rounds, "
+        f"{tune_seconds:.0f} s; gap {out['gap_points']:+.1f} points); online last iterate "
+        f"{100 * out['online_last']['accuracy']:.1f}%, its average {100 * out['online_average']['accuracy']:.1f}%",
         flush=True)
-  print(f"{name}: grid best {100 * out['grid_best']['accuracy']:.2f}% at {out['grid_best']}  ({25 * rounds} rounds, "
-        f"{grid_seconds:.1f} s); hyper-gradient {100 * tuned_accuracy:.2f}% ending at "
-        f"{ {k: round(v[-1], 5) for k, v in out['tune_trajectory'].items()} } (tuning run "
-        f"{100 * online_accuracy:.2f}%; {4 * rounds} rounds, "
-        f"{tune_seconds:.1f} s)", flush=True)
   return out
 
 
-def tuning(rounds: int, window: int, quick: bool) -> list[dict]:
+def _summary(records: list[dict]) -> dict:
+  out = {}
+  for key, get in (("grid_best_accuracy", lambda r: r["grid_best"]["accuracy"]),
+                   ("tune_accuracy", lambda r: r["tune_accuracy"]), ("gap_points", lambda r: r["gap_points"]),
+                   ("online_last_accuracy", lambda r: r["online_last"]["accuracy"]),
+                   ("online_average_accuracy", lambda r: r["online_average"]["accuracy"])):
+    values = np.asarray([get(r) for r in records], np.float64)
+    out[key] = {"mean": round(float(values.mean()), 4), "std": round(float(values.std(ddof=1)), 4)
+                if len(values) > 1 else 0.0, "min": float(values.min()), "max": float(values.max())}
+  out["seeds_within_half_a_point"] = int(sum(r["gap_points"] <= 0.5 for r in records))
+  return out
+
+
+def _seed_inputs(model, seed: int, partition: str, **options):
+  """Seed s: the partition and the clients' train/test split drawn with seed s, the model initialized from
+  key(2s), the run's key (the algorithm's init key and the data stream) key(2s + 1)."""
+  dataset = fo.data.load("mnist5k", partition=partition, num_clients=100, seed=seed, test_fraction=0.2,
+                         flatten=True, **options)
+  validation = fo.data.client_batches(dataset, 50, split="test")
+  return dataset, validation, model.init(jax.random.key(2 * seed)), jax.random.key(2 * seed + 1)
+
+
+def tuning(rounds: int, window: int, quick: bool, seeds=(0,), refine_steps: int = 3) -> list[dict]:
   model = _model(quick)
-  params = model.init(jax.random.key(0))
-  out = []
-  dataset, validation = _data("dirichlet", alpha=0.5)
-  out.append(_grid_and_tune(
-      "FedAdam, MNIST 5k Dirichlet(0.5)", _fedadam(model), dataset, validation, params,
-      fo.hyper.validation_loss(model.loss_fn), _accuracy(model, False),
-      {"client_lr": np.geomspace(0.01, 1.0, 5), "server_lr": np.geomspace(3e-4, 3e-2, 5)},
-      {"client_lr": 0.01, "server_lr": 3e-4}, rounds, window, quick))
+  tasks = [("FedAdam, MNIST 5k Dirichlet(0.5)", ("dirichlet", {"alpha": 0.5}), False,
+            lambda dataset: _fedadam(model),
+            {"client_lr": np.geomspace(0.01, 1.0, 5), "server_lr": np.geomspace(3e-4, 3e-2, 5)},
+            {"client_lr": 0.01, "server_lr": 3e-4}),
+           ("Ditto, label-sorted MNIST 5k", ("shards", {"shards_per_client": 2}), True,
+            lambda dataset: _ditto(model, dataset.num_clients),
+            {"lam": np.geomspace(0.01, 1.0, 5), "eta": np.geomspace(0.003, 0.3, 5)}, {"lam": 0.01, "eta": 0.003})]
   if quick:  # one task is enough for a smoke test
-    return out
-  dataset, validation = _data("shards", shards_per_client=2)
-  out.append(_grid_and_tune(
-      "Ditto, label-sorted MNIST 5k", _ditto(model, dataset.num_clients), dataset, validation, params,
-      fo.hyper.validation_loss(model.loss_fn, personalized=True), _accuracy(model, True),
-      {"lam": np.geomspace(0.01, 1.0, 5), "eta": np.geomspace(0.003, 0.3, 5)}, {"lam": 0.01, "eta": 0.003},
-      rounds, window, quick))
+    tasks = tasks[:1]
+  out = []
+  for name, (partition, options), personalized, factory, grid_axes, start in tasks:
+    records = []
+    for i, seed in enumerate(seeds):
+      dataset, validation, params, key = _seed_inputs(model, seed, partition, **options)
+      record = _seed_record(f"{name}, seed {seed}", factory(dataset), _evaluation(model, personalized),
+                            fo.hyper.validation_loss(model.loss_fn, personalized=personalized), grid_axes, start,
+                            params, key, dataset, validation, rounds, window, refine_steps, offline_from_start=i == 0)
+      records.append({"seed": seed, **record})
+    out.append({
+        "task": name, "rounds": rounds, "window": window, "online_adam": ONLINE_LR,
+        "online_average_last": rounds // window // 2 + 1, "refine_steps": refine_steps, "refine_adam": REFINE_LR,
+        "grid": {k: [float(v) for v in vals] for k, vals in grid_axes.items()},
+        "tune_start": {k: float(v) for k, v in start.items()},
+        "seeds": records, "summary": _summary(records)})
   return out
+
+
+def plot(tuning_rows: list[dict], path: str) -> None:
+  """Per task (rows) and seed (columns): the grid's accuracy on log axes, the online trajectory, its tail average
+  and the whole-run refinement, the tuned point and the grid's best."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  columns = max(len(task["seeds"]) for task in tuning_rows)
+  fig, axes = plt.subplots(len(tuning_rows), columns, figsize=(4.0 * columns + 1, 3.6 * len(tuning_rows) + 0.8),
+                           squeeze=False, layout="constrained")
+  for row, task in zip(axes, tuning_rows):
+    (yname, ys), (xname, xs) = list(task["grid"].items())
+    ly, lx = np.log10(ys), np.log10(xs)
+    dy, dx = (ly[1] - ly[0]) / 2, (lx[1] - lx[0]) / 2
+    for ax, rec in zip(row, task["seeds"]):
+      accuracy = 100 * np.asarray(rec["grid_accuracy"]).reshape(len(ys), len(xs))
+      top = accuracy.max()
+      image = ax.imshow(accuracy, origin="lower", cmap="viridis", vmin=top - 10, vmax=top, aspect="auto",
+                        extent=(lx[0] - dx, lx[-1] + dx, ly[0] - dy, ly[-1] + dy))
+      for i in range(len(ys)):
+        for j in range(len(xs)):
+          ax.text(lx[j], ly[i], f"{accuracy[i, j]:.1f}", ha="center", va="center", fontsize=7,
+                  color="white" if accuracy[i, j] < top - 5 else "black")
+      line = lambda t: (np.log10(t[xname]), np.log10(t[yname]))  # noqa: E731
+      ax.plot(*line(rec["online_trajectory"]), ".-", color="tab:orange", lw=1, ms=3,
+              label="online: one iterate per window of 5 rounds")
+      ax.plot(*line(rec["refine_trajectory"]), "o-", color="tab:red", lw=1.2, ms=3,
+              label="whole-run steps from the online iterates' tail average")
+      ax.plot(np.log10(rec["tuned"][xname]), np.log10(rec["tuned"][yname]), "*", color="tab:red", ms=13,
+              mec="white", label="tuned")
+      ax.plot(np.log10(rec["grid_best"][xname]), np.log10(rec["grid_best"][yname]), "s", mfc="none", mec="cyan",
+              ms=14, mew=1.5, label="the grid's best point")
+      ax.set_xlim(lx[0] - dx, lx[-1] + dx)
+      ax.set_ylim(ly[0] - dy, ly[-1] + dy)
+      ax.set_xlabel(f"log10 {xname}")
+      if ax is row[0]:
+        ax.set_ylabel(f"log10 {yname}")
+      ax.set_title(f"{task['task'].split(',')[0]}, seed {rec['seed']}: grid {100 * rec['grid_best']['accuracy']:.1f}%,"
+                   f" tuned {100 * rec['tune_accuracy']:.1f}%", fontsize=9)
+    fig.colorbar(image, ax=row.tolist(), label="validation accuracy (%)", shrink=0.9)
+  handles, labels = axes[0, 0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="outside lower center", ncol=4, fontsize=8)
+  fig.suptitle(f"Hyper-gradient tuning against a 5×5 grid, R = {tuning_rows[0]['rounds']} (the grid: 25R rounds; "
+               f"the tuning: {tuning_rows[0]['seeds'][0]['tune_rounds_trained'] // tuning_rows[0]['rounds']}R)",
+               fontsize=10)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _platform() -> dict:
+  return {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+          "platform": platform.platform(), "jax": jax.__version__}
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="small R: a smoke test")
   parser.add_argument("--part", choices=("all", "memory", "tuning"), default="all")
+  parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                      help="tuning: the seeds (partition, model, data stream); default 0 1 2 (0 with --quick)")
   parser.add_argument("--out-dir", default=RESULTS)
+  parser.add_argument("--plot", default=PLOT, help="tuning: where the plot goes ('' for none)")
+  parser.add_argument("--plot-only", action="store_true",
+                      help="redraw the plot from the tuning results already in the JSON, without running anything")
   args = parser.parse_args(argv)
-  report = {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
-            "platform": platform.platform(), "jax": jax.__version__, "quick": args.quick}
+  if args.plot_only:
+    with open(os.path.join(args.out_dir, "hypergrad.json")) as f:
+      plot(json.load(f)["tuning"], args.plot)
+    print(f"wrote {args.plot}")
+    return None
+  seeds = tuple(args.seeds) if args.seeds else ((0,) if args.quick else (0, 1, 2))
+  report = {"quick": args.quick}
   if args.part in ("all", "memory"):
+    report["memory_platform"] = _platform()
     report["memory"] = memory((4,) if args.quick else (25, 50, 100, 200), args.quick)
   if args.part in ("all", "tuning"):
-    report["tuning"] = tuning(4 if args.quick else 100, 2 if args.quick else 5, args.quick)
+    report["tuning_platform"] = _platform()
+    start = time.perf_counter()
+    report["tuning"] = tuning(4 if args.quick else 100, 2 if args.quick else 5, args.quick, seeds,
+                              refine_steps=1 if args.quick else 3)
+    report["tuning_seconds"] = round(time.perf_counter() - start, 1)
   os.makedirs(args.out_dir, exist_ok=True)
   name = "hypergrad_memory" if args.part == "memory" else "hypergrad"
   path = os.path.join(args.out_dir, f"{name}_quick.json" if args.quick else f"{name}.json")
+  if args.part == "tuning" and os.path.exists(path):
+    # Keep the memory part (and any earlier results kept as history) of a full run's file.
+    with open(path) as f:
+      kept = {k: v for k, v in json.load(f).items() if k.startswith(("memory", "earlier_"))}
+    report = {**kept, **report}
   with open(path, "w") as f:
     json.dump(report, f, indent=1)
   print(f"wrote {path}")
+  if args.part in ("all", "tuning") and args.plot and not args.quick:
+    plot(report["tuning"], args.plot)
+    print(f"wrote {args.plot}")
   return report
 
 
