@@ -100,6 +100,14 @@ the last one (Polyak–Ruppert tail averaging: Polyak, Juditsky, "Acceleration
 of Stochastic Approximation by Averaging", SIAM J. Control Optim. 1992; for
 "log", the geometric mean of the last n values).
 
+`select=score` (offline) returns, of the settings whose runs the tuning
+trained (h_0, …, h_{T−1}, each run once for its hyper-gradient, and the
+tuned value's final run), the one with the least `score(state,
+validation)`, with its state: the rule a grid search reports its best point
+by (e.g. the negative validation accuracy), applied to the tuner's own runs,
+at no extra round (the scores are read from states the tuning computes
+anyway; the best state so far is carried, one state more in memory).
+
 Several starting settings `[M]` run as one vmapped program, as `fo.sweep`
 runs a grid.
 """
@@ -487,6 +495,10 @@ class TuneResult(NamedTuple):
     state: online, the final state of the M runs (leaves `[M, ...]`); offline, the state after R rounds from the
       start at the tuned values `hyper_params` (after the last update, or averaged; `values` stops at the h before
       the last update).
+    scores: with `select`, `[M, T + 1]`: the score of the run at each h_t, t < T, then at the last (or averaged)
+      value (a NaN score is reported as NaN and chosen as +∞); None without.
+    selected: with `select`, `[M]` ints: the index into `scores` of the returned setting (T: the last or averaged
+      value); None without.
   """
 
   hyper_params: dict[str, jax.Array]
@@ -494,6 +506,8 @@ class TuneResult(NamedTuple):
   values: jax.Array
   gradients: dict[str, jax.Array]
   state: PyTree
+  scores: jax.Array | None = None
+  selected: jax.Array | None = None
 
 
 def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callable[[PyTree, Any], jax.Array],
@@ -502,7 +516,8 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
          optimizer: optax.GradientTransformation | None = None, sampling: Sampling | None = None,
          parametrization: Mapping[str, str] | None = None, truncate: int | None = None,
          checkpoint: int | str | None = 1, checkpoint_local_steps: bool = False, mode: str = "reverse",
-         callback: Callable | None = None, average: int | None = None) -> TuneResult:
+         callback: Callable | None = None, average: int | None = None,
+         select: Callable[[PyTree, Any], jax.Array] | None = None) -> TuneResult:
   """Tunes the hyper-parameters with optax on u = φ⁻¹(h), by hyper-gradients; M starting settings in one program.
 
       offline:  u ← u − OuterOpt(∇_u J(u)),  J(u) the objective after R rounds from the same start, T times
@@ -526,6 +541,9 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
     average: None (the tuned values are the last iterate) or n in [1, T + 1]: φ of the mean of the last n
       iterates u_{T+1−n}, …, u_T in the unconstrained coordinates (tail averaging, module docstring; u_0 is the
       start, u_T the value after the last update, so n = 1 is the last iterate and n = T + 1 every one).
+    select: None, or `score(state, validation) -> scalar` (offline only): the tuned values are those, of h_0, …,
+      h_{T−1} and the last (or averaged) value, whose run has the least score (NaN counts as +∞; the first of equal
+      scores), and `state` is that run (module docstring). E.g. `lambda s, v: -accuracy(s, v)`.
 
   Returns:
     `TuneResult` (leading axis M; M = 1 when the starting values are scalars).
@@ -549,6 +567,13 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
     if average > outer_steps + 1:
       raise ValueError(f"average={average} exceeds the outer_steps + 1 = {outer_steps + 1} iterates (the start and "
                        "one after each outer step).")
+  if select is not None:
+    if not callable(select):
+      raise TypeError(f"select must be None or a callable (state, validation) -> scalar; got "
+                      f"{type(select).__name__}.")
+    if schedule != "offline":
+      raise ValueError("select chooses among the offline schedule's runs (each R rounds from the same start); the "
+                       "online schedule's windows are parts of one run, not runs to choose from.")
   report = _reporter(callback, parametrization)
   hyper_params = _check_hyper(hyper_params, "hyper_params")
   shapes = {name: np.shape(v) for name, v in hyper_params.items()}
@@ -570,18 +595,56 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
       return u_end
     return jax.tree.map(lambda a, b: jnp.mean(jnp.concatenate([a, b[None]])[-average:], axis=0), us, u_end)
 
+  def score(state):
+    value = jnp.asarray(select(state, validation))
+    if jnp.ndim(value) != 0:
+      raise ValueError(f"select must return a scalar; got shape {tuple(jnp.shape(value))}.")
+    return value
+
+  def better(best, candidate):
+    """The candidate `(score, index, u, state)` if its score is below the best one's (NaN as +∞), else the best."""
+    key = lambda value: jnp.where(jnp.isnan(value), jnp.inf, value)  # noqa: E731
+    take = key(candidate[0]) < key(best[0])
+    return jax.tree.map(lambda c, b: jnp.where(take, c, b), candidate, best)
+
   def offline(u, setting):
-    def outer(carry, step):
-      u, opt_state = carry
-      (value, _), grad = vg(u, params, key, data, validation)
+    def one_step(u, opt_state, step):
+      (value, state), grad = vg(u, params, key, data, validation)
       report(setting, step, u, value, grad)
       updates, opt_state = optimizer.update(grad, opt_state, u)
-      return (optax.apply_updates(u, updates), opt_state), (u, value, grad)
+      return optax.apply_updates(u, updates), opt_state, (u, value, grad), state
 
-    (u_end, _), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u)), jnp.arange(outer_steps))
+    def outer(carry, step):
+      u, opt_state = carry
+      u, opt_state, out, _ = one_step(u, opt_state, step)
+      return (u, opt_state), out
+
+    if select is None:
+      (u_end, _), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u)), jnp.arange(outer_steps))
+      u_tuned = tuned(us, u_end)
+      _, state = f(u_tuned, params, key, data, validation)
+      return u_tuned, u_end, us, values, grads, state, None, None
+
+    # The first step outside the scan: its run is the first best (score, index, u, state) carried through.
+    steps = jnp.arange(outer_steps)
+    u1, opt_state, first, state = one_step(u, optimizer.init(u), steps[0])
+    first_score = score(state)
+    best = (first_score, steps[0], u, state)
+
+    def outer_selecting(carry, step):
+      u, opt_state, best = carry
+      u, opt_state, out, state = one_step(u, opt_state, step)
+      s = score(state)
+      return (u, opt_state, better(best, (s, step, out[0], state))), (out, s)
+
+    (u_end, _, best), (rest, rest_scores) = jax.lax.scan(outer_selecting, (u1, opt_state, best), steps[1:])
+    us, values, grads = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), first, rest)
     u_tuned = tuned(us, u_end)
     _, state = f(u_tuned, params, key, data, validation)
-    return u_tuned, u_end, us, values, grads, state
+    last = score(state)
+    _, selected, u_selected, state = better(best, (last, jnp.asarray(outer_steps, steps.dtype), u_tuned, state))
+    scores = jnp.concatenate([first_score[None], rest_scores, last[None]])
+    return u_selected, u_end, us, values, grads, state, scores, selected
 
   def online(u, setting):
     init_key, data_key = _keys(key)
@@ -604,13 +667,14 @@ def tune(make_algorithm: Callable[[dict], FederatedAlgorithm], objective: Callab
 
     (u_end, _, state), (us, values, grads) = jax.lax.scan(outer, (u, optimizer.init(u), state0),
                                                           jnp.arange(outer_steps))
-    return tuned(us, u_end), u_end, us, values, grads, state
+    return tuned(us, u_end), u_end, us, values, grads, state, None, None
 
   program = jax.jit(jax.vmap(offline if schedule == "offline" else online))
   u0 = _as_float(u0)
-  u_tuned, u_end, us, values, grads, state = program(u0, jnp.arange(np.shape(next(iter(u0.values())))[0]))
+  u_tuned, u_end, us, values, grads, state, scores, selected = program(
+      u0, jnp.arange(np.shape(next(iter(u0.values())))[0]))
   h_end = constrain(u_end, parametrization)
   h_steps = constrain(us, parametrization)  # [M, T]
   trajectory = {name: jnp.concatenate([h_steps[name], h_end[name][:, None]], axis=1) for name in h_end}
   return TuneResult(hyper_params=constrain(u_tuned, parametrization), trajectory=trajectory, values=values,
-                    gradients=grads, state=state)
+                    gradients=grads, state=state, scores=scores, selected=selected)

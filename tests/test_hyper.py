@@ -396,3 +396,65 @@ def test_online_average_of_every_iterate_keeps_the_run_and_refuses_bad_counts():
     fo.hyper.tune(*args, average=0, **kwargs)
   with pytest.raises(TypeError, match="average .* must be a Python int >= 1"):
     fo.hyper.tune(*args, average=2.0, **kwargs)
+
+
+def _scalar_run_end(eta):
+  """x_R after R rounds of x ← x − η (x − c) from x_0 (the closed form of the scalar problem)."""
+  return C_TRAIN + (1 - eta) ** TUNE_ROUNDS * (X0 - C_TRAIN)
+
+
+@pytest.mark.parametrize("average, nan_first", [(None, False), (4, False), (None, True)])
+def test_select_returns_the_trained_run_of_least_score(average, nan_first):
+  """select=score, offline: of h_0, …, h_{T−1} and the tuned (last or averaged) value, the one whose run has the
+  least score, with that run's state. Against the closed form replayed in float64 NumPy, with a score that is not
+  the objective (|x_R − 0.2|): the least is an inner iterate (t = 4 of 6) without averaging and the averaged value
+  with average=4; a NaN score counts as +∞ in the choice (here the first run's, which a plain comparison would
+  keep) and is reported as NaN."""
+  steps, outer_lr, target = 6, 4.0, 0.2
+  us, to_h = _closed_form_offline_trajectory("log", 0.02, outer_lr, steps)
+  final = to_h(us[-average:].mean()) if average else to_h(us[-1])
+  etas = np.append(to_h(us[:-1]), final)
+  expected_scores = np.abs(_scalar_run_end(etas) - target)
+  if nan_first:
+    expected_scores[0] = np.nan
+  index = int(np.argmin(np.where(np.isnan(expected_scores), np.inf, expected_scores)))
+  assert index == (steps if average else 4)
+
+  def score(state, validation):
+    del validation
+    x = state.params["w"]
+    value = jnp.abs(x - target)
+    return jnp.where(x < 0.1, jnp.nan, value) if nan_first else value
+
+  with jax.enable_x64(True):
+    result = fo.hyper.tune(_scalar_fedavg, SCALAR_OBJECTIVE, {"lr": [0.02, 0.02]}, {"w": jnp.float64(X0)},
+                           jax.random.key(0), _scalar_batches(C_TRAIN), _scalar_batches(C_VAL), rounds=TUNE_ROUNDS,
+                           outer_steps=steps, optimizer=optax.sgd(outer_lr), average=average, select=score)
+  assert result.scores.shape == (2, steps + 1) and result.selected.shape == (2,)
+  for m in range(2):  # both settings of the one program select alike
+    np.testing.assert_allclose(np.asarray(result.scores[m]), expected_scores, rtol=1e-9)
+    assert int(result.selected[m]) == index
+    np.testing.assert_allclose(float(result.hyper_params["lr"][m]), etas[index], rtol=1e-9)
+    np.testing.assert_allclose(float(result.state.params["w"][m]), _scalar_run_end(etas[index]), rtol=1e-9)
+    np.testing.assert_allclose(np.asarray(result.trajectory["lr"][m]), to_h(us), rtol=1e-9)
+
+
+def test_select_keeps_the_first_of_equal_scores_and_refuses_bad_uses():
+  """Equal scores: the first run (h_0). Online, a non-callable or a non-scalar score: one-line errors."""
+  with jax.enable_x64(True):
+    args = (_scalar_fedavg, SCALAR_OBJECTIVE, {"lr": 0.1}, {"w": jnp.float64(X0)}, jax.random.key(0),
+            _scalar_batches(C_TRAIN), _scalar_batches(C_VAL))
+    tie = fo.hyper.tune(*args, rounds=2, outer_steps=3, optimizer=optax.sgd(4.0),
+                        select=lambda state, validation: 0.0 * state.params["w"])
+    assert int(tie.selected[0]) == 0 and np.all(np.asarray(tie.scores) == 0)
+    assert float(tie.hyper_params["lr"][0]) == pytest.approx(0.1, rel=1e-12)
+    assert float(tie.trajectory["lr"][0, -1]) != pytest.approx(0.1, rel=1e-3)  # the later runs differ
+    score = lambda state, validation: state.params["w"]  # noqa: E731
+    with pytest.raises(ValueError, match="select chooses among the offline schedule's runs"):
+      fo.hyper.tune(*args, rounds=1, outer_steps=2, schedule="online", select=score)
+    with pytest.raises(TypeError, match="select must be None or a callable"):
+      fo.hyper.tune(*args, rounds=1, outer_steps=2, select="accuracy")
+    with pytest.raises(ValueError, match=r"select must return a scalar; got shape \(2,\)"):
+      fo.hyper.tune(*args, rounds=1, outer_steps=2, select=lambda s, v: jnp.stack([s.params["w"]] * 2))
+    plain = fo.hyper.tune(*args, rounds=1, outer_steps=2)
+  assert plain.scores is None and plain.selected is None

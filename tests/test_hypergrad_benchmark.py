@@ -3,7 +3,8 @@
 The memory rows' ratios are recomputed from their byte counts; checkpointing per round must hold less than the
 forward run's residuals kept for every round would (that is what it is for); the tuning row's grid is 25 points and
 its best point is the arg-max of the grid's accuracies; the tuned values are the protocol's (the tail average of the
-online iterates, then the whole-run steps from it), and the fresh runs reproduce the grid's and the tuning's runs.
+online iterates, the whole-run steps from it, and the best of their runs by validation accuracy), and the fresh runs
+reproduce the grid's and the tuning's runs.
 """
 
 from __future__ import annotations
@@ -49,7 +50,15 @@ def test_quick_run(tmp_path):
   for name, values in record["online_trajectory"].items():
     assert record["online_average"][name] == pytest.approx(np.exp(np.mean(np.log(values[-n:]))), rel=1e-5)
     assert record["refine_trajectory"][name][0] == pytest.approx(record["online_average"][name], rel=1e-5)
-    assert record["tuned"][name] == pytest.approx(record["refine_trajectory"][name][-1], rel=1e-6)
+    assert record["refine_last"][name] == pytest.approx(record["refine_trajectory"][name][-1], rel=1e-6)
+  # The result is the whole-run steps' run of best validation accuracy (the grid's rule), and is that run.
+  refine_accuracy = record["refine_accuracy"]
+  assert len(refine_accuracy) == task["refine_steps"] + 1
+  assert record["selected"] == int(np.argmax(refine_accuracy))
+  assert record["tune_accuracy"] == pytest.approx(max(refine_accuracy), abs=1e-6)
+  assert record["refine_last"]["accuracy"] == pytest.approx(refine_accuracy[-1], abs=1e-6)
+  for name, values in record["refine_trajectory"].items():
+    assert record["tuned"][name] == pytest.approx(values[record["selected"]], rel=1e-6)
   assert len(record["refine_validation_loss"]) == task["refine_steps"]
   offline = record["offline_from_start"]
   assert len(offline["validation_loss"]) == offline["outer_steps"]
