@@ -2,8 +2,8 @@
 
 Everything runs in this process (`cli.main(argv)`); the refusals in the default tier, the tuning (about 9 s of
 compilation) in the slow one. The end-to-end tuning is FedAdam on digits with logistic regression, 2 outer steps of
-2 rounds: its tune.json must start at the registry's defaults, each outer step must be
-the Adam step that NumPy computes from the recorded gradients, its first gradient must equal `fo.hyper.value_and_grad`
+2 rounds averaging the last 2 values: its tune.json must start at the registry's defaults, each outer step must be
+the Adam step that NumPy computes from the recorded gradients, the tuned values their geometric mean, its first gradient must equal `fo.hyper.value_and_grad`
 built here from the factories, and the run trained afterwards must have used the tuned values (its config.json, and
 its test loss equal to the validation loss the tuning computed at them).
 """
@@ -43,6 +43,9 @@ FEDADAM = ["tune", "--algorithms", "fedadam", "--tune", "server_lr"]
     ([*FEDADAM, "--outer-steps", "2.5"], "--outer-steps must be a positive integer; got '2.5'"),
     ([*FEDADAM, "--outer-lr", "-0.1"], "--outer-lr must be a positive number; got '-0.1'"),
     ([*FEDADAM, "--schedule", "nightly"], "argument --schedule: invalid choice: 'nightly'"),
+    ([*FEDADAM, "--average", "0"], "--average must be a positive integer; got '0'"),
+    ([*FEDADAM, "--outer-steps", "3", "--average", "5"],
+     "--average 5 exceeds the 4 values a tuning of --outer-steps 3 goes through (the start and one after each step)"),
     ([*FEDADAM, "--resume"], "unrecognized arguments: --resume"),
     ([*FEDADAM, "--dp-noise", "1.0"], "unrecognized arguments: --dp-noise"),
 ])
@@ -83,7 +86,8 @@ def tuned(tmp_path_factory):
     patch.setattr(run_lib, "enable_compile_cache", lambda setting: None)  # as the `cli` fixture: no process-wide
     patch.setattr(run_lib, "use_cpu_devices", lambda devices: None)       # settings from an in-process call
     code = cli_lib.main(["tune", "--algorithms", "fedadam", "--tune", "server_lr,client_lr", *DIGITS, "--rounds", "2",
-                         "--outer-steps", "2", "--schedule", "offline", "--outer-lr", str(OUTER_LR), "--out", str(out)])
+                         "--outer-steps", "2", "--schedule", "offline", "--outer-lr", str(OUTER_LR), "--average", "2",
+                         "--out", str(out)])
   assert code == 0, stdout.getvalue()
   return stdout.getvalue(), out
 
@@ -106,7 +110,7 @@ def test_tune_writes_the_trajectory_the_optimizer_took_and_trains_with_its_resul
   stdout, out = tuned
   record = json.loads((out / "tune.json").read_text())
   defaults = registry.resolve("fedadam", {}, None)
-  assert record["tuned"] == ["server_lr", "client_lr"] and record["schedule"] == "offline"
+  assert record["tuned"] == ["server_lr", "client_lr"] and record["schedule"] == "offline" and record["average"] == 2
   for name in ("server_lr", "client_lr"):
     h = np.asarray(record["hyper_parameters"][name], np.float64)
     grads = np.asarray(record["gradient"][name], np.float64)
@@ -115,7 +119,9 @@ def test_tune_writes_the_trajectory_the_optimizer_took_and_trains_with_its_resul
     assert np.all(np.abs(grads) > 1e-6), grads  # a real step, not zero
     # Each outer step is Adam's step on u = log h from the recorded gradients (float32 rounding of h: 1e-7).
     np.testing.assert_allclose(np.diff(np.log(h)), _adam_steps(grads, OUTER_LR), rtol=1e-4, atol=1e-6)
-    assert record["tuned_values"][name] == h[-1]
+    # --average 2: the geometric mean of the last two values (as float32), not the last one.
+    assert record["tuned_values"][name] == pytest.approx(np.exp(np.log(h[-2:]).mean()), rel=1e-6)
+    assert record["tuned_values"][name] != pytest.approx(h[-1], rel=1e-4)
     assert "outer step 2/2: " in stdout and f"{name}={h[1]:.4g}" in stdout
   assert len(record["validation_loss"]) == 2 and all(math.isfinite(v) for v in record["validation_loss"])
   assert (out / "tune.png").stat().st_size > 0

@@ -131,7 +131,7 @@ def _setting(text: str) -> tuple[str, str, Any]:
 
 
 TUNE_SCHEDULES = ("online", "offline")
-TUNE_DEFAULTS = {"outer_steps": 10, "schedule": "online", "outer_lr": 0.1}
+TUNE_DEFAULTS = {"outer_steps": 10, "schedule": "online", "outer_lr": 0.1, "average": 1}
 """`fedjax-opt tune`'s own settings (flags only, not TOML keys) and their defaults."""
 
 TUNE_DESCRIPTION = (
@@ -183,6 +183,10 @@ def _add_tune_flags(add) -> None:
            "rounds (greedy: a window's gradient ignores how the earlier values shaped the state it starts from); "
            "offline: each outer step reruns R rounds from the start and differentiates all of them, the exact "
            "gradient of the loss after R rounds, T runs in all")
+  add("--average", metavar="N", type=_positive("average", int, "integer"), default=TUNE_DEFAULTS["average"],
+      help="the tuned values are the geometric mean of the last N of the T + 1 values (the start and one after each "
+           "outer step; the mean of the last N logits for one in (0, 1)): tail averaging, since with Adam's constant "
+           "step the values keep moving (default 1: the last value)")
   add("--train-rounds", metavar="N", type=_positive("train-rounds", int, "integer"),
       help="rounds of the run trained with the tuned values (default: the horizon they were tuned for, R offline, "
            "T × R online)")

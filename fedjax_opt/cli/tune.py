@@ -48,6 +48,7 @@ class Options(NamedTuple):
   schedule: str
   outer_lr: float
   train_rounds: int | None
+  average: int = 1
 
 
 def options(args, given: dict[str, Any]) -> Options:
@@ -66,7 +67,10 @@ def options(args, given: dict[str, Any]) -> Options:
   twice = sorted({n for n in tuned if tuned.count(n) > 1})
   if twice:
     raise UsageError(f"--tune lists {twice[0]} twice")
-  return Options(tuple(tuned), args.outer_steps, args.schedule, args.outer_lr, args.train_rounds)
+  if args.average > args.outer_steps + 1:
+    raise UsageError(f"--average {args.average} exceeds the {args.outer_steps + 1} values a tuning of --outer-steps "
+                     f"{args.outer_steps} goes through (the start and one after each step)")
+  return Options(tuple(tuned), args.outer_steps, args.schedule, args.outer_lr, args.train_rounds, args.average)
 
 
 def tunable(name: str, hyper: dict[str, Any]) -> dict[str, float]:
@@ -197,20 +201,22 @@ def command_tune(config: dict[str, Any], opts: Options, out: str, overwrite: boo
 
   result = hyper_lib.tune(make_algorithm, objective, start, params, key, dataset, validation, rounds=rounds,
                           outer_steps=opts.outer_steps, schedule=opts.schedule, optimizer=optax.adam(opts.outer_lr),
-                          sampling=sampling, parametrization=kinds, callback=None if quiet else progress)
+                          sampling=sampling, parametrization=kinds, callback=None if quiet else progress,
+                          average=opts.average)
   seconds = time.perf_counter() - started
   at_tuned = None
   if opts.schedule == "offline":  # the state after R rounds from the start at the tuned values
     at_tuned = _floats(jax.jit(objective)(jax.tree.map(lambda a: a[0], result.state), validation))[0]
   trajectory = {k: _floats(result.trajectory[k][0]) for k in opts.names}
   values = _floats(result.values[0])
-  tuned = {k: trajectory[k][-1] for k in opts.names}
+  tuned = {k: _floats(result.hyper_params[k])[0] for k in opts.names}  # the last value, or the tail average
   bad = [k for k, v in tuned.items() if not math.isfinite(v)] + ([] if all(map(math.isfinite, values)) else ["J"])
   record = {
       "algorithm": name, "tuned": list(opts.names), "start": start, "tuned_values": tuned,
       "parametrization": kinds, "schedule": opts.schedule, "rounds": config["rounds"], "server_events_per_round":
       per_round, "outer_steps": opts.outer_steps, "rounds_tuned_along": total // per_round,
       "outer_optimizer": {"name": "adam", "learning_rate": opts.outer_lr, "b1": 0.9, "b2": 0.999, "eps": 1e-8},
+      "average": opts.average,
       "objective": ("mean loss over every test example of every client, of the client's own model" if personalized
                     else "mean loss over every test example of every client, of the global model"),
       "seed": config["seed"], "initial_model": "model.init(jax.random.key(seed))",
@@ -256,12 +262,17 @@ def _plot(record: dict[str, Any], config: dict[str, Any], dataset, path: str) ->
   from fedjax_opt.cli import report
 
   fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
+  average = record.get("average", 1)
   for i, (key, values) in enumerate(record["hyper_parameters"].items()):
+    tuned = record["tuned_values"][key]
     axes[0].plot(np.arange(len(values)), values, marker="o", ms=3, color=f"C{i % 10}",
-                 label=f"{key}: {values[0]:.4g} → {values[-1]:.4g}")
+                 label=f"{key}: {values[0]:.4g} → {tuned:.4g}")
+    if average > 1:  # the tail average over the steps it spans
+      axes[0].hlines(tuned, len(values) - average, len(values) - 1, colors=f"C{i % 10}", linestyles="--")
   axes[0].set_yscale("log")
   axes[0].set_ylabel("value")
-  axes[0].set_title("hyper-parameters, before each outer step (the last: tuned)", fontsize=9)
+  axes[0].set_title("hyper-parameters, before each outer step and after the last" + (
+      f"; tuned (dashed): the mean of the last {average}" if average > 1 else " (tuned)"), fontsize=9)
   axes[0].legend(fontsize=7)
   loss = record["validation_loss"]
   axes[1].plot(np.arange(len(loss)), loss, marker="o", ms=3, color="C3")
