@@ -172,6 +172,20 @@ def test_dropout_recovery_gives_exactly_the_survivors_sum():
       assert not bool(result.ok)
 
 
+def test_a_member_s_masked_upload_does_not_depend_on_whether_it_drops_later():
+  """Dropping comes after the key exchange and the masking: a dropped member's upload (had it arrived) is the one
+  it would have sent, its self mask PRG(b_d) included, so the sk_d that the server reconstructs does not unmask it.
+  Same key, with and without drops: every member's upload is the same."""
+  _, encoded = _round(seed=5)
+  member = jnp.ones(9, bool).at[7].set(False)
+  kept = _secure_sum(encoded, member, jnp.zeros(9, bool), jax.random.key(3))
+  dropped = jnp.zeros(9, bool).at[jnp.asarray([2, 5])].set(True)
+  late = _secure_sum(encoded, member, dropped, jax.random.key(3))
+  assert bool(late.ok) and int(late.num_dropped) == 2
+  np.testing.assert_array_equal(np.asarray(late.uploads), np.asarray(kept.uploads))
+  assert not np.any(np.asarray(late.uploads)[7])  # the non-member sends nothing
+
+
 def test_fixed_point_decoding_is_within_c_times_2_to_the_minus_f_and_exact_on_dyadic_values():
   rng = np.random.default_rng(6)
   c, f = 12, 10
@@ -510,3 +524,160 @@ def test_secure_dp_mean_refuses_a_grid_too_coarse_for_its_clip_norm():
     coarse.init({"w": jnp.zeros(size)})
   with pytest.raises(ValueError, match=r"frac_bits = 0 cannot encode dp_mean's centred count bit"):
     P.secure_aggregation(P.dp_mean(1.0, 1.0, expected_clients=10.0), frac_bits=0, bound=1.0).init({"w": jnp.zeros(4)})
+
+
+# --------------------------------------------------------------------------- pieces the mutation run found untested
+
+def _threefry2x32_numpy(key: tuple[int, int], block: tuple[int, int]) -> tuple[int, int]:
+  """Threefry-2x32 with 20 rounds (Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3", SC
+  2011), in Python integers: the block (x₀, x₁) encrypted under the key (k₀, k₁)."""
+  mask = 0xFFFFFFFF
+  rotations = ((13, 15, 26, 6), (17, 29, 16, 24))
+  ks = (key[0], key[1], key[0] ^ key[1] ^ 0x1BD11BDA)
+  x0, x1 = (block[0] + ks[0]) & mask, (block[1] + ks[1]) & mask
+  for group in range(5):
+    for r in rotations[group % 2]:
+      x0 = (x0 + x1) & mask
+      x1 = (((x1 << r) | (x1 >> (32 - r))) & mask) ^ x0
+    x0 = (x0 + ks[(group + 1) % 3]) & mask
+    x1 = (x1 + ks[(group + 2) % 3] + group + 1) & mask
+  return x0, x1
+
+
+def test_each_mask_key_is_threefry_of_its_pair_under_the_nonce_xor_the_secret():
+  """s = threefry_(n₀ ⊕ a, n₁ ⊕ a)(i, j) for each pair i ≤ j and secret a, against a Python-integer Threefry checked
+  on Random123's known answers."""
+  assert _threefry2x32_numpy((0, 0), (0, 0)) == (0x6B200159, 0x99BA4EFE)
+  assert _threefry2x32_numpy((0xFFFFFFFF,) * 2, (0xFFFFFFFF,) * 2) == (0x1CB996FC, 0xBB002BE7)
+  assert _threefry2x32_numpy((0x13198A2E, 0x03707344), (0x243F6A88, 0x85A308D3)) == (0xC4923A9C, 0x483DF7A0)
+  rng = np.random.default_rng(5)
+  nonce = rng.integers(0, 2**32, 2, dtype=np.uint64)
+  secrets = rng.integers(0, PRIME, 6, dtype=np.uint64)
+  low = np.asarray([0, 1, 2, 0, 3, 4])
+  high = np.asarray([1, 4, 2, 5, 3, 5])  # two self pairs (i = j)
+  keys = S._mask_keys(jnp.asarray(nonce, jnp.uint32), jnp.asarray(secrets, jnp.uint32), jnp.asarray(low),
+                      jnp.asarray(high))
+  got = np.asarray(jax.random.key_data(keys))
+  for k in range(6):
+    a = int(secrets[k])
+    want = _threefry2x32_numpy((int(nonce[0]) ^ a, int(nonce[1]) ^ a), (int(low[k]), int(high[k])))
+    assert tuple(int(v) for v in got[k]) == want, k
+
+
+_ONE_DROP_MEAN = P.secure_aggregation(A.mean(), bound=1.0, threshold=4, dropout=lambda key, w: w > 1.5)
+
+
+def test_recovered_the_explicit_threshold_and_a_threshold_of_every_slot():
+  """`recovered` is set by one recovered member; an explicit t is the one the protocol uses (4 survivors of 9
+  members pass t = 4, where a majority would need 5); t = C is allowed, t = C + 1 refused."""
+  c = 10
+  u = _updates(c)
+  weights = np.ones(c)
+  weights[3] = 0.0  # 9 members
+  for drops, survivors in (([6], 8), ([0, 1, 2, 4, 5], 4)):
+    w = weights.copy()
+    w[drops] = 2.0  # weight 2 drops
+    out, state = _secure_mean_aggregate(u, jnp.asarray(w), _SECURE_MEAN.init(None), jax.random.key(1))
+    assert int(state.num_dropped) == len(drops) and int(state.num_survivors) == survivors
+    assert bool(state.recovered) and int(state.threshold) == 4
+    want = np.mean(np.asarray(u["b"], np.float64)[w == 1.0], axis=0)
+    np.testing.assert_allclose(np.asarray(out["b"]), want, atol=2.0**-16 + 1e-6, rtol=0)
+  every = P.secure_aggregation(A.mean(), bound=1.0, threshold=c)
+  out, state = jax.jit(every.aggregate)(u, jnp.ones(c), every.init(None), jax.random.key(2))
+  assert int(state.threshold) == c and not bool(state.recovered)
+  np.testing.assert_allclose(np.asarray(out["b"]), np.mean(np.asarray(u["b"], np.float64), 0), atol=2e-5, rtol=0)
+  beyond = P.secure_aggregation(A.mean(), bound=1.0, threshold=c + 1)
+  with pytest.raises(ValueError, match=r"threshold t = 11 exceeds the round's C = 10 client slots"):
+    jax.eval_shape(beyond.aggregate, u, jnp.ones(c), beyond.init(None), jax.random.key(0))
+
+
+def test_the_ring_check_is_at_c_times_the_largest_code_plus_one_against_2_to_the_31():
+  """C·(⌈B·2^f⌉ + 1) < 2³¹ is accepted and = 2³¹ refused (C = 1, f = 1: B = 2³⁰ − 1 gives 2³¹ − 1, B = 2³⁰ − ½
+  gives 2³¹)."""
+  for bound, fits in ((2.0**30 - 1, True), (2.0**30 - 0.5, False)):
+    agg = P.secure_aggregation(A.mean(), bound=bound, frac_bits=1)
+    args = ({"w": jnp.zeros((1, 2))}, jnp.ones(1), agg.init(None), jax.random.key(0))
+    if fits:
+      jax.eval_shape(agg.aggregate, *args)
+    else:
+      with pytest.raises(ValueError, match=r"needs C·\(ceil\(B·2\^f\) \+ 1\) < 2\^31"):
+        jax.eval_shape(agg.aggregate, *args)
+
+
+def test_a_dropout_callable_gets_the_round_key_and_the_weights_and_may_return_zeros_and_ones():
+  """`dropout(key, weights)`: a random drop set drawn from the key it is given (the same key gives the same set,
+  another key another) among the clients it picks by weight; returning 0/1 integers is the same as booleans."""
+  c = 10
+  u = _updates(c)
+  weights = jnp.ones(c).at[3].set(0.0)
+
+  def bools(key, w):
+    return jax.random.bernoulli(key, 0.3, w.shape) & (w > 0)
+
+  as_bools = P.secure_aggregation(A.mean(), bound=1.0, threshold=2, dropout=bools)
+  as_ints = P.secure_aggregation(A.mean(), bound=1.0, threshold=2,
+                                 dropout=lambda key, w: bools(key, w).astype(jnp.int32))
+  drop_sets = []
+  for seed in (0, 0, 1, 2, 3):
+    out, state = jax.jit(as_bools.aggregate)(u, weights, as_bools.init(None), jax.random.key(seed))
+    out_i, state_i = jax.jit(as_ints.aggregate)(u, weights, as_ints.init(None), jax.random.key(seed))
+    for a, b in zip(jax.tree.leaves((out, state)), jax.tree.leaves((out_i, state_i))):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Which members dropped, read back from the mean: the survivors' mean is one subset's mean.
+    b = np.asarray(u["b"], np.float64)
+    n = int(state.num_survivors)
+    assert n + int(state.num_dropped) == 9
+    total = np.asarray(out["b"], np.float64) * n
+    (kept,) = [s for s in itertools.combinations([i for i in range(c) if i != 3], n)
+               if np.abs(b[list(s)].sum(0) - total).max() < 1e-3]
+    drop_sets.append(kept)
+  assert drop_sets[0] == drop_sets[1] and len(set(drop_sets)) >= 3
+
+
+def test_padding_slots_are_not_counted_as_clipped():
+  """num_clipped counts the members' coordinates that fall outside [−B, B]: with `dp_mean` (scalar ±½) and
+  B = ½, the clipped updates fit, and a slot of weight 0 adds nothing (its row is zeros, not encoded)."""
+  c = 6
+  u = _updates(c, seed=4)
+  agg = P.secure_aggregation(P.dp_mean(0.5, 0.0, expected_clients=4), bound=0.5, frac_bits=16)
+  for weights in (jnp.ones(c), jnp.asarray([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])):
+    _, state = jax.jit(agg.aggregate)(u, weights, agg.init(None), jax.random.key(0))
+    assert int(state.num_clipped) == 0
+  big = jax.tree.map(lambda x: 3 * x, u)  # no clipping rule applies to mean's terms: outside B, counted
+  agg_mean = P.secure_aggregation(A.mean(), bound=1.0, frac_bits=16)
+  _, state = jax.jit(agg_mean.aggregate)(big, jnp.asarray([1.0, 0.0, 1.0, 0.0, 1.0, 1.0]), agg_mean.init(None),
+                                         jax.random.key(0))
+  rows = np.concatenate([np.asarray(big[k]).reshape(c, -1) for k in big], axis=1)[[0, 2, 4, 5]]
+  assert int(state.num_clipped) == int(np.sum(np.abs(rows) > 1.0)) > 0
+
+
+def _state_signature(state):
+  return [(np.dtype(x.dtype), np.shape(x)) for x in jax.tree.leaves(state)]
+
+
+def test_default_resolution_and_the_state_s_dtypes_with_and_without_x64():
+  """The default f is 16 (a value 3·2⁻¹⁷ comes back on the 2⁻¹⁶ grid); `init`'s state has the dtypes and shapes
+  `aggregate` returns (a scan carries it), also under x64, where float64 updates are decoded in float64: with
+  f = 28 the mean is within C·2⁻²⁸ of NumPy's (a float32 decoding is off by about 10⁻⁸), with one member dropped
+  and recovered."""
+  agg = P.secure_aggregation(A.mean(), bound=1.0)
+  updates = {"w": jnp.full((2, 3), 3 * 2.0**-17, jnp.float32)}
+  out, state = jax.jit(agg.aggregate)(updates, jnp.asarray([1.0, 0.0]), agg.init(None), jax.random.key(0))
+  scaled = np.asarray(out["w"], np.float64) * 2**16
+  np.testing.assert_array_equal(scaled, np.round(scaled))
+  assert set(np.round(scaled).tolist()) <= {1.0, 2.0}
+  assert _state_signature(agg.init(None)) == _state_signature(state)
+  assert float(state.upload_bits) == 32 * (3 + 1) + 64  # one member: no pair with anyone
+  rng = np.random.default_rng(8)
+  with jax.enable_x64(True):
+    x = rng.uniform(-0.5, 0.5, (3, 50))
+    agg64 = P.secure_aggregation(A.mean(), bound=1.0, frac_bits=28, dropout=lambda key, w: w > 1.5)
+    weights = jnp.asarray([1.0, 2.0, 1.0])  # the second member drops
+    out, state = jax.jit(agg64.aggregate)({"w": jnp.asarray(x)}, weights, agg64.init(None), jax.random.key(1))
+    assert out["w"].dtype == jnp.float64 and bool(state.recovered) and int(state.num_survivors) == 2
+    np.testing.assert_allclose(np.asarray(out["w"]), x[[0, 2]].mean(0), atol=2 * 2.0**-28, rtol=0)
+    assert _state_signature(agg64.init(None)) == _state_signature(state)
+    x32 = {"w": jnp.asarray(x, jnp.float32)}
+    out32, state32 = jax.jit(agg64.aggregate)(x32, weights, agg64.init(None), jax.random.key(1))
+    assert out32["w"].dtype == jnp.float32  # a float32 model stays float32 under x64
+    assert _state_signature(agg64.init(None)) == _state_signature(state32)
