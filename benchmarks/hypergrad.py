@@ -407,7 +407,7 @@ def plot(tuning_rows: list[dict], path: str) -> None:
       ax.plot(*line(rec["refine_trajectory"]), "o-", color="tab:red", lw=1.2, ms=3,
               label="whole-run steps from the online iterates' tail average")
       ax.plot(np.log10(rec["tuned"][xname]), np.log10(rec["tuned"][yname]), "*", color="tab:red", ms=13,
-              mec="white", label="tuned")
+              mec="white", label="tuned: the whole-run steps' run of best validation accuracy")
       ax.plot(np.log10(rec["grid_best"][xname]), np.log10(rec["grid_best"][yname]), "s", mfc="none", mec="cyan",
               ms=14, mew=1.5, label="the grid's best point")
       ax.set_xlim(lx[0] - dx, lx[-1] + dx)

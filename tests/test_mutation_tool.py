@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import pathlib
+from unittest import mock
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("mutation_tool", ROOT / "tools" / "mutation.py")
@@ -114,9 +115,17 @@ def test_a_stopped_run_is_read_from_the_results_mutmut_stored(tmp_path):
   codes = {"fedjax_opt.compression.x_sign__mutmut_1": 1, "fedjax_opt.compression.x_sign__mutmut_2": 0,
            "fedjax_opt.compression.x_sign__mutmut_3": None, "fedjax_opt.compression.x_sign__mutmut_4": 36}
   meta.write_text(json.dumps({"exit_code_by_key": codes}))
-  assert mutation._stored_results(tmp_path, ["compression", "dp"]) == {
+  statuses = mutation._stored_results(tmp_path, ["compression", "dp"])
+  assert statuses == {
       "fedjax_opt.compression.x_sign__mutmut_1": "killed", "fedjax_opt.compression.x_sign__mutmut_2": "survived",
-      "fedjax_opt.compression.x_sign__mutmut_4": "timeout"}
+      "fedjax_opt.compression.x_sign__mutmut_3": "not run", "fedjax_opt.compression.x_sign__mutmut_4": "timeout"}
+  # The table counts the mutants not reached apart, and never reruns them.
+  args = argparse.Namespace(no_recheck=True, timeout=1.0, out=str(tmp_path / "out.json"))
+  survivor = {"fedjax_opt.compression.x_sign__mutmut_2": "x_sign\n- a\n+ b"}
+  with mock.patch.object(mutation, "_changes", lambda path, module: survivor):
+    assert mutation._report(tmp_path, statuses, args, {}) == 0
+  assert json.loads((tmp_path / "out.json").read_text())["table"]["compression"] == {
+      "mutants": 4, "killed": 1, "timeout": 1, "survived": 1, "other": 0, "rechecked": 0, "not_run": 1}
 
 
 def test_survivors_and_timeouts_are_rechecked_and_the_table_counts_the_outcome(tmp_path, monkeypatch):

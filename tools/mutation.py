@@ -188,15 +188,15 @@ def _recheck(work: pathlib.Path, name: str, env: dict, timeout: float) -> str:
 
 
 def _stored_results(work: pathlib.Path, modules: list[str]) -> dict[str, str]:
-  """The status of every mutant mutmut has run so far in `work` (from its `.meta` files), by name."""
+  """The status of every mutant of `modules` in `work` (from mutmut's `.meta` files), by name: "not run" for those
+  a stopped run had not reached."""
   statuses = {}
   for module in modules:
     meta = work / "mutants" / (_path(module) + ".meta")
     if not meta.exists():
       continue
     for name, code in json.loads(meta.read_text()).get("exit_code_by_key", {}).items():
-      if code is not None:
-        statuses[name] = _status_of_exit_code(code)
+      statuses[name] = "not run" if code is None else _status_of_exit_code(code)
   return statuses
 
 
@@ -330,13 +330,15 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
     if status == "survived":
       survivors[module].append(name)
   table = {m: {"mutants": sum(c.values()), "killed": c["killed"], "timeout": c["timeout"],
-               "survived": c["survived"], "other": sum(c.values()) - c["killed"] - c["timeout"] - c["survived"],
-               "rechecked": rechecked[m]}
+               "survived": c["survived"],
+               "other": sum(c.values()) - c["killed"] - c["timeout"] - c["survived"] - c["not run"],
+               "rechecked": rechecked[m], **({"not_run": c["not run"]} if c["not run"] else {})}
            for m, c in sorted(counts.items())}
-  print(f"{'module':<16} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} {'other':>6} {'rechecked':>10}")
+  print(f"{'module':<16} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} {'other':>6} {'rechecked':>10} "
+        f"{'not run':>8}")
   for m, row in table.items():
     print(f"{m:<16} {row['mutants']:>8} {row['killed']:>7} {row['timeout']:>8} {row['survived']:>9} {row['other']:>6} "
-          f"{row['rechecked']:>10}")
+          f"{row['rechecked']:>10} {row.get('not_run', 0):>8}")
   if args.out:
     changes = {}
     for module, group in survivors.items():
