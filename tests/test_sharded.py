@@ -70,6 +70,7 @@ def _conv_setup(c=4):
   return fn, params, per_client
 
 
+@pytest.mark.slow  # compiles for several seconds from a cold cache: the second tier
 def test_rewritten_client_functions_give_the_same_values_and_gradients():
   """Unrolled scans and convolutions moved to the canonical layout change nothing but speed."""
   import jax

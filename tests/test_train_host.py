@@ -30,6 +30,7 @@ def _evaluation(agnostic, every):
   return fo.Evaluation(every=every, metric_fns={"accuracy": agnostic.accuracy_fn})
 
 
+@pytest.mark.slow  # compiles for several seconds from a cold cache: the second tier
 def test_the_rounds_are_those_of_a_hand_loop_with_the_documented_keys(setup):
   dataset, agnostic, algo, state, kwargs = setup
   trained, history = fo.train(algo, state, dataset, 3, SAMPLING, evaluation=_evaluation(agnostic, 2), **kwargs)

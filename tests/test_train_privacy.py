@@ -149,6 +149,7 @@ def test_a_resumed_run_records_epsilon_at_every_point_of_its_history(tmp_path):
   np.testing.assert_allclose(eps, want, rtol=1e-9)
 
 
+@pytest.mark.slow  # compiles for several seconds from a cold cache: the second tier
 def test_a_sweep_over_sigma_records_one_epsilon_per_member():
   """`Accounting.noise_multiplier` as K values: each member's ε at each point (no training needed: the plan of a
   state holding a DPMeanState, applied to a history of two points)."""
