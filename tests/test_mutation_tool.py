@@ -134,7 +134,7 @@ def test_survivors_and_timeouts_are_rechecked_and_the_table_counts_the_outcome(t
   outcome = {prefix + "1": "killed", prefix + "2": "survived", prefix + "3": "killed"}
   monkeypatch.setattr(mutation, "_recheck", lambda work, name, env, timeout: outcome[name])
   monkeypatch.setattr(mutation, "_changes", lambda path, module: {prefix + "2": "x_sign\n- a\n+ b"})
-  args = argparse.Namespace(no_recheck=False, timeout=1.0, out=str(tmp_path / "out.json"))
+  args = argparse.Namespace(no_recheck=False, timeout=1.0, out=str(tmp_path / "out.json"), jobs=2)
   statuses = {prefix + "1": "survived", prefix + "2": "survived", prefix + "3": "timeout", prefix + "4": "killed"}
   assert mutation._report(tmp_path, statuses, args, {}) == 0
   written = json.loads((tmp_path / "out.json").read_text())

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import difflib
 import json
 import os
@@ -240,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                            "by their change, so edits elsewhere in the module do not matter")
   parser.add_argument("--functions", nargs="+", default=None, metavar="NAME",
                       help="mutate only these functions of the modules (e.g. _logistic_z_update after rewriting it)")
+  parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                      help="rechecks run at a time (default: one per core, as mutmut runs its workers)")
   parser.add_argument("--no-recheck", action="store_true",
                       help="do not run the survivors again against all of their module's test files")
   parser.add_argument("--collect", default=None, metavar="WORKDIR",
@@ -316,12 +319,15 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
   if not args.no_recheck:
     # mutmut also files a crash of the test session (exit 255, e.g. a mutant that breaks an import) as a timeout.
     pending = [n for n, status in statuses.items() if status in ("survived", "timeout")]
-    for i, name in enumerate(pending):
-      status = _recheck(work, name, env, 10 * 60 + args.timeout)
-      print(f"recheck {i + 1}/{len(pending)} {name.rsplit('.', 1)[-1]}: {status}", flush=True)
-      if status != statuses[name]:
-        statuses[name] = status
-        rechecked[_module_of(name)] += 1
+    # Each recheck is one pytest process, mostly one core's XLA compiles: `--jobs` of them at a time.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, getattr(args, "jobs", 1))) as pool:
+      futures = {pool.submit(_recheck, work, name, env, 10 * 60 + args.timeout): name for name in pending}
+      for i, future in enumerate(concurrent.futures.as_completed(futures)):
+        name, status = futures[future], future.result()
+        print(f"recheck {i + 1}/{len(pending)} {name.rsplit('.', 1)[-1]}: {status}", flush=True)
+        if status != statuses[name]:
+          statuses[name] = status
+          rechecked[_module_of(name)] += 1
   counts = collections.defaultdict(collections.Counter)
   survivors = collections.defaultdict(list)
   for name, status in statuses.items():
