@@ -23,8 +23,7 @@ A test that uses an object built at import time (a module-level
 mutmut never runs it for that factory's mutants. Every survivor is therefore
 run again against all of its module's own test files (`MUTANT_UNDER_TEST`, the
 way mutmut itself switches a mutant on; `--jobs` at a time, one per core by default): a failure there
-kills it
-("rechecked" in the table). So is every timeout: mutmut files a test session
+kills it ("rechecked" in the table). So is every timeout: mutmut files a test session
 that crashed (exit 255, e.g. a mutant that breaks an import) as one. `--no-recheck` skips that pass.
 `--collect WORKDIR` writes the table of a run that was stopped (from the
 results mutmut stored in its work copy so far) without running anything
