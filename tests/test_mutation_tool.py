@@ -141,3 +141,19 @@ def test_survivors_and_timeouts_are_rechecked_and_the_table_counts_the_outcome(t
   assert written["table"]["compression"] == {"mutants": 4, "killed": 3, "timeout": 0, "survived": 1, "other": 0,
                                              "rechecked": 2}
   assert written["survivors"] == {"compression": [prefix + "2"]}
+
+
+def test_a_mutant_stopped_for_its_cpu_time_is_not_rechecked(tmp_path, monkeypatch):
+  """A session that crashed (mutmut's exit 255, filed as a timeout) is run again; a mutant mutmut stopped with
+  SIGXCPU (exit 24/-24/152: its tests ran far longer than the clean run, e.g. a loop that no longer ends) stays a
+  timeout without a second, equally long run."""
+  prefix = "fedjax_opt.compression.x_sign__mutmut_"
+  meta = tmp_path / "mutants" / "fedjax_opt" / "compression.py.meta"
+  meta.parent.mkdir(parents=True)
+  meta.write_text(json.dumps({"exit_code_by_key": {prefix + "1": 255, prefix + "2": -24, prefix + "3": 0}}))
+  rechecked = []
+  monkeypatch.setattr(mutation, "_recheck", lambda work, name, env, timeout: rechecked.append(name) or "killed")
+  args = argparse.Namespace(no_recheck=False, timeout=1.0, out=None, jobs=1)
+  assert mutation._report(tmp_path, mutation._stored_results(tmp_path, ["compression"]), args, {}) == 0
+  assert sorted(rechecked) == [prefix + "1", prefix + "3"]
+  assert "timeout_multiplier = 2.5" in mutation._config(["compression"], 30.0)

@@ -253,6 +253,60 @@ def test_centered_clipping_walks_toward_agreeing_clients_tau_per_iteration():
     np.testing.assert_allclose(aggregate(A.centered_clipping(0.5, iterations), x, w)[0], expected, rtol=1e-12)
 
 
+def test_centered_clipping_defaults_one_client_and_the_derivative_in_tau():
+  """The defaults are L = 1 and m = 0 (the center is the aggregate); one client alone is clipped by itself,
+  v = v_1 · min(1, τ/‖v_1‖); and ∂v/∂τ = (1/n) Σ_{‖d_i‖ > τ} d_i/‖d_i‖ stays finite when a row's difference is 0 (an
+  absent row in the first round, where the center is 0): the guard that divides by 1 there keeps NaN out of the
+  derivative JAX takes through the unused branch."""
+  x, w = data(5)
+  got, state = aggregate(A.centered_clipping(0.8), x, w)
+  ref = np_centered_clipping(x[w > 0], np.zeros(10), 0.8, 1)
+  np.testing.assert_allclose(got, ref, rtol=1e-12)
+  np.testing.assert_allclose(to_vec(state.center), ref, rtol=1e-12)
+  one = np.random.default_rng(12).normal(size=(1, 10))
+  got, _ = aggregate(A.centered_clipping(0.8), one, np.ones(1))
+  np.testing.assert_allclose(got, one[0] * 0.8 / np.linalg.norm(one[0]), rtol=1e-12)
+  with jax.enable_x64(True):
+    tree = to_tree(x)
+    tree = jax.tree.map(lambda u: jnp.where(jnp.isfinite(u), u, 0.0), tree)
+    zero = jnp.asarray(w > 0, jnp.float64)  # rows 3 and 8 absent: their difference to the center 0 is 0
+
+    def total(tau):
+      agg = A.centered_clipping(tau)
+      out, _ = agg.aggregate(tree, zero, agg.init(jax.tree.map(lambda u: u[0], tree)), KEY)
+      return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(out))
+
+    grad = float(jax.grad(total)(jnp.asarray(0.8, jnp.float64)))
+  real = x[w > 0]
+  norms = np.linalg.norm(real, axis=1)
+  want = (real[norms > 0.8] / norms[norms > 0.8, None]).sum() / len(real)
+  np.testing.assert_allclose(grad, want, rtol=1e-12)
+
+
+def test_centered_clipping_keeps_each_leaf_s_dtype_and_the_state_s():
+  """A bfloat16 leaf beside a float32 one comes back in bfloat16 (the clipping loop carries each leaf's dtype);
+  under x64, float64 updates against a float32 state give a float64 aggregate and a float32 state (the state is
+  carried by the run's scan), both at the float64 reference."""
+  rng = np.random.default_rng(13)
+  x = rng.normal(size=(5, 6))
+  agg = A.centered_clipping(0.5, iterations=2)
+  tree = {"a": jnp.asarray(x[:, :2], jnp.bfloat16), "b": jnp.asarray(x[:, 2:], jnp.float32)}
+  params = jax.tree.map(lambda u: u[0], tree)
+  out, state = jax.jit(agg.aggregate)(tree, jnp.ones(5, jnp.float32), agg.init(params), KEY)
+  assert out["a"].dtype == jnp.bfloat16 and out["b"].dtype == jnp.float32
+  assert state.center["a"].dtype == jnp.bfloat16 and state.center["b"].dtype == jnp.float32
+  rows = np.concatenate([np.asarray(tree["a"], np.float64), x[:, 2:]], axis=1)
+  ref = np_centered_clipping(rows, np.zeros(6), 0.5, 2)
+  np.testing.assert_allclose(np.asarray(out["a"], np.float64), ref[:2], rtol=2e-2, atol=1e-2)
+  np.testing.assert_allclose(np.asarray(out["b"], np.float64), ref[2:], rtol=2e-2, atol=1e-2)
+  with jax.enable_x64(True):
+    state = agg.init({"p": jnp.zeros(6, jnp.float32)})
+    out, state = jax.jit(agg.aggregate)({"p": jnp.asarray(x)}, jnp.ones(5), state, KEY)
+    assert out["p"].dtype == jnp.float64 and state.center["p"].dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out["p"]), np_centered_clipping(x, np.zeros(6), 0.5, 2), rtol=1e-12)
+  np.testing.assert_allclose(np.asarray(state.center["p"]), np.asarray(out["p"], np.float32), rtol=1e-7)
+
+
 # ---- properties --------------------------------------------------------------------------------------------
 
 # The same aggregator objects as above where the rule is the same, so `aggregate` compiles each once.
@@ -382,8 +436,9 @@ def test_bad_arguments_raise_clear_errors():
     aggregate(A.mean_around_median(11), x, w)
   with pytest.raises(ValueError, match="multi_krum: m = 12 must be at most the number of clients in the round, C = 11"):
     aggregate(A.multi_krum(1, 12), x, w)
-  with pytest.raises(ValueError, match=r"every leaf of updates must be stacked \[C, ...\] with C = 11"):
-    A.marginal_median().aggregate({"a": jnp.ones((10, 2))}, jnp.ones(11), (), KEY)
+  for name, agg in RULES.items():  # every rule checks the stacking of every leaf
+    with pytest.raises(ValueError, match=r"every leaf of updates must be stacked \[C, ...\] with C = 11"):
+      agg.aggregate({"a": jnp.ones((11, 2)), "b": jnp.ones((10, 2))}, jnp.ones(11), agg.init(None), KEY)
 
 
 # ---- the paper's claims -------------------------------------------------------------------------------------

@@ -188,17 +188,22 @@ def _recheck(work: pathlib.Path, name: str, env: dict, timeout: float) -> str:
   return "survived" if done.returncode in (0, 5) else "killed"
 
 
+def _stored_codes(work: pathlib.Path, modules: list[str]) -> dict[str, int | None]:
+  """The exit code mutmut stored for every mutant of `modules` in `work` (its `.meta` files), by name; None for
+  those a stopped run had not reached."""
+  codes = {}
+  for module in modules:
+    meta = work / "mutants" / (_path(module) + ".meta")
+    if meta.exists():
+      codes.update(json.loads(meta.read_text()).get("exit_code_by_key", {}))
+  return codes
+
+
 def _stored_results(work: pathlib.Path, modules: list[str]) -> dict[str, str]:
   """The status of every mutant of `modules` in `work` (from mutmut's `.meta` files), by name: "not run" for those
   a stopped run had not reached."""
-  statuses = {}
-  for module in modules:
-    meta = work / "mutants" / (_path(module) + ".meta")
-    if not meta.exists():
-      continue
-    for name, code in json.loads(meta.read_text()).get("exit_code_by_key", {}).items():
-      statuses[name] = "not run" if code is None else _status_of_exit_code(code)
-  return statuses
+  return {name: "not run" if code is None else _status_of_exit_code(code)
+          for name, code in _stored_codes(work, modules).items()}
 
 
 def _status_of_exit_code(code: int) -> str:
@@ -218,8 +223,10 @@ def _config(modules: list[str], timeout: float) -> str:
   tests = sorted(t for t in {t for m in modules for t in TESTS_OF[m]} | set(SHARED_TESTS) if (ROOT / t).exists())
   lines = ["", "[tool.mutmut]", 'source_paths = ["fedjax_opt/"]', f"do_not_mutate = {json.dumps(skip)}",
            f"do_not_mutate_patterns = {json.dumps(NOT_UPDATE_RULES)}",
-           f"tests_dir = {json.dumps(tests)}", 'also_copy = ["tests/"]', f"timeout_constant = {timeout}",
-           "timeout_multiplier = 10.0",
+           f"tests_dir = {json.dumps(tests)}", 'also_copy = ["tests/"]',
+           # mutmut 3.8 stops a mutant after 2 · multiplier · (its tests' clean time + constant) CPU seconds; the
+           # constant covers the compiles a mutant cannot take from the cache (its mutated function's programs).
+           f"timeout_constant = {timeout}", "timeout_multiplier = 2.5",
            # JAX starts threads once it computes: a worker forked from a process that ran the tests can deadlock.
            'process_isolation = "forkserver"', 'forkserver_warmup = "none"']
   return "\n".join(lines) + "\n"
@@ -233,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
                            "dp, secure, accounting (privacy/dp.py, secure.py, accounting.py), or asynchrony "
                            "(core/asynchrony/, or asynchrony.<module>)")
   parser.add_argument("--out", default=None, help="JSON file for the table and the survivors")
-  parser.add_argument("--timeout", type=float, default=60.0, help="seconds added to every mutant's allowance")
+  parser.add_argument("--timeout", type=float, default=30.0,
+                      help="seconds added to a mutant's clean test time before mutmut's multiplier (its allowance "
+                           "is 5 × (clean time + this) CPU seconds)")
   parser.add_argument("--workdir", default=None, help="where to copy the repository (default: a new temp dir)")
   parser.add_argument("--verbose", action="store_true", help="show mutmut's own progress output")
   parser.add_argument("--only", default=None,
@@ -317,8 +326,11 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
   """Recheck the survivors (unless --no-recheck), print the table and write --out."""
   rechecked = collections.Counter()
   if not args.no_recheck:
-    # mutmut also files a crash of the test session (exit 255, e.g. a mutant that breaks an import) as a timeout.
-    pending = [n for n, status in statuses.items() if status in ("survived", "timeout")]
+    # mutmut also files a crash of the test session (exit 255, e.g. a mutant that breaks an import) as a timeout:
+    # those are run again; a mutant stopped for its CPU time (SIGXCPU) made the tests run far longer, and is not.
+    codes = _stored_codes(work, list(dict.fromkeys(_module_of(n) for n in statuses)))
+    pending = [n for n, status in statuses.items()
+               if status == "survived" or (status == "timeout" and codes.get(n, 255) == 255)]
     # Each recheck is one pytest process, mostly one core's XLA compiles: `--jobs` of them at a time.
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, getattr(args, "jobs", 1))) as pool:
       futures = {pool.submit(_recheck, work, name, env, 10 * 60 + args.timeout): name for name in pending}
