@@ -104,8 +104,9 @@ def test_a_survivor_is_rechecked_against_every_test_file_of_its_module(tmp_path,
       "import os\n\ndef test_it():\n  assert os.environ['MUTANT_UNDER_TEST'] != 'fedjax_opt.compression.x_qsgd__mutmut_2'\n")
   monkeypatch.setattr(mutation, "_test_files", lambda module: ["tests/test_one.py"])
   env = {"PATH": "/usr/bin:/bin"}
-  assert mutation._recheck(tmp_path, "fedjax_opt.compression.x_qsgd__mutmut_2", env, 120) == "killed"
-  assert mutation._recheck(tmp_path, "fedjax_opt.compression.x_qsgd__mutmut_3", env, 120) == "survived"
+  assert mutation._recheck(tmp_path, "fedjax_opt.compression.x_qsgd__mutmut_2", env, 120) == (
+      "killed", "tests/test_one.py::test_it")  # the test that caught it, for the JSON's killed_by_recheck
+  assert mutation._recheck(tmp_path, "fedjax_opt.compression.x_qsgd__mutmut_3", env, 120) == ("survived", None)
   assert "tests/test_downlink.py" in mutation.TESTS_OF["compression"]  # the broadcast's compressor is tested there
 
 
@@ -132,7 +133,8 @@ def test_survivors_and_timeouts_are_rechecked_and_the_table_counts_the_outcome(t
   """mutmut files a crashed test session (exit 255) as a timeout: those are run again as the survivors are."""
   prefix = "fedjax_opt.compression.x_sign__mutmut_"
   outcome = {prefix + "1": "killed", prefix + "2": "survived", prefix + "3": "killed"}
-  monkeypatch.setattr(mutation, "_recheck", lambda work, name, env, timeout: outcome[name])
+  monkeypatch.setattr(mutation, "_recheck",
+                      lambda work, name, env, timeout: (outcome[name], "t.py::k" if outcome[name] == "killed" else None))
   monkeypatch.setattr(mutation, "_changes", lambda path, module: {prefix + "2": "x_sign\n- a\n+ b"})
   args = argparse.Namespace(no_recheck=False, timeout=1.0, out=str(tmp_path / "out.json"), jobs=2)
   statuses = {prefix + "1": "survived", prefix + "2": "survived", prefix + "3": "timeout", prefix + "4": "killed"}
@@ -141,6 +143,7 @@ def test_survivors_and_timeouts_are_rechecked_and_the_table_counts_the_outcome(t
   assert written["table"]["compression"] == {"mutants": 4, "killed": 3, "timeout": 0, "survived": 1, "other": 0,
                                              "rechecked": 2}
   assert written["survivors"] == {"compression": [prefix + "2"]}
+  assert written["killed_by_recheck"] == {prefix + "1": "t.py::k", prefix + "3": "t.py::k"}
 
 
 def test_a_mutant_stopped_for_its_cpu_time_is_not_rechecked(tmp_path, monkeypatch):
@@ -152,7 +155,7 @@ def test_a_mutant_stopped_for_its_cpu_time_is_not_rechecked(tmp_path, monkeypatc
   meta.parent.mkdir(parents=True)
   meta.write_text(json.dumps({"exit_code_by_key": {prefix + "1": 255, prefix + "2": -24, prefix + "3": 0}}))
   rechecked = []
-  monkeypatch.setattr(mutation, "_recheck", lambda work, name, env, timeout: rechecked.append(name) or "killed")
+  monkeypatch.setattr(mutation, "_recheck", lambda work, name, env, timeout: rechecked.append(name) or ("killed", "t.py::k"))
   args = argparse.Namespace(no_recheck=False, timeout=1.0, out=None, jobs=1)
   assert mutation._report(tmp_path, mutation._stored_results(tmp_path, ["compression"]), args, {}) == 0
   assert sorted(rechecked) == [prefix + "1", prefix + "3"]

@@ -2,6 +2,7 @@
 inside FedAvg, and the claims of Xie, Koyejo & Gupta (2018) on synthetic vectors and a least-squares problem."""
 
 import functools
+import inspect
 import itertools
 
 import jax
@@ -190,6 +191,68 @@ def test_weighted_geometric_median_matches_scipy_with_repeated_points():
   assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= 1e-4
 
 
+def np_weiszfeld(x, alpha, tol, iterations, smoothing):
+  """The smoothed Weiszfeld loop as `geometric_median` documents it, in float64: the start, the step, the stopping
+  rule ‖vᵗ⁺¹ − vᵗ‖ ≤ tol · F(vᵗ⁺¹) with F(v) = Σ_i α_i ‖v − v_i‖, Σ α_i = 1, and the cap; (v, iterations run)."""
+  alpha = alpha / alpha.sum()
+  v = np.median(x, 0)
+  dist = np.linalg.norm(x - v, axis=1)
+  objective, step, i = (alpha * dist).sum(), np.inf, 0
+  while i < iterations and not (np.isfinite(objective) and step <= tol * objective):
+    beta = alpha / np.maximum(dist, smoothing)
+    new = beta @ x / beta.sum()
+    step, dist = np.linalg.norm(new - v), np.linalg.norm(x - new, axis=1)
+    objective, v, i = (alpha * dist).sum(), new, i + 1
+  return v, i
+
+
+def test_geometric_median_stops_where_its_rule_says():
+  """The iterate the loop returns is the float64 transcription's, iteration for iteration: stopped by the relative
+  step (tol 10⁻³, which the objective's normalization Σ α_i = 1 scales, also for weights summing to 0.12), or by
+  the cap (tol 0, 3 iterations); consecutive iterates differ by far more than the tolerance compared at."""
+  x, w = data(14)
+  real = x[w > 0]
+  for agg, alpha, tol, cap in ((A.geometric_median(tol=1e-3, max_iterations=1000), np.ones(9), 1e-3, 1000),
+                               (A.geometric_median(tol=0.0, max_iterations=3), np.ones(9), 0.0, 3)):
+    want, ran = np_weiszfeld(real, alpha, tol, cap, 1e-6)
+    assert 2 < ran < 1000
+    np.testing.assert_allclose(aggregate(agg, x, w)[0], want, rtol=1e-10)
+  small = np.where(w > 0, np.linspace(0.005, 0.02, C), 0.0)  # Σ = 0.12 over the 9 taking part
+  want, ran = np_weiszfeld(real, small[w > 0], 1e-3, 1000, 1e-6)
+  assert 2 < ran < 1000
+  got, _ = aggregate(A.geometric_median(tol=1e-3, max_iterations=1000, weighted=True), x, small)
+  np.testing.assert_allclose(got, want, rtol=1e-10)
+  earlier, _ = np_weiszfeld(real, small[w > 0], 1e-3, ran - 1, 1e-6)
+  assert np.linalg.norm(earlier - want) > 1e-6 * np.linalg.norm(want)
+
+
+def test_geometric_median_defaults_are_the_documented_ones():
+  """tol 10⁻⁶, 100 iterations, ν = 10⁻⁶, one client one vote: the default rule is the rule with those arguments,
+  to the last bit, on float32 rows with unequal weights and distances below 1."""
+  defaults = inspect.signature(A.geometric_median).parameters
+  assert {k: v.default for k, v in defaults.items()} == {"tol": 1e-6, "max_iterations": 100, "smoothing": 1e-6,
+                                                          "weighted": False}
+  x, w = data(15)
+  x = np.where(w[:, None] > 0, 0.05 * x, x)  # distances of order 0.1: a smoothing of 1 would change the weights
+  tree, weights = to_tree(x.astype(np.float32)), jnp.asarray(w, jnp.float32)
+  got, _ = jax.jit(GEOMED_DEFAULT.aggregate)(tree, weights, (), KEY)
+  want, _ = jax.jit(A.geometric_median(1e-6, 100, 1e-6, weighted=False).aggregate)(tree, weights, (), KEY)
+  np.testing.assert_array_equal(to_vec(got), to_vec(want))
+  ref, _ = np_weiszfeld(x[w > 0], np.ones(9), 1e-6, 100, 1e-6)
+  np.testing.assert_allclose(to_vec(got), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_multi_krum_counts_its_m():
+  """m = 1 is Krum; m = C is accepted and, with n ≤ C taking part, is their mean; the default m = n − f with only
+  f + 1 clients taking part averages max(n − f, 1) = 1 of them (the Krum choice with the neighbour count at 1)."""
+  x, w = data(16)
+  real = x[w > 0]
+  np.testing.assert_allclose(aggregate(A.multi_krum(2, 1), x, w)[0], np_krum(real, 2), rtol=1e-12)
+  np.testing.assert_allclose(aggregate(A.multi_krum(1, C), x, w)[0], real.mean(0), rtol=1e-12)
+  few = np.where(np.arange(C) < 4, 1.0, 0.0)  # n = 4 = f + 1 with f = 3 (C = 11 ≥ 2f + 3)
+  np.testing.assert_allclose(aggregate(MULTI_KRUM[3], x, few)[0], np_multi_krum(x[:4], 3, 1), rtol=1e-12)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_krum_multi_krum_and_bulyan_match_numpy(seed):
   x, w = data(seed)
@@ -305,6 +368,25 @@ def test_centered_clipping_keeps_each_leaf_s_dtype_and_the_state_s():
     assert out["p"].dtype == jnp.float64 and state.center["p"].dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out["p"]), np_centered_clipping(x, np.zeros(6), 0.5, 2), rtol=1e-12)
   np.testing.assert_allclose(np.asarray(state.center["p"]), np.asarray(out["p"], np.float32), rtol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["marginal_median", "mean_around_median", "geometric_median", "trimmed_mean",
+                                  "krum", "multi_krum", "bulyan", "centered_clipping"])
+def test_every_rule_returns_each_leaf_in_its_dtype(name):
+  """A bfloat16 leaf beside a float32 one: each comes back in its own dtype, at the rule's float32 result on the
+  same values (the bfloat16 inputs exactly) within bfloat16's rounding."""
+  agg = RULES[name]
+  rng = np.random.default_rng(17)
+  x = rng.normal(size=(C, 10))
+  w = np.where(np.arange(C) % 4 == 3, 0.0, 1.0)
+  tree = {"a": jnp.asarray(x[:, :6].reshape(-1, 3, 2), jnp.bfloat16), "b": jnp.asarray(x[:, 6:], jnp.float32)}
+  as_f32 = jax.tree.map(lambda u: u.astype(jnp.float32), tree)
+  state = agg.init(jax.tree.map(lambda u: u[0], tree))
+  out, _ = jax.jit(agg.aggregate)(tree, jnp.asarray(w, jnp.float32), state, KEY)
+  assert out["a"].dtype == jnp.bfloat16 and out["b"].dtype == jnp.float32
+  want, _ = jax.jit(agg.aggregate)(as_f32, jnp.asarray(w, jnp.float32), agg.init(jax.tree.map(lambda u: u[0], as_f32)),
+                                   KEY)
+  np.testing.assert_allclose(to_vec(out), to_vec(want), rtol=2e-2, atol=2e-2)
 
 
 # ---- properties --------------------------------------------------------------------------------------------

@@ -175,17 +175,20 @@ def _test_files(module: str) -> list[str]:
   return sorted(t for t in TESTS_OF[module] if (ROOT / t).exists())
 
 
-def _recheck(work: pathlib.Path, name: str, env: dict, timeout: float) -> str:
-  """A survivor run against all of its module's test files: "killed" (a test fails or cannot be collected),
-  "survived" (all pass), or "timeout"."""
+def _recheck(work: pathlib.Path, name: str, env: dict, timeout: float) -> tuple[str, str | None]:
+  """A survivor run against all of its module's test files: ("killed", the first test that failed or could not be
+  collected), ("survived", None) (all pass), or ("timeout", None)."""
   mutant_env = dict(env, MUTANT_UNDER_TEST=name)
   try:
-    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-                           *_test_files(_module_of(name))], cwd=work / "mutants", env=mutant_env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout, check=False)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-rfE", "-p", "no:cacheprovider", "-p",
+                           "no:randomly", *_test_files(_module_of(name))], cwd=work / "mutants", env=mutant_env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
   except subprocess.TimeoutExpired:
-    return "timeout"
-  return "survived" if done.returncode in (0, 5) else "killed"
+    return "timeout", None
+  if done.returncode in (0, 5):
+    return "survived", None
+  failed = re.search(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.M)
+  return "killed", failed.group(1) if failed else f"pytest exit {done.returncode}"
 
 
 def _stored_codes(work: pathlib.Path, modules: list[str]) -> dict[str, int | None]:
@@ -325,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespace, env: dict) -> int:
   """Recheck the survivors (unless --no-recheck), print the table and write --out."""
   rechecked = collections.Counter()
+  killed_by = {}
   if not args.no_recheck:
     # mutmut also files a crash of the test session (exit 255, e.g. a mutant that breaks an import) as a timeout:
     # those are run again; a mutant stopped for its CPU time (SIGXCPU) made the tests run far longer, and is not.
@@ -335,8 +339,11 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, getattr(args, "jobs", 1))) as pool:
       futures = {pool.submit(_recheck, work, name, env, 10 * 60 + args.timeout): name for name in pending}
       for i, future in enumerate(concurrent.futures.as_completed(futures)):
-        name, status = futures[future], future.result()
-        print(f"recheck {i + 1}/{len(pending)} {name.rsplit('.', 1)[-1]}: {status}", flush=True)
+        name, (status, test) = futures[future], future.result()
+        print(f"recheck {i + 1}/{len(pending)} {name.rsplit('.', 1)[-1]}: {status}{f' by {test}' if test else ''}",
+              flush=True)
+        if test:
+          killed_by[name] = test
         if status != statuses[name]:
           statuses[name] = status
           rechecked[_module_of(name)] += 1
@@ -363,7 +370,8 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
       everything = _changes(work / "mutants" / _path(module), module)
       changes[module] = {n: everything[n] for n in group}
     pathlib.Path(args.out).write_text(json.dumps(
-        {"table": table, "survivors": survivors, "changes": changes, "workdir": str(work)}, indent=2))
+        {"table": table, "survivors": survivors, "changes": changes, "workdir": str(work),
+         **({"killed_by_recheck": killed_by} if killed_by else {})}, indent=2))
   print(f"survivors: `mutmut show <name>` in {work}")
   return 0
 
