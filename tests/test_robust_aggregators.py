@@ -389,6 +389,36 @@ def test_every_rule_returns_each_leaf_in_its_dtype(name):
   np.testing.assert_allclose(to_vec(out), to_vec(want), rtol=2e-2, atol=2e-2)
 
 
+def test_centered_clipping_norms_are_scaled_float32_over_every_leaf():
+  """‖v_i − v‖ is taken over all leaves in float32 at least (a float32 leaf beside a bfloat16 one is clipped to
+  float32 precision), scaled by the row's largest entry: rows of 10³⁰ (whose squares overflow float32) and of
+  10⁻³⁰ (whose squares underflow) are clipped at the float64 reference's τ/‖v_i‖; a zero-size leaf is fine."""
+  rng = np.random.default_rng(18)
+  x = rng.normal(size=(5, 6))
+  agg = A.centered_clipping(0.5)
+  tree = {"a": jnp.asarray(x[:, :2], jnp.bfloat16), "b": jnp.asarray(x[:, 2:], jnp.float32)}
+  out, _ = jax.jit(agg.aggregate)(tree, jnp.ones(5, jnp.float32), agg.init(jax.tree.map(lambda u: u[0], tree)), KEY)
+  rows = np.concatenate([np.asarray(tree["a"], np.float64), x[:, 2:]], axis=1)
+  np.testing.assert_allclose(np.asarray(out["b"]), np_centered_clipping(rows, np.zeros(6), 0.5, 1)[2:], rtol=1e-6)
+  for scale in (1e30, 1e-30):
+    rows = (scale * x).astype(np.float32)
+    agg = A.centered_clipping(0.1 * scale)
+    tree = {"p": jnp.asarray(rows), "empty": jnp.zeros((5, 0), jnp.float32)}
+    out, _ = jax.jit(agg.aggregate)(tree, jnp.ones(5, jnp.float32), agg.init(jax.tree.map(lambda u: u[0], tree)),
+                                    KEY)
+    want = np_centered_clipping(rows.astype(np.float64), np.zeros(6), np.float32(0.1 * scale), 1)
+    np.testing.assert_allclose(np.asarray(out["p"], np.float64) / scale, want / scale, rtol=1e-5)
+    assert out["empty"].shape == (0,)
+
+
+def test_bulyan_with_few_clients_taking_part_keeps_one_krum_choice():
+  """n ≤ 2f + 1 taking part (rows dropped this round): θ = max(n − 2f, 1) = 1 pick, β = 1, so Bulyan is the Krum
+  choice among them (neighbour count clipped to 1)."""
+  x, _ = data(19)
+  few = np.where(np.arange(C) < 5, 1.0, 0.0)  # n = 5 = 2f + 1 with f = 2 (C = 11 ≥ 4f + 3)
+  np.testing.assert_allclose(aggregate(BULYAN[2], x, few)[0], np_krum(x[:5], 2), rtol=1e-12)
+
+
 # ---- properties --------------------------------------------------------------------------------------------
 
 # The same aggregator objects as above where the rule is the same, so `aggregate` compiles each once.
