@@ -289,6 +289,30 @@ def test_krum_picks_the_paper_choice_on_a_hand_example():
   np.testing.assert_array_equal(aggregate(A.krum(1), x, w)[0], x[1])
 
 
+def test_krum_scores_by_one_neighbour_when_n_is_f_plus_3_and_resolves_float64_distances():
+  """n = f + 3 taking part: k = n − f − 2 = 1, each client scored by its nearest neighbour alone, so the tight pair
+  {0, 0.1} beats the trio {5, 6, 7} (with k = 2 the trio's middle would win). In float64, scores 1 and (1 − 10⁻⁹)²
+  are told apart (float32 distances would tie them and take the first row)."""
+  x = np.zeros((C, 10))
+  w = np.zeros(C)
+  w[:5] = 1
+  x[:5, 0] = [0.0, 0.1, 5.0, 6.0, 7.0]
+  # s(0) = s(0.1) = 0.01; the tie goes to the smaller distance to the 2nd nearest: 0.1 (4.9²) over 0 (5²).
+  np.testing.assert_array_equal(aggregate(A.krum(2), x, w)[0], x[1])
+  x[:5, 0] = [0.0, 1.0, 10.0, 11.0 - 1e-9, 100.0]  # s(10) = s(11 − 10⁻⁹) = (1 − 10⁻⁹)² < s(0) = s(1) = 1
+  np.testing.assert_array_equal(aggregate(A.krum(2), x, w)[0], x[2])
+
+
+def test_krum_rules_with_one_client_give_its_update_and_bulyan_with_f_0_the_mean():
+  """One client taking part is every rule's choice (its Krum score runs over no neighbour); Bulyan with f = 0 picks
+  all n (the last pick from a single remaining candidate) and averages them: the mean."""
+  x, w = data(20)
+  one = np.where(np.arange(C) == 6, 1.0, 0.0)
+  for agg in (KRUM[1], MULTI_KRUM[1], A.bulyan(0)):
+    np.testing.assert_array_equal(aggregate(agg, x, one)[0], x[6])
+  np.testing.assert_allclose(aggregate(A.bulyan(0), x, w)[0], x[w > 0].mean(0), rtol=1e-12)
+
+
 def test_centered_clipping_matches_numpy_and_keeps_its_center():
   x, w = data(5)
   real = x[w > 0]
