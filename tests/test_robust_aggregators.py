@@ -307,9 +307,10 @@ def test_krum_rules_with_one_client_give_its_update_and_bulyan_with_f_0_the_mean
   """One client taking part is every rule's choice (its Krum score runs over no neighbour); Bulyan with f = 0 picks
   all n (the last pick from a single remaining candidate) and averages them: the mean."""
   x, w = data(20)
-  one = np.where(np.arange(C) == 6, 1.0, 0.0)
-  for agg in (KRUM[1], MULTI_KRUM[1], A.bulyan(0)):
-    np.testing.assert_array_equal(aggregate(agg, x, one)[0], x[6])
+  for row in (6, C - 1):  # the last row too: the pick is read at index C − 1
+    one = np.where(np.arange(C) == row, 1.0, 0.0)
+    for agg in (KRUM[1], MULTI_KRUM[1], A.bulyan(0)):
+      np.testing.assert_array_equal(aggregate(agg, x, one)[0], x[row])
   np.testing.assert_allclose(aggregate(A.bulyan(0), x, w)[0], x[w > 0].mean(0), rtol=1e-12)
 
 
@@ -433,6 +434,24 @@ def test_centered_clipping_norms_are_scaled_float32_over_every_leaf():
     want = np_centered_clipping(rows.astype(np.float64), np.zeros(6), np.float32(0.1 * scale), 1)
     np.testing.assert_allclose(np.asarray(out["p"], np.float64) / scale, want / scale, rtol=1e-5)
     assert out["empty"].shape == (0,)
+
+
+def test_norms_and_distances_of_bfloat16_rows_are_float32():
+  """The rules measure bfloat16 models in float32 (at least the float32 of `jnp.result_type`): the row norms of
+  centered clipping and GeoMed, and Krum's pairwise squared distances, are float32 and within float32 rounding of
+  the float64 values of the same (bfloat16) inputs; computed in bfloat16 they would be off by 2⁻⁹ relative."""
+  from fedjax_opt.aggregators import robust  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(21)
+  x = rng.normal(size=(7, 40)) * np.linspace(0.1, 30, 40)
+  tree = {"a": jnp.asarray(x[:, :25], jnp.bfloat16), "b": jnp.asarray(x[:, 25:], jnp.bfloat16)}
+  rows = np.concatenate([np.asarray(tree["a"], np.float64), np.asarray(tree["b"], np.float64)], axis=1)
+  norms = robust._norms(tree)
+  assert norms.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(norms), np.linalg.norm(rows, axis=1), rtol=1e-6)
+  mask = jnp.ones(7, bool)
+  sq = robust._pairwise_sq_distances(tree, mask, jnp.sum(mask))
+  assert sq.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(sq), ((rows[:, None] - rows[None]) ** 2).sum(-1), rtol=1e-5)
 
 
 def test_bulyan_with_few_clients_taking_part_keeps_one_krum_choice():

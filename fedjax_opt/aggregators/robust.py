@@ -134,8 +134,9 @@ def _pairwise_sq_distances(updates: PyTree, mask: jax.Array, n: jax.Array) -> ja
   correct clients to cancellation against a far-away center.
   """
   dtype = _float_dtype(updates)
-  centered = [jnp.where(_rows(mask, u), u - _median_of_sorted(_sorted(u, mask), n), 0).reshape(u.shape[0], -1)
-              .astype(dtype) for u in jax.tree.leaves(updates)]
+  # Centered in `dtype` (float32 at least): a bfloat16 difference would round each entry to 2⁻⁹ of itself.
+  centered = [jnp.where(_rows(mask, u), u.astype(dtype) - _median_of_sorted(_sorted(u, mask), n).astype(dtype), 0)
+              .reshape(u.shape[0], -1) for u in jax.tree.leaves(updates)]
   gram = sum(jnp.matmul(a, a.T, precision=lax.Precision.HIGHEST) for a in centered)
   gram = 0.5 * (gram + gram.T)
   sq_norms = jnp.diagonal(gram)
