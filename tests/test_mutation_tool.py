@@ -160,3 +160,23 @@ def test_a_mutant_stopped_for_its_cpu_time_is_not_rechecked(tmp_path, monkeypatc
   assert mutation._report(tmp_path, mutation._stored_results(tmp_path, ["compression"]), args, {}) == 0
   assert sorted(rechecked) == [prefix + "1", prefix + "3"]
   assert "timeout_multiplier = 2.5" in mutation._config(["compression"], 30.0)
+
+
+def test_a_method_s_mutants_are_named_by_their_change_too(tmp_path):
+  """mutmut 3 writes a method's mutants indented in their class as `xǁ<Class>ǁ<method>__mutmut_<k>`; each is read
+  up to the next statement at the class's level or the method's."""
+  path = tmp_path / "attacks.py"
+  path.write_text('''\
+class Take:
+  def xǁTakeǁ__call____mutmut_orig(self, x):
+    return x[0]
+
+  def xǁTakeǁ__call____mutmut_1(self, x):
+    return x[1]
+
+  def other(self):
+    return 2
+xǁTakeǁ__call____mutmut_mutants = {}
+''')
+  assert mutation._changes(path, "attacks") == {
+      "fedjax_opt.attacks.xǁTakeǁ__call____mutmut_1": "xǁTakeǁ__call__\n-     return x[0]\n+     return x[1]"}

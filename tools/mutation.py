@@ -124,18 +124,20 @@ def _changes(mutated: pathlib.Path, module: str) -> dict[str, str]:
   file, which renumber mutmut's names; `--only` matches survivors by it.
   """
   text = mutated.read_text()
-  heads = list(re.finditer(r"^def (x_\w+?)__mutmut_(orig|\d+)\(", text, re.M))
+  # Functions are `x_<name>`, methods (indented in their class) `xǁ<Class>ǁ<method>`.
+  heads = list(re.finditer(r"^( *)def (x[_ǁ]\w+?)__mutmut_(orig|\d+)\(", text, re.M))
   bodies = {}
   for head, end in zip(heads, [h.start() for h in heads[1:]] + [len(text)]):
     lines = text[head.start():end].splitlines()
+    indent = len(head.group(1))
     body = [lines[0][head.end() - head.start():]]
     for line in lines[1:]:
-      if line and not line[0].isspace() and not line.startswith(")"):
-        break  # the first top-level statement after the function
+      if line.strip() and len(line) - len(line.lstrip()) <= indent and not line.lstrip().startswith(")"):
+        break  # the first statement after the function, at its level or above
       body.append(line)
     while len(body) > 1 and not body[-1].strip():  # the blank lines before the next function
       body.pop()
-    bodies[head.group(1), head.group(2)] = body
+    bodies[head.group(2), head.group(3)] = body
   prefix = _path(module)[:-3].replace("/", ".")
   return {f"{prefix}.{func}__mutmut_{tag}": func + "\n" + "\n".join(
               line for line in difflib.ndiff(bodies[func, "orig"], body) if line[:2] in ("- ", "+ "))
