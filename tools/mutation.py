@@ -84,7 +84,8 @@ TESTS_OF = {
     "secure": ["tests/test_secure_aggregation.py", "tests/test_compression_composition.py"],
     "accounting": ["tests/test_accounting.py"],
     "compression": [*COMPRESSION_TESTS, "tests/test_compression_families.py", "tests/test_downlink.py"],
-    "attacks": ["tests/test_attacks.py", "tests/test_robust_aggregators.py"],
+    # Poisoned deferred data (a client loop gathers one client's poisoned rows) is tested with the deferred rounds.
+    "attacks": ["tests/test_attacks.py", "tests/test_robust_aggregators.py", "tests/test_deferred.py"],
     **{f"asynchrony.{m}": ["tests/test_asynchrony.py", "tests/test_asynchronous.py", "tests/test_cli_network.py"]
        for m in ("history", "distributions", "schedules", "staleness", "events", "synchronous")},
 }
