@@ -88,6 +88,17 @@ def test_alie_is_mean_minus_z_std_with_the_papers_z():
   for n, f in ((10, 2), (50, 12), (100, 20)):
     s = math.floor(n / 2 + 1) - f
     np.testing.assert_allclose(attacks.alie_z(n, f), scipy.stats.norm.ppf((n - s) / n), rtol=1e-5)
+  # (n − s)/n is clipped into [10⁻⁶, 1 − 10⁻⁶], so z stays finite: 0 for one client and no attacker (s = 1), 1 for
+  # one client attacking (s = 0, n counted as itself) or six of ten (s = 0).
+  for n, f, p in ((1, 0, 1e-6), (1, 1, 1 - 1e-6), (10, 6, 1 - 1e-6)):
+    np.testing.assert_allclose(attacks.alie_z(n, f), scipy.stats.norm.ppf(np.float32(p)), rtol=1e-4)  # float32's p
+  # Two honest clients: σ divides by n_h − 1 = 1.
+  two = np.zeros(C)
+  two[[0, 1, 3, 4]] = 1.0  # rows 0 and 3 attack; rows 1 and 4 are the honest pair
+  got, _ = attacked(attacks.alie(1.5), x, two, ROWS)
+  pair = x[[1, 4]]
+  np.testing.assert_allclose(got[[0, 3]], np.broadcast_to(pair.mean(0) - 1.5 * pair.std(0, ddof=1), (2, D)),
+                             rtol=1e-12)
 
 
 def test_gaussian_replaces_attackers_with_noise_of_the_given_scale():
