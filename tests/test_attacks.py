@@ -76,6 +76,26 @@ def test_sign_flip_and_ipm():
   _check_rows(got, x, -0.5 * x[honest_rows(w)].mean(0))
 
 
+def test_ipm_with_one_honest_client_is_minus_epsilon_times_its_update():
+  x, w = setup()
+  one = np.zeros(C)
+  one[[0, 3, 5]] = 1.0  # rows 0 and 3 attack; row 5 alone is honest
+  got, _ = attacked(attacks.ipm(0.5), x, one, ROWS)
+  np.testing.assert_allclose(got[[0, 3]], np.broadcast_to(-0.5 * x[5], (2, D)), rtol=1e-12)
+
+
+def test_gaussian_draws_in_each_leaf_s_dtype_whatever_x64():
+  """A float32 model's attackers send the same noise with or without x64 (a float64 draw from the same key would
+  be other numbers), and a float64 model's is drawn in float64."""
+  x, w = setup()
+  x = x.astype(np.float32)
+  with_x64, _ = attacked(attacks.gaussian(7.0), x, w, ROWS, x64=True)
+  without, _ = attacked(attacks.gaussian(7.0), x, w, ROWS, x64=False)
+  np.testing.assert_array_equal(with_x64, without)
+  wide, _ = attacked(attacks.gaussian(7.0), x.astype(np.float64), w, ROWS, x64=True)
+  assert not np.array_equal(wide[[0, 3]], with_x64[[0, 3]])
+
+
 def test_alie_is_mean_minus_z_std_with_the_papers_z():
   """Baruch et al.: s = ⌊n/2 + 1⌋ − f, z = Φ⁻¹((n − s)/n); here n = 7 taking part, f = 2: s = 2, z = Φ⁻¹(5/7)."""
   x, w = setup()
@@ -321,6 +341,11 @@ def test_bad_arguments_raise_clear_errors():
     attacks.omniscient(float("inf"))
   with pytest.raises(ValueError, match="label_flip: num_classes must be a Python int >= 2; got 1"):
     attacks.label_flip(1)
+  flip = attacks.label_flip(3)
+  with pytest.raises(ValueError, match=r"labels under 'y'; got \['labels', 'x'\]\. Pass field="):
+    flip.apply({"x": jnp.zeros((2, 1)), "labels": jnp.zeros(2, jnp.int32)}, jnp.ones(2, bool))
+  with pytest.raises(ValueError, match=r"labels under 'y'; got tuple\. Pass field="):
+    flip.apply((jnp.zeros((2, 1)),), jnp.ones(2, bool))
   x, w = setup()
   with pytest.raises(ValueError, match=r"corrupt: attacker rows \(0, 9\) must be < C = 9"):
     attacked(attacks.sign_flip(), x, w, [0, 9])
@@ -372,10 +397,17 @@ def test_poison_draws_a_fixed_fraction_of_the_dataset_clients():
   algo = fo.FederatedAlgorithm(lambda params, key: None, lambda state, batches: state)
   batches = pack([(np.ones((2, 2)), np.ones(2))] * 10, steps=1, batch=2)
   batches = batches.replace(client_id=jnp.asarray([9, 8, 7, 6, 5, 4, 3, 2, 1, 0], jnp.int32))
-  for seed in (0, 1):
-    attacks.poison(algo, attacks.DataAttack(spy), attackers=0.3, num_clients=10, seed=seed).step(None, batches)
+  for seed in (0, 1, None):  # None: the default seed, 0
+    kw = {} if seed is None else {"seed": seed}
+    attacks.poison(algo, attacks.DataAttack(spy), attackers=0.3, num_clients=10, **kw).step(None, batches)
     ids = 9 - np.flatnonzero(np.asarray(seen["rows"]))
-    np.testing.assert_array_equal(np.sort(ids), np.sort(np.random.default_rng(seed).permutation(10)[:3]))
+    np.testing.assert_array_equal(np.sort(ids), np.sort(np.random.default_rng(seed or 0).permutation(10)[:3]))
+  # No attacker (an empty list, with or without num_clients) poisons no row; an id of N or more is refused.
+  for kw in ({}, {"num_clients": 10}):
+    attacks.poison(algo, attacks.DataAttack(spy), attackers=[], **kw).step(None, batches)
+    assert not np.any(np.asarray(seen["rows"]))
+  with pytest.raises(ValueError, match=r"poison: attacker ids \(3, 10\) must be < num_clients = 10"):
+    attacks.poison(algo, attacks.DataAttack(spy), attackers=[3, 10], num_clients=10)
 
 
 def test_poisoned_algorithm_trains_with_fo_train_as_on_flipped_data():
