@@ -437,6 +437,23 @@ def test_a_fraction_array_is_checked_when_concrete():
     attacks.generalized_byzantine(jnp.asarray(-0.1), 1.0)
   with pytest.raises(TypeError, match="corrupt: attackers must be a fraction"):
     attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=jnp.ones(2))  # not a scalar
+  # The closed interval's ends are fractions too: 0 attacks no one, 1 every client taking part.
+  x, w = setup()
+  for end, count in ((0.0, 0), (1.0, 7)):
+    _, state = attacked(attacks.sign_flip(), x, w, jnp.asarray(end))
+    assert int(state.num_attackers) == count
+    attacks.generalized_byzantine(jnp.asarray(end), 1.0)
+
+
+def test_generalized_byzantine_never_corrupts_a_row_of_weight_zero():
+  """Called directly with a mask that names every row, the attack leaves the zero-weight rows (which take no part)
+  as they are and corrupts ⌊fraction · n⌋ of the n = 7 taking part per coordinate."""
+  x, w = setup()
+  x = x.astype(np.float32)
+  out = attacks.generalized_byzantine(1.0, 5.0).apply({"p": jnp.asarray(x)}, jnp.asarray(w), jnp.ones(C, bool), KEY)
+  got = np.asarray(out["p"], np.float64)
+  np.testing.assert_array_equal(got[list(ZERO)], x[list(ZERO)])
+  np.testing.assert_array_equal(np.delete(got, ZERO, axis=0), 5.0)
 
 
 KEYS = jax.random.split(jax.random.key(0), 4)  # member k of a sweep, and its separate run, start from KEYS[k]
