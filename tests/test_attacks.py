@@ -445,6 +445,20 @@ def test_a_fraction_array_is_checked_when_concrete():
     attacks.generalized_byzantine(jnp.asarray(end), 1.0)
 
 
+def test_generalized_byzantine_takes_up_to_2_to_the_23_clients_per_round():
+  """Each coordinate's key, (24 − b) random bits then the row in b = bit_length(C − 1) bits, is exact in float32
+  for C ≤ 2²³; C = 2²³ traces (b = 23), C = 2²³ + 1 is refused when traced (shapes only, nothing allocated)."""
+  attack = attacks.generalized_byzantine(0.3, 5.0)
+
+  def trace(c):
+    return jax.eval_shape(attack.apply, {"p": jax.ShapeDtypeStruct((c, 1), jnp.float32)},
+                          jax.ShapeDtypeStruct((c,), jnp.float32), jax.ShapeDtypeStruct((c,), jnp.bool_), KEY)
+
+  assert trace(2**23)["p"].shape == (2**23, 1)
+  with pytest.raises(ValueError, match=r"generalized_byzantine: at most 2\*\*23 clients per round; got C = 8388609"):
+    trace(2**23 + 1)
+
+
 def test_generalized_byzantine_never_corrupts_a_row_of_weight_zero():
   """Called directly with a mask that names every row, the attack leaves the zero-weight rows (which take no part)
   as they are and corrupts ⌊fraction · n⌋ of the n = 7 taking part per coordinate."""
