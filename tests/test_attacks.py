@@ -468,6 +468,12 @@ def test_generalized_byzantine_never_corrupts_a_row_of_weight_zero():
   got = np.asarray(out["p"], np.float64)
   np.testing.assert_array_equal(got[list(ZERO)], x[list(ZERO)])
   np.testing.assert_array_equal(np.delete(got, ZERO, axis=0), 5.0)
+  # Every row taking part and attacking, fraction 1: all C rows of every coordinate (the C-th smallest key is the
+  # threshold); fraction 0.1 of n = 9: ⌊0.9⌋ = 0 rows, none.
+  everyone = jnp.ones(C, jnp.float32)
+  for fraction, want in ((1.0, np.full_like(x, 5.0)), (0.1, x)):
+    out = attacks.generalized_byzantine(fraction, 5.0).apply({"p": jnp.asarray(x)}, everyone, jnp.ones(C, bool), KEY)
+    np.testing.assert_array_equal(np.asarray(out["p"]), want)
 
 
 KEYS = jax.random.split(jax.random.key(0), 4)  # member k of a sweep, and its separate run, start from KEYS[k]
