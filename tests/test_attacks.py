@@ -241,6 +241,65 @@ def test_corrupt_composes_with_an_aggregator():
   np.testing.assert_allclose(out["p"], w @ y / w.sum(), rtol=1e-12)
 
 
+def test_corrupt_s_state_inner_init_default_seed_and_inner_key():
+  """corrupt's `init` hands the params to the wrapped aggregator's (centered clipping's center is shaped like the
+  model) and keeps `num_attackers` in the dtype the round returns, with and without x64 (a scan carries the state);
+  the default seed is 0; the wrapped rule gets key' = split(key, 3)[2] (the attackers' draw and the attack take the
+  first two)."""
+  x, w = setup()
+  for x64 in (False, True):
+    with jax.enable_x64(x64):
+      agg = attacks.corrupt(A.centered_clipping(1.0), attacks.sign_flip(), attackers=2)
+      params = {"p": jnp.zeros(D, jnp.float32)}
+      state = agg.init(params)
+      assert state.aggregator.center["p"].shape == (D,)
+      _, after = jax.jit(agg.aggregate)({"p": jnp.asarray(x, jnp.float32)}, jnp.asarray(w, jnp.float32), state, KEY)
+      jax.tree.map(lambda a, b: np.testing.assert_equal(a.dtype, b.dtype), state, after)
+  default = np.any(attacked(attacks.sign_flip(), x, w, 3)[0] != x, axis=1)
+  for seed, same in ((0, True), (1, False)):
+    rows = np.any(attacked(attacks.sign_flip(), x, w, 3, seed=seed)[0] != x, axis=1)
+    assert np.array_equal(rows, default) == same
+  seen = []
+  spy = A.Aggregator(lambda p: (), lambda updates, weights, state, key: (seen.append(key) or updates, state))
+  agg = attacks.corrupt(spy, attacks.sign_flip(), attackers=1)
+  agg.aggregate({"p": jnp.asarray(x, jnp.float32)}, jnp.asarray(w, jnp.float32), agg.init(None), KEY)
+  np.testing.assert_array_equal(jax.random.key_data(seen[0]), jax.random.key_data(jax.random.split(KEY, 3)[2]))
+
+
+def test_attacked_rows_keep_each_leaf_s_dtype_over_three_leaves():
+  """A bfloat16, a float32 and a float16 leaf: the attackers' rows come back in each leaf's dtype (with and without
+  x64), and each leaf gets its own noise key (three leaves, three keys)."""
+  rng = np.random.default_rng(6)
+  tree = {"a": jnp.asarray(rng.normal(size=(C, 2)), jnp.bfloat16), "b": jnp.asarray(rng.normal(size=(C, 3)),
+          jnp.float32), "c": jnp.asarray(rng.normal(size=(C, 2)), jnp.float16)}
+  w = jnp.asarray(setup()[1], jnp.float32)
+  for x64 in (False, True):
+    with jax.enable_x64(x64):
+      for attack in (attacks.omniscient(2.0), attacks.gaussian(1.0)):
+        agg = attacks.corrupt(IDENTITY, attack, attackers=[0, 3])
+        out, _ = jax.jit(agg.aggregate)(tree, w, agg.init(None), KEY)
+        assert {k: v.dtype for k, v in out.items()} == {k: v.dtype for k, v in tree.items()}
+        assert all(not np.array_equal(np.asarray(out[k][0], np.float32), np.asarray(tree[k][0], np.float32))
+                   for k in tree)
+
+
+def test_alie_counts_the_attackers_taking_part_whatever_their_weights():
+  """f in z = Φ⁻¹((n − s)/n) is the number of attackers taking part: weights in (0, 1) count as much as weights
+  above 1, and, called directly with a mask that also names zero-weight rows, those do not count."""
+  x, w = setup()
+  small, _ = attacked(attacks.alie(), x, w / 10, ROWS)  # weights in (0.1, 0.5]
+  large, _ = attacked(attacks.alie(), x, w, ROWS)
+  np.testing.assert_allclose(small, large, rtol=1e-12)
+  mask = np.zeros(C, bool)
+  mask[[0, 3, *ZERO]] = True
+  with jax.enable_x64(True):
+    direct = attacks.alie().apply({"p": jnp.asarray(x)}, jnp.asarray(w), jnp.asarray(mask), KEY)
+  honest = x[honest_rows(w)]
+  z = scipy.stats.norm.ppf((7 - (math.floor(7 / 2 + 1) - 2)) / 7)  # n = 7 taking part, f = 2 (rows 0 and 3)
+  np.testing.assert_allclose(np.asarray(direct["p"])[[0, 3]],
+                             np.broadcast_to(honest.mean(0) - z * honest.std(0, ddof=1), (2, D)), rtol=1e-12)
+
+
 # ---- what the server receives passes the non-finite guard --------------------------------------------------
 
 _GUARDED = {}
