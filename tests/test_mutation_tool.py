@@ -153,12 +153,13 @@ def test_a_mutant_stopped_for_its_cpu_time_is_not_rechecked(tmp_path, monkeypatc
   prefix = "fedjax_opt.compression.x_sign__mutmut_"
   meta = tmp_path / "mutants" / "fedjax_opt" / "compression.py.meta"
   meta.parent.mkdir(parents=True)
-  meta.write_text(json.dumps({"exit_code_by_key": {prefix + "1": 255, prefix + "2": -24, prefix + "3": 0}}))
+  meta.write_text(json.dumps({"exit_code_by_key": {prefix + "1": 255, prefix + "2": -24, prefix + "3": 0,
+                                                    prefix + "4": 33}}))  # 33: no test selected
   rechecked = []
   monkeypatch.setattr(mutation, "_recheck", lambda work, name, env, timeout: rechecked.append(name) or ("killed", "t.py::k"))
   args = argparse.Namespace(no_recheck=False, timeout=1.0, out=None, jobs=1)
   assert mutation._report(tmp_path, mutation._stored_results(tmp_path, ["compression"]), args, {}) == 0
-  assert sorted(rechecked) == [prefix + "1", prefix + "3"]
+  assert sorted(rechecked) == [prefix + "1", prefix + "3", prefix + "4"]
   assert "timeout_multiplier = 2.5" in mutation._config(["compression"], 30.0)
 
 

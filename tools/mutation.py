@@ -335,9 +335,10 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
   if not args.no_recheck:
     # mutmut also files a crash of the test session (exit 255, e.g. a mutant that breaks an import) as a timeout:
     # those are run again; a mutant stopped for its CPU time (SIGXCPU) made the tests run far longer, and is not.
+    # "no tests": mutmut's selection reached no test of the function, the module's test files may.
     codes = _stored_codes(work, list(dict.fromkeys(_module_of(n) for n in statuses)))
     pending = [n for n, status in statuses.items()
-               if status == "survived" or (status == "timeout" and codes.get(n, 255) == 255)]
+               if status in ("survived", "no tests") or (status == "timeout" and codes.get(n, 255) == 255)]
     # Each recheck is one pytest process, mostly one core's XLA compiles: `--jobs` of them at a time.
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, getattr(args, "jobs", 1))) as pool:
       futures = {pool.submit(_recheck, work, name, env, 10 * 60 + args.timeout): name for name in pending}
