@@ -240,6 +240,17 @@ def test_geometric_median_defaults_are_the_documented_ones():
   np.testing.assert_array_equal(to_vec(got), to_vec(want))
   ref, _ = np_weiszfeld(x[w > 0], np.ones(9), 1e-6, 100, 1e-6)
   np.testing.assert_allclose(to_vec(got), ref, rtol=1e-4, atol=1e-6)
+  # A median next to a client, (0.3, −0.2), which Weiszfeld approaches slowly: the default stops at its cap of 100
+  # iterations (the 101st would still move it by 10⁻⁴ of its norm), in float64 as the transcription does.
+  rng = np.random.default_rng(32)
+  angle, radius = rng.uniform(0, 2 * np.pi, 8), rng.uniform(1, 3, 8)
+  x = np.zeros((C, 10))
+  x[:9, :2] = np.vstack([[0.3, -0.2], np.c_[radius * np.cos(angle), radius * np.sin(angle)]])
+  w = np.where(np.arange(C) < 9, 1.0, 0.0)
+  want, ran = np_weiszfeld(x[:9], np.ones(9), 1e-6, 100, 1e-6)
+  assert ran == 100
+  assert np.linalg.norm(np_weiszfeld(x[:9], np.ones(9), 1e-6, 101, 1e-6)[0] - want) > 1e-5 * np.linalg.norm(want)
+  np.testing.assert_allclose(aggregate(GEOMED_DEFAULT, x, w)[0], want, rtol=1e-9)
 
 
 def test_multi_krum_counts_its_m():
