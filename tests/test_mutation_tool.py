@@ -126,7 +126,8 @@ def test_a_stopped_run_is_read_from_the_results_mutmut_stored(tmp_path):
   with mock.patch.object(mutation, "_changes", lambda path, module: survivor):
     assert mutation._report(tmp_path, statuses, args, {}) == 0
   assert json.loads((tmp_path / "out.json").read_text())["table"]["compression"] == {
-      "mutants": 4, "killed": 1, "timeout": 1, "survived": 1, "other": 0, "rechecked": 0, "not_run": 1}
+      "mutants": 4, "killed": 1, "timeout": 1, "survived": 1, "other": 0, "rechecked": 0, "not_run": 1,
+      "not_rechecked": 1}  # with --no-recheck the survivor is counted as not rechecked (36 is mutmut's timeout)
 
 
 def test_survivors_and_timeouts_are_rechecked_and_the_table_counts_the_outcome(tmp_path, monkeypatch):
@@ -181,3 +182,20 @@ xǁTakeǁ__call____mutmut_mutants = {}
 ''')
   assert mutation._changes(path, "attacks") == {
       "fedjax_opt.attacks.xǁTakeǁ__call____mutmut_1": "xǁTakeǁ__call__\n-     return x[0]\n+     return x[1]"}
+
+
+def test_a_stopped_recheck_goes_on_from_the_outcomes_it_stored(tmp_path, monkeypatch):
+  """Each recheck's outcome is written to WORKDIR/recheck.json as it comes: a second `--collect` reruns only the
+  rest, and the outcomes stored count as if run now."""
+  prefix = "fedjax_opt.compression.x_sign__mutmut_"
+  (tmp_path / "recheck.json").write_text(json.dumps({prefix + "1": ["killed", "t.py::k"]}))
+  rechecked = []
+  monkeypatch.setattr(mutation, "_recheck", lambda work, name, env, timeout: rechecked.append(name) or ("survived",
+                                                                                                       None))
+  monkeypatch.setattr(mutation, "_changes", lambda path, module: {prefix + "2": "x_sign\n- a\n+ b"})
+  args = argparse.Namespace(no_recheck=False, timeout=1.0, out=str(tmp_path / "out.json"), jobs=1)
+  assert mutation._report(tmp_path, {prefix + "1": "survived", prefix + "2": "survived"}, args, {}) == 0
+  assert rechecked == [prefix + "2"]
+  written = json.loads((tmp_path / "out.json").read_text())
+  assert written["table"]["compression"]["killed"] == 1 and written["killed_by_recheck"] == {prefix + "1": "t.py::k"}
+  assert json.loads((tmp_path / "recheck.json").read_text())[prefix + "2"] == ["survived", None]

@@ -332,25 +332,37 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
   """Recheck the survivors (unless --no-recheck), print the table and write --out."""
   rechecked = collections.Counter()
   killed_by = {}
-  if not args.no_recheck:
-    # mutmut also files a crash of the test session (exit 255, e.g. a mutant that breaks an import) as a timeout:
-    # those are run again; a mutant stopped for its CPU time (SIGXCPU) made the tests run far longer, and is not.
-    # "no tests": mutmut's selection reached no test of the function, the module's test files may.
-    codes = _stored_codes(work, list(dict.fromkeys(_module_of(n) for n in statuses)))
-    pending = [n for n, status in statuses.items()
-               if status in ("survived", "no tests") or (status == "timeout" and codes.get(n, 255) == 255)]
-    # Each recheck is one pytest process, mostly one core's XLA compiles: `--jobs` of them at a time.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, getattr(args, "jobs", 1))) as pool:
-      futures = {pool.submit(_recheck, work, name, env, 10 * 60 + args.timeout): name for name in pending}
-      for i, future in enumerate(concurrent.futures.as_completed(futures)):
-        name, (status, test) = futures[future], future.result()
-        print(f"recheck {i + 1}/{len(pending)} {name.rsplit('.', 1)[-1]}: {status}{f' by {test}' if test else ''}",
-              flush=True)
-        if test:
-          killed_by[name] = test
-        if status != statuses[name]:
-          statuses[name] = status
-          rechecked[_module_of(name)] += 1
+  # mutmut also files a crash of the test session (exit 255, e.g. a mutant that breaks an import) as a timeout:
+  # those are run again; a mutant stopped for its CPU time (SIGXCPU) made the tests run far longer, and is not.
+  # "no tests": mutmut's selection reached no test of the function, the module's test files may.
+  codes = _stored_codes(work, list(dict.fromkeys(_module_of(n) for n in statuses)))
+  pending = [n for n, status in statuses.items()
+             if status in ("survived", "no tests") or (status == "timeout" and codes.get(n, 255) == 255)]
+  # Each outcome is stored in the work copy as it comes, so a stopped recheck goes on where it was (delete the file
+  # after changing the tests).
+  stored_path = work / "recheck.json"
+  stored = json.loads(stored_path.read_text()) if stored_path.exists() else {}
+  todo = [] if args.no_recheck else [n for n in pending if n not in stored]
+  # Each recheck is one pytest process, mostly one core's XLA compiles: `--jobs` of them at a time.
+  with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, getattr(args, "jobs", 1))) as pool:
+    futures = {pool.submit(_recheck, work, name, env, 10 * 60 + args.timeout): name for name in todo}
+    for i, future in enumerate(concurrent.futures.as_completed(futures)):
+      name, (status, test) = futures[future], future.result()
+      print(f"recheck {i + 1}/{len(todo)} {name.rsplit('.', 1)[-1]}: {status}{f' by {test}' if test else ''}",
+            flush=True)
+      stored[name] = [status, test]
+      stored_path.write_text(json.dumps(stored, indent=1))
+  unchecked = collections.Counter()
+  for name in pending:
+    if name not in stored:
+      unchecked[_module_of(name)] += 1
+      continue
+    status, test = stored[name]
+    if test:
+      killed_by[name] = test
+    if status != statuses[name]:
+      statuses[name] = status
+      rechecked[_module_of(name)] += 1
   counts = collections.defaultdict(collections.Counter)
   survivors = collections.defaultdict(list)
   for name, status in statuses.items():
@@ -361,7 +373,8 @@ def _report(work: pathlib.Path, statuses: dict[str, str], args: argparse.Namespa
   table = {m: {"mutants": sum(c.values()), "killed": c["killed"], "timeout": c["timeout"],
                "survived": c["survived"],
                "other": sum(c.values()) - c["killed"] - c["timeout"] - c["survived"] - c["not run"],
-               "rechecked": rechecked[m], **({"not_run": c["not run"]} if c["not run"] else {})}
+               "rechecked": rechecked[m], **({"not_run": c["not run"]} if c["not run"] else {}),
+               **({"not_rechecked": unchecked[m]} if unchecked[m] else {})}
            for m, c in sorted(counts.items())}
   print(f"{'module':<16} {'mutants':>8} {'killed':>7} {'timeout':>8} {'survived':>9} {'other':>6} {'rechecked':>10} "
         f"{'not run':>8}")
