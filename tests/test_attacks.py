@@ -201,7 +201,7 @@ def test_generalized_byzantine_values_come_from_every_participating_update():
 
 def test_attacker_counts_from_a_fraction_or_a_count():
   x, w = setup()  # 7 clients take part
-  for attackers, expected in ((0.0, 0), (0.3, 2), (0.5, 3), (1.0, 7), (2, 2), (20, 7)):
+  for attackers, expected in ((0.0, 0), (0.3, 2), (0.5, 3), (1.0, 7), (0, 0), (2, 2), (20, 7)):
     got, state = attacked(attacks.sign_flip(), x, w, attackers)
     changed = np.any(got != x, axis=1)
     assert changed.sum() == expected == int(state.num_attackers), attackers
@@ -408,6 +408,11 @@ def test_bad_arguments_raise_clear_errors():
   x, w = setup()
   with pytest.raises(ValueError, match=r"corrupt: attacker rows \(0, 9\) must be < C = 9"):
     attacked(attacks.sign_flip(), x, w, [0, 9])
+  for bad in ([[0, 1]], [-1, 2], [0.0, 3.0]):  # not flat, negative, not integers
+    with pytest.raises(ValueError, match="corrupt: attackers as indices must be a flat sequence of ints >= 0"):
+      attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=bad)
+  with pytest.raises(TypeError, match="corrupt: attackers must be a fraction"):  # a 0-d integer array is no fraction
+    attacks.corrupt(IDENTITY, attacks.sign_flip(), attackers=jnp.asarray(1))
   algo = fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(0.1))
   with pytest.raises(ValueError, match="poison: a fraction or a count of attackers needs num_clients"):
     attacks.poison(algo, attacks.label_flip(3), attackers=0.2)
@@ -461,6 +466,11 @@ def test_poison_draws_a_fixed_fraction_of_the_dataset_clients():
     attacks.poison(algo, attacks.DataAttack(spy), attackers=0.3, num_clients=10, **kw).step(None, batches)
     ids = 9 - np.flatnonzero(np.asarray(seen["rows"]))
     np.testing.assert_array_equal(np.sort(ids), np.sort(np.random.default_rng(seed or 0).permutation(10)[:3]))
+  # A count k: the first k of the same permutation (all N when k > N).
+  for count, k in ((3, 3), (20, 10)):
+    attacks.poison(algo, attacks.DataAttack(spy), attackers=count, num_clients=10).step(None, batches)
+    ids = 9 - np.flatnonzero(np.asarray(seen["rows"]))
+    np.testing.assert_array_equal(np.sort(ids), np.sort(np.random.default_rng(0).permutation(10)[:k]))
   # No attacker (an empty list, with or without num_clients) poisons no row; an id of N or more is refused.
   for kw in ({}, {"num_clients": 10}):
     attacks.poison(algo, attacks.DataAttack(spy), attackers=[], **kw).step(None, batches)
