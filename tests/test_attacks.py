@@ -357,6 +357,15 @@ def test_nested_attacks_each_reach_the_guard():
   v[0] = 0
   assert int(out.num_nonfinite) == 1 and bool(out.accepted)
   np.testing.assert_allclose(out.update["p"], v @ y / v.sum(), rtol=1e-5, atol=1e-6)
+  # The other way round: the wrapped attack's overflowing row is judged (and counted) by the round's guard too,
+  # not dropped silently inside the wrapped aggregator.
+  inner = attacks.corrupt(A.weighted_mean(), OVERFLOW, attackers=[3])
+  out = guarded(attacks.corrupt(inner, attacks.sign_flip(), attackers=[0]), x, w)
+  y, v = x.copy(), w.copy()
+  y[0] *= -1
+  v[3] = 0
+  assert int(out.num_nonfinite) == 1 and bool(out.accepted)
+  np.testing.assert_allclose(out.update["p"], v @ y / v.sum(), rtol=1e-5, atol=1e-6)
   assert int(out.state.num_attackers) == 1 and int(out.state.aggregator.num_attackers) == 1
 
 
