@@ -23,8 +23,11 @@ A test that uses an object built at import time (a module-level
 mutmut never runs it for that factory's mutants. Every survivor is therefore
 run again against all of its module's own test files (`MUTANT_UNDER_TEST`, the
 way mutmut itself switches a mutant on; `--jobs` at a time, one per core by default): a failure there
-kills it ("rechecked" in the table). So is every timeout: mutmut files a test session
-that crashed (exit 255, e.g. a mutant that breaks an import) as one. `--no-recheck` skips that pass.
+kills it ("rechecked" in the table), and the first failing test is named in the JSON (`killed_by_recheck`). So
+are the mutants mutmut found no test for, and the "timeouts" that are test sessions that crashed (exit 255, e.g. a
+mutant that breaks an import); a mutant stopped for its CPU time (its tests ran far longer) is not. Each outcome is
+stored in the work copy (`recheck.json`) as it comes, so a stopped recheck goes on where it was (delete the file
+after changing the tests). `--no-recheck` runs no new recheck.
 `--collect WORKDIR` writes the table of a run that was stopped (from the
 results mutmut stored in its work copy so far) without running anything
 but the recheck. The script
