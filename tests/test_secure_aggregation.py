@@ -681,3 +681,189 @@ def test_default_resolution_and_the_state_s_dtypes_with_and_without_x64():
     out32, state32 = jax.jit(agg64.aggregate)(x32, weights, agg64.init(None), jax.random.key(1))
     assert out32["w"].dtype == jnp.float32  # a float32 model stays float32 under x64
     assert _state_signature(agg64.init(None)) == _state_signature(state32)
+
+
+_EDGES = [0, 1, 2, 0xFFFF, 0x10000, 0x7FFF, 0x8000, 2**30, PRIME - 2, PRIME - 1, PRIME, PRIME + 1, 2**31 + 5,
+          2 * PRIME - 1, 2 * PRIME, 2**32 - 2, 2**32 - 1]
+
+
+def _u32(values):
+  return jnp.asarray(np.asarray(values, np.uint64).astype(np.uint32))
+
+
+def test_reduction_addition_subtraction_and_folds_mod_p_match_python_integers_on_the_edges():
+  """`_reduce` takes any uint32 to x mod p (x = p, p + 1, 2p − 1 … 2³² − 1 included), `_add_mod`/`_sub_mod` every
+  pair of field elements near 0, 2¹⁵, 2¹⁶ and p, `_fold_mod` 1 … 9 terms (padded to a power of two with its
+  identity), `_field_from_words` (2³² hi + lo) mod p for words at the edges."""
+  rng = np.random.default_rng(11)
+  words = np.concatenate([_EDGES, rng.integers(0, 2**32, 5000, dtype=np.uint64)]).astype(np.uint64)
+  np.testing.assert_array_equal(np.asarray(S._reduce(_u32(words)), np.uint64), words % PRIME)
+  field = [v for v in _EDGES if v < PRIME]
+  a, b = (np.asarray(v, np.uint64) for v in zip(*itertools.product(field, field)))
+  np.testing.assert_array_equal(np.asarray(S._add_mod(_u32(a), _u32(b)), np.uint64), (a + b) % PRIME)
+  np.testing.assert_array_equal(np.asarray(S._sub_mod(_u32(a), _u32(b)), np.uint64), (a + PRIME - b) % PRIME)
+  np.testing.assert_array_equal(np.asarray(S._mul_mod(_u32(a), _u32(b)), np.uint64),
+                                (a.astype(object) * b.astype(object)) % PRIME)
+  hi, lo = (np.asarray(v, np.uint64) for v in zip(*itertools.product(_EDGES, _EDGES)))
+  got = S._field_from_words(_u32(np.stack([hi, lo], axis=-1)))
+  want = (hi.astype(object) * 2**32 + lo.astype(object)) % PRIME
+  np.testing.assert_array_equal(np.asarray(got, np.uint64), want.astype(np.uint64))
+  for n in range(1, 10):
+    x = rng.integers(0, PRIME, (4, n), dtype=np.uint64)
+    x[0] = PRIME - 1  # the largest sums and products
+    total = S._fold_mod(_u32(x), S._add_mod, 0)
+    product = S._fold_mod(_u32(x), S._mul_mod, 1)
+    assert total.shape == product.shape == (4,)
+    assert [int(v) for v in total] == [sum(int(v) for v in row) % PRIME for row in x], n
+    assert [int(v) for v in product] == [functools.reduce(lambda s, v: s * int(v) % PRIME, row, 1) for row in x], n
+
+
+def test_polynomial_evaluation_and_lagrange_weights_match_python_integers():
+  """`_evaluate` is f(x) = s + a₁x + … + a_{t−1}x^{t−1} mod p (Horner) for t = 1 … 4 at points up to p − 1;
+  `_lagrange_at_zero`'s λ_i = Π_{j≠i} x_j / (x_j − x_i) mod p, through all points and through a used subset
+  (0 for the unused), so that Σ λ_i f(x_i) = f(0) for the polynomials through them."""
+  rng = np.random.default_rng(12)
+  xs = np.asarray([1, 2, 3, 0xFFFF, 0x10000, PRIME - 2, PRIME - 1], np.uint64)
+  secrets = np.asarray([0, 1, PRIME - 1, 12345], np.uint64)
+  for t in range(1, 5):
+    coefficients = rng.integers(0, PRIME, (4, t - 1), dtype=np.uint64)
+    coefficients[0] = PRIME - 1
+    got = np.asarray(S._evaluate(_u32(secrets), _u32(coefficients).reshape(4, t - 1), _u32(xs)))
+    for s in range(4):
+      poly = [int(secrets[s])] + [int(v) for v in coefficients[s]]
+      want = [sum(c * pow(int(x), k, PRIME) for k, c in enumerate(poly)) % PRIME for x in xs]
+      assert [int(v) for v in got[s]] == want, (t, s)
+
+  def weights(points):
+    out = []
+    for i, xi in enumerate(points):
+      num, den = 1, 1
+      for j, xj in enumerate(points):
+        if j != i:
+          num, den = num * xj % PRIME, den * (xj - xi) % PRIME
+      out.append(num * pow(den, PRIME - 2, PRIME) % PRIME)
+    return out
+
+  assert [int(v) for v in S._lagrange_at_zero(_u32(xs))] == weights([int(x) for x in xs])
+  used = np.asarray([True, False, True, True, False, False, True])
+  got = [int(v) for v in S._lagrange_at_zero(_u32(xs), jnp.asarray(used))]
+  want = dict(zip(np.flatnonzero(used), weights([int(x) for x in xs[used]])))
+  assert got == [want.get(i, 0) for i in range(len(xs))]
+  assert [int(v) for v in S._lagrange_at_zero(_u32([5]))] == [1]  # one point: f(0) = f(x₁) for a constant
+  # Points, bases, exponents and shares as Python or int32 integers (the field fits int32) and the used set as
+  # 0/1 integers: the same numbers.
+  base, exponent = xs[:5].astype(np.int32), np.asarray([PRIME - 2, 2**30 + 3, 65537, 1, 0], np.int32)
+  want = [pow(int(b), int(e), PRIME) for b, e in zip(base, exponent)]
+  assert [int(v) for v in S._pow_mod(jnp.asarray(base), jnp.asarray(exponent))] == want
+  assert [int(v) for v in S._pow_mod([int(b) for b in base], [int(e) for e in exponent])] == want
+  shares = rng.integers(0, PRIME, (3, len(xs)), dtype=np.uint64)
+  reconstructed = S.shamir_reconstruct(jnp.asarray(shares.astype(np.int32)), _u32(xs), jnp.asarray(used))
+  lam = dict(zip(np.flatnonzero(used), weights([int(x) for x in xs[used]])))
+  assert [int(v) for v in reconstructed] == [sum(int(row[i]) * w for i, w in lam.items()) % PRIME for row in shares]
+  as_ints = S._lagrange_at_zero(jnp.asarray(xs.astype(np.int32)), jnp.asarray(used.astype(np.int32)))
+  assert [int(v) for v in as_ints] == got
+  assert [int(v) for v in S._lagrange_at_zero([int(x) for x in xs])] == weights([int(x) for x in xs])
+
+
+def test_fixed_point_codes_are_two_s_complement_of_the_rounded_clipped_value_in_each_input_dtype():
+  """q ∈ {⌊x̄2^f⌋, ⌊x̄2^f⌋ + 1} as the uint32 two's complement of an int32 (negative values near 2³²), x̄ = clip(x,
+  −B, B); entries at exactly ±B are not counted as clipped, those beyond are; float16/bfloat16 inputs round in
+  float32, float64 (x64) in float64; decoding returns the asked dtype."""
+  f, bound = 8, 2.0
+  x = np.asarray([0.0, 2.0, -2.0, 2.5, -3.0, 1.0 / 3, -1.0 / 3, 1.5 * 2.0**-f, -1e-6], np.float64)
+  for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
+    xd = jnp.asarray(x, dtype)
+    q, clipped = P.fixed_point_encode(xd, jax.random.key(4), frac_bits=f, bound=bound)
+    assert q.dtype == jnp.uint32 and clipped.dtype == jnp.int32 and int(clipped) == 2
+    value = np.asarray(q).view(np.int32).astype(np.int64)
+    low_d = np.floor(np.clip(np.asarray(xd, np.float64), -bound, bound) * 2**f).astype(np.int64)
+    assert np.all((value == low_d) | (value == low_d + 1)), dtype
+    assert value[1] == 2 * 2**f and value[2] == -2 * 2**f and value[3] == 2 * 2**f and value[4] == -2 * 2**f
+    assert np.asarray(q)[2] == 2**32 - 2 * 2**f  # two's complement
+    for out in (jnp.float32, jnp.bfloat16):
+      decoded = P.fixed_point_decode(q, frac_bits=f, dtype=out)
+      assert decoded.dtype == out
+      np.testing.assert_array_equal(np.asarray(decoded, np.float64), np.asarray(jnp.asarray(value * 2.0**-f, out),
+                                                                                  np.float64))
+  with jax.enable_x64(True):  # 2²⁸/3 is 89478485.33 in float64; float32's 1/3 would give 89478488
+    q, _ = P.fixed_point_encode(jnp.asarray([1.0 / 3], jnp.float64), jax.random.key(0), frac_bits=28, bound=1.0)
+    assert int(np.asarray(q).view(np.int32)[0]) in (89478485, 89478486)
+
+
+def test_a_round_s_secrets_are_the_documented_fields_of_one_draw_of_words():
+  """`_draw_secrets` against the layout its docstring states, in Python integers: one draw of (2·C·cap + 1) × 2
+  words, cap = ⌊C/2⌋ + 1 for a majority threshold or t itself; per client sk = w₀ mod (p − 2) + 1, b = w₁ and the
+  two polynomials' coefficients, zero past degree t − 1; the nonce the last pair. sk and b are distinct draws."""
+  key, c = jax.random.key(21), 5
+  for threshold, t in ((None, 2), (None, 3), (4, 4), (1, 1)):
+    cap = c // 2 + 1 if threshold is None else threshold
+    words = np.asarray(jax.random.bits(key, (c * 2 * cap + 1, 2), jnp.uint32), np.uint64)
+    field = [(int(hi) * 2**32 + int(lo)) % PRIME for hi, lo in words[:-1]]
+    rows = [field[i * 2 * cap:(i + 1) * 2 * cap] for i in range(c)]
+    sk, seeds, coefficients_sk, coefficients_b, nonce = S._draw_secrets(key, c, threshold, jnp.int32(t))
+    assert [int(v) for v in sk] == [r[0] % (PRIME - 2) + 1 for r in rows]
+    assert [int(v) for v in seeds] == [r[1] for r in rows]
+    assert coefficients_sk.shape == coefficients_b.shape == (c, cap - 1)
+    for got, start in ((coefficients_sk, 2), (coefficients_b, cap + 1)):
+      want = [[r[start + k] if k < t - 1 else 0 for k in range(cap - 1)] for r in rows]
+      assert np.asarray(got, np.int64).tolist() == want, (threshold, t)
+    assert [int(v) for v in nonce] == [int(v) for v in words[-1]]
+    assert all(x.dtype == jnp.uint32 for x in (sk, seeds, coefficients_sk, coefficients_b, nonce))
+    assert not np.array_equal(np.asarray(sk), np.asarray(seeds))
+
+
+def test_secure_sum_takes_integer_flags_keeps_uint32_under_x64_and_zeroes_what_it_does_not_send():
+  """`secure_sum` directly: members and drops given as 0/1 integers are the same round as booleans; under x64 every
+  output keeps its 32-bit dtype and the same values; a non-member's upload and a failed round's total are zeros;
+  t = 1 (one survivor unmasks) and t = C are allowed, 0 and C + 1 refused."""
+  c = 6
+  rng = np.random.default_rng(13)
+  encoded = jnp.asarray(rng.integers(0, 2**32, (c, 40), dtype=np.uint64).astype(np.uint32))
+  member = np.asarray([1, 1, 0, 1, 1, 1])
+  dropped = np.asarray([0, 1, 1, 0, 0, 1])  # slot 2 is no member: its drop flag is ignored
+  survivors = (member == 1) & (dropped == 0)
+  want = _ring_sum(np.asarray(encoded, np.uint64)[survivors])
+  key = jax.random.key(4)
+  as_bools = S.secure_sum(encoded, jnp.asarray(member == 1), jnp.asarray(dropped == 1), key, threshold=None)
+  as_ints = S.secure_sum(encoded, jnp.asarray(member), jnp.asarray(dropped), key, threshold=None)
+  with jax.enable_x64(True):
+    wide = S.secure_sum(encoded, jnp.asarray(member), jnp.asarray(dropped), key, threshold=None)
+  for out in (as_bools, as_ints, wide):
+    assert bool(out.ok) and int(out.num_survivors) == 3 and int(out.num_dropped) == 2 and int(out.threshold) == 3
+    np.testing.assert_array_equal(np.asarray(out.total, np.uint64), want)
+    assert out.total.dtype == out.uploads.dtype == jnp.uint32
+    assert out.num_survivors.dtype == out.num_dropped.dtype == out.threshold.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out.uploads), np.asarray(as_bools.uploads))
+    assert not np.any(np.asarray(out.uploads)[2])
+  failed = S.secure_sum(encoded, jnp.asarray(member), jnp.asarray([1, 1, 0, 1, 0, 1]), key, threshold=2)
+  assert not bool(failed.ok) and int(failed.num_survivors) == 1 and not np.any(np.asarray(failed.total))
+  one = S.secure_sum(encoded, jnp.asarray(member), jnp.asarray([1, 1, 0, 1, 0, 1]), key, threshold=1)
+  assert bool(one.ok) and int(one.threshold) == 1
+  np.testing.assert_array_equal(np.asarray(one.total, np.uint64), np.asarray(encoded, np.uint64)[4])
+  every = S.secure_sum(encoded, jnp.ones(c, bool), jnp.zeros(c, bool), key, threshold=c)
+  np.testing.assert_array_equal(np.asarray(every.total, np.uint64), _ring_sum(np.asarray(encoded, np.uint64)))
+  for bad in (0, c + 1):
+    with pytest.raises(ValueError, match=rf"threshold must be None or in \[1, C = {c}\]; got {bad}"):
+      S.secure_sum(encoded, jnp.asarray(member), jnp.asarray(dropped), key, threshold=bad)
+
+
+def test_the_rounding_draw_follows_the_input_s_float_dtype_and_never_rounds_a_grid_value_up():
+  """A float32 input under x64 gets the codes it gets without x64 (the uniform draw stays float32), and codes
+  given back as int64 under x64 decode the same; a value on the 2^−f grid is its own code even where the draw
+  is exactly U = 0 (round up only when U < x̄2^f − ⌊x̄2^f⌋, never for a zero remainder)."""
+  rng = np.random.default_rng(14)
+  x = jnp.asarray(rng.normal(size=300) * 0.4, jnp.float32)
+  q, clipped = P.fixed_point_encode(x, jax.random.key(2), frac_bits=12, bound=1.0)
+  with jax.enable_x64(True):
+    q64, clipped64 = P.fixed_point_encode(x, jax.random.key(2), frac_bits=12, bound=1.0)
+    assert q64.dtype == jnp.uint32 and clipped64.dtype == jnp.int32
+    wide_codes = jnp.asarray(np.asarray(q).view(np.int32).astype(np.int64))
+    decoded = P.fixed_point_decode(wide_codes, frac_bits=12)
+  np.testing.assert_array_equal(np.asarray(q64), np.asarray(q))
+  assert int(clipped64) == int(clipped)
+  np.testing.assert_array_equal(np.asarray(decoded), np.asarray(P.fixed_point_decode(q, frac_bits=12)))
+  grid = jnp.asarray(rng.integers(-2**10, 2**10, 2**22) * 2.0**-10, jnp.float32)
+  key = jax.random.key(7)
+  assert int(jnp.sum(jax.random.uniform(key, grid.shape, jnp.float32) == 0)) > 0  # the case exists in this draw
+  codes, _ = P.fixed_point_encode(grid, key, frac_bits=10, bound=1.0)
+  np.testing.assert_array_equal(np.asarray(codes).view(np.int32), np.asarray(grid, np.float64) * 2**10)

@@ -400,6 +400,27 @@ def _masks(nonce: jax.Array, sk: jax.Array, pk: jax.Array, member: jax.Array, le
   return lax.fori_loop(0, num_steps, body, init)
 
 
+def _draw_secrets(key: jax.Array, num_slots: int, threshold: int | None,
+                  t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Every client's secrets of a round, from one draw of `[2·C·cap + 1, 2]` uint32 words (module docstring).
+
+  The first 2·C·cap words pairs, as field elements (`_field_from_words`), are C rows of 2·cap: client c's
+  sk_c = row[0] mod (p − 2) + 1 ∈ [1, p − 2], its self-mask seed b_c = row[1], and the non-constant coefficients
+  of its sharing polynomials of sk_c (row[2 : cap + 1]) and of b_c (row[cap + 1 :]), those of x^t and higher
+  powers set to 0 (degree t − 1). The last pair is the round's PRG nonce. `cap` (static) bounds t: the
+  threshold, or ⌊C/2⌋ + 1 when t is a majority of the members (traced).
+
+  Returns:
+    (sk `[C]`, seeds `[C]`, coefficients of sk `[C, cap − 1]`, of b `[C, cap − 1]`, nonce `[2]`), uint32.
+  """
+  cap = num_slots // 2 + 1 if threshold is None else threshold
+  words = jax.random.bits(key, (num_slots * 2 * cap + 1, 2), jnp.uint32)
+  drawn, nonce = _field_from_words(words[:-1]).reshape(num_slots, 2 * cap), words[-1]
+  degree = jnp.arange(1, cap) < t  # the coefficients of x¹ … x^(t−1)
+  return (drawn[:, 0] % (PRIME - 2) + 1, drawn[:, 1], jnp.where(degree, drawn[:, 2:cap + 1], jnp.uint32(0)),
+          jnp.where(degree, drawn[:, cap + 1:], jnp.uint32(0)), nonce)
+
+
 def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: jax.Array, *,
                threshold: int | None) -> SecureSum:
   """The protocol of the module docstring on ring elements: masks, uploads, dropout recovery, the unmasked sum.
@@ -421,21 +442,11 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
   member = jnp.asarray(member, bool)
   dropped = jnp.asarray(dropped, bool) & member
   survivors = member & ~dropped
-  # `cap` bounds t: the polynomials' t − 1 non-constant coefficients and the t share holders fit `cap` (static);
-  # those past t are zero and unused.
-  cap = c // 2 + 1 if threshold is None else threshold
   t = jnp.sum(member, dtype=jnp.int32) // 2 + 1 if threshold is None else jnp.int32(threshold)
-  index = jnp.arange(c)
 
-  # Round 0-1: keys and shares (made by the clients). One draw for everything: each client's sk_c, b_c and the
-  # t − 1 non-constant coefficients of each of its two sharing polynomials, and the round's PRG nonce.
-  words = jax.random.bits(key, (c * 2 * cap + 1, 2), jnp.uint32)
-  drawn, nonce = _field_from_words(words[:-1]).reshape(c, 2 * cap), words[-1]
-  sk = drawn[:, 0] % (PRIME - 2) + 1  # in [1, p − 2]
-  seeds = drawn[:, 1]
-  degree = jnp.arange(1, cap) < t  # the coefficients of x¹ … x^(t−1); those of higher powers are 0
-  coefficients_sk = jnp.where(degree, drawn[:, 2:cap + 1], jnp.uint32(0))
-  coefficients_b = jnp.where(degree, drawn[:, cap + 1:], jnp.uint32(0))
+  # Round 0-1: keys and shares (made by the clients).
+  sk, seeds, coefficients_sk, coefficients_b, nonce = _draw_secrets(key, c, threshold, t)
+  cap = coefficients_sk.shape[1] + 1
   pk = _pow_mod(jnp.uint32(GENERATOR), sk)
 
   # Round 3, the server's reconstruction (written before round 2 so that every mask is made in one loop): it
@@ -447,7 +458,9 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
   # A survivor reveals its share of b_u, never of sk_u; of a dropped member, of sk_d, never of b_d.
   shared = jnp.where(dropped, sk, seeds)
   coefficients = jnp.where(dropped[:, None], coefficients_sk, coefficients_b)
-  recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs, jnp.arange(cap) < t)
+  # Only shares that arrive are interpolated: a holder must be a survivor.
+  received = (jnp.arange(cap) < t) & survivors[holders]
+  recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs, received)
 
   # Round 2, the uploads, and round 3: the server sums those that arrived and removes the survivors' self masks,
   # made again from the reconstructed seeds, and the dropped members' pair masks.
