@@ -716,6 +716,8 @@ def test_reduction_addition_subtraction_and_folds_mod_p_match_python_integers_on
     assert total.shape == product.shape == (4,)
     assert [int(v) for v in total] == [sum(int(v) for v in row) % PRIME for row in x], n
     assert [int(v) for v in product] == [functools.reduce(lambda s, v: s * int(v) % PRIME, row, 1) for row in x], n
+    stacked = S._fold_mod(_u32(x.reshape(2, 2, n)), S._add_mod, 0)  # the last axis of any shape
+    assert stacked.shape == (2, 2) and np.asarray(stacked).ravel().tolist() == [int(v) for v in total], n
 
 
 def test_polynomial_evaluation_and_lagrange_weights_match_python_integers():
