@@ -815,9 +815,10 @@ def test_a_round_s_secrets_are_the_documented_fields_of_one_draw_of_words():
 
 
 def test_secure_sum_takes_integer_flags_keeps_uint32_under_x64_and_zeroes_what_it_does_not_send():
-  """`secure_sum` directly: members and drops given as 0/1 integers are the same round as booleans; under x64 every
-  output keeps its 32-bit dtype and the same values; a non-member's upload and a failed round's total are zeros;
-  t = 1 (one survivor unmasks) and t = C are allowed, 0 and C + 1 refused."""
+  """`secure_sum` directly: members and drops given as integers (nonzero: set) are the same round as booleans;
+  under x64 every output keeps its 32-bit dtype and the same values; a non-member's upload and a failed round's
+  total are zeros; t = 1 (one survivor unmasks) and t = C are allowed, 0 and C + 1 refused. The round has exactly
+  t = 3 survivors of 5 members among ⌊C/2⌋ + 1 = 4 share holders: the fourth holder's share never arrives."""
   c = 6
   rng = np.random.default_rng(13)
   encoded = jnp.asarray(rng.integers(0, 2**32, (c, 40), dtype=np.uint64).astype(np.uint32))
@@ -827,7 +828,8 @@ def test_secure_sum_takes_integer_flags_keeps_uint32_under_x64_and_zeroes_what_i
   want = _ring_sum(np.asarray(encoded, np.uint64)[survivors])
   key = jax.random.key(4)
   as_bools = S.secure_sum(encoded, jnp.asarray(member == 1), jnp.asarray(dropped == 1), key, threshold=None)
-  as_ints = S.secure_sum(encoded, jnp.asarray(member), jnp.asarray(dropped), key, threshold=None)
+  as_ints = S.secure_sum(encoded, jnp.asarray(member * [3, 1, 0, 2, 1, 5]), jnp.asarray(dropped * 4), key,
+                         threshold=None)  # any nonzero integer flags, as NumPy reads them
   with jax.enable_x64(True):
     wide = S.secure_sum(encoded, jnp.asarray(member), jnp.asarray(dropped), key, threshold=None)
   for out in (as_bools, as_ints, wide):
@@ -869,3 +871,23 @@ def test_the_rounding_draw_follows_the_input_s_float_dtype_and_never_rounds_a_gr
   assert int(jnp.sum(jax.random.uniform(key, grid.shape, jnp.float32) == 0)) > 0  # the case exists in this draw
   codes, _ = P.fixed_point_encode(grid, key, frac_bits=10, bound=1.0)
   np.testing.assert_array_equal(np.asarray(codes).view(np.int32), np.asarray(grid, np.float64) * 2**10)
+
+
+def test_an_explicit_threshold_gives_sharing_polynomials_of_degree_t_minus_1(monkeypatch):
+  """With t = 5 of C = 6 (above the default's ⌊C/2⌋ + 1 = 4), each client's two sharing polynomials have degree
+  t − 1 = 4: their coefficients of x¹ … x⁴ are drawn (none is 0 here), so no 4 shares determine a secret."""
+  drawn = []
+
+  def spy(*args):
+    drawn.append(original(*args))
+    return drawn[-1]
+
+  original = S._draw_secrets
+  monkeypatch.setattr(S, "_draw_secrets", spy)
+  encoded = jnp.zeros((6, 4), jnp.uint32)
+  out = S.secure_sum(encoded, jnp.ones(6, bool), jnp.asarray([0, 0, 0, 0, 0, 1], bool), jax.random.key(5),
+                     threshold=5)
+  assert bool(out.ok) and int(out.threshold) == 5 and len(drawn) == 1
+  _, _, coefficients_sk, coefficients_b, _ = drawn[0]
+  assert coefficients_sk.shape == coefficients_b.shape == (6, 4)
+  assert np.all(np.asarray(coefficients_sk) > 0) and np.all(np.asarray(coefficients_b) > 0)

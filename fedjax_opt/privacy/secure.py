@@ -458,9 +458,9 @@ def secure_sum(encoded: jax.Array, member: jax.Array, dropped: jax.Array, key: j
   # A survivor reveals its share of b_u, never of sk_u; of a dropped member, of sk_d, never of b_d.
   shared = jnp.where(dropped, sk, seeds)
   coefficients = jnp.where(dropped[:, None], coefficients_sk, coefficients_b)
-  # Only shares that arrive are interpolated: a holder must be a survivor.
-  received = (jnp.arange(cap) < t) & survivors[holders]
-  recovered = shamir_reconstruct(_evaluate(shared, coefficients, xs), xs, received)
+  # A share arrives only from a survivor (one that does not arrive is 0 here); the server interpolates t of them.
+  shares = jnp.where(survivors[holders][None, :], _evaluate(shared, coefficients, xs), jnp.uint32(0))
+  recovered = shamir_reconstruct(shares, xs, jnp.arange(cap) < t)
 
   # Round 2, the uploads, and round 3: the server sums those that arrived and removes the survivors' self masks,
   # made again from the reconstructed seeds, and the dropped members' pair masks.
