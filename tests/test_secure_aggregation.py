@@ -814,6 +814,21 @@ def test_a_round_s_secrets_are_the_documented_fields_of_one_draw_of_words():
     assert not np.array_equal(np.asarray(sk), np.asarray(seeds))
 
 
+
+def test_each_key_agreement_secret_lies_in_1_to_p_minus_2_at_the_field_s_edges(monkeypatch):
+  """sk = w mod (p − 2) + 1 for drawn field elements w at the top of F_p (p − 3, p − 2, p − 1) and 0: words chosen
+  through the draw, (hi, lo) = (0, v) giving w = v mod p."""
+  edges = [PRIME - 3, PRIME - 2, PRIME - 1, PRIME, 0]
+
+  def words(key, shape, dtype):
+    out = np.zeros(shape, np.uint32)
+    out[0:10:2, 1] = edges  # each client's first field element (cap = 1: rows of 2)
+    return jnp.asarray(out, dtype)
+
+  monkeypatch.setattr(jax.random, "bits", words)
+  sk, *_ = S._draw_secrets(jax.random.key(0), 5, 1, jnp.int32(1))
+  assert [int(v) for v in sk] == [PRIME - 2, 1, 2, 1, 1]
+
 def test_secure_sum_takes_integer_flags_keeps_uint32_under_x64_and_zeroes_what_it_does_not_send():
   """`secure_sum` directly: members and drops given as integers (nonzero: set) are the same round as booleans;
   under x64 every output keeps its 32-bit dtype and the same values; a non-member's upload and a failed round's
