@@ -404,7 +404,7 @@ def _draw_secrets(key: jax.Array, num_slots: int, threshold: int | None,
                   t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
   """Every client's secrets of a round, from one draw of `[2·C·cap + 1, 2]` uint32 words (module docstring).
 
-  The first 2·C·cap words pairs, as field elements (`_field_from_words`), are C rows of 2·cap: client c's
+  The first 2·C·cap pairs of words, as field elements (`_field_from_words`), are C rows of 2·cap: client c's
   sk_c = row[0] mod (p − 2) + 1 ∈ [1, p − 2], its self-mask seed b_c = row[1], and the non-constant coefficients
   of its sharing polynomials of sk_c (row[2 : cap + 1]) and of b_c (row[cap + 1 :]), those of x^t and higher
   powers set to 0 (degree t − 1). The last pair is the round's PRG nonce. `cap` (static) bounds t: the
