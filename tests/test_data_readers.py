@@ -304,3 +304,124 @@ def test_missing_files_raise_file_not_found(tmp_path):
   for reader in (data.read_leaf_json, data.read_svmlight, data.read_idx, data.read_npz, data.read_tff_hdf5):
     with pytest.raises(FileNotFoundError, match="no such file"):
       reader(tmp_path / "absent.file")
+
+
+# ----------------------------------------------------------------------------
+# Non-finite values: every reader refuses them, naming the file and where.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", ["2:nan", "2:NaN", "2:inf", "2:-inf", "2:Infinity"])
+def test_svmlight_refuses_nan_and_inf_naming_the_line(tmp_path, token):
+  path = tmp_path / "bad.svm"
+  path.write_text(f"+1 1:0.5 2:0.25\n# a comment line still counts\n-1 1:0.5 {token}\n")
+  assert not np.isfinite(float(token.split(":")[1]))  # a number to Python's float(), which parses the values
+  message = _one_line_error(lambda: data.read_svmlight(path), path, "")
+  assert message == f"{path}: line 3: {token!r} is not a finite number (NaN and Inf are refused)."
+
+
+def test_svmlight_refuses_values_beyond_float32_and_non_finite_labels(tmp_path):
+  big = tmp_path / "big.svm"
+  big.write_text("+1 1:0.5\n-1 1:1e39\n")  # finite in float64, inf in the float32 features
+  with np.errstate(over="ignore"):
+    assert np.isinf(np.float32(1e39))
+  message = _one_line_error(lambda: data.read_svmlight(big), big, "")
+  assert message == (f"{big}: line 2: '1:1e39' is beyond float32's range (±3.402823e+38), in which the features "
+                     f"are stored.")
+  edge = tmp_path / "edge.svm"
+  edge.write_text(f"+1 1:{float(np.finfo(np.float32).max)!r}\n-1 1:-0.5\n")  # the largest float32 itself is fine
+  assert data.read_svmlight(edge)["x"][0, 0] == np.finfo(np.float32).max
+  label = tmp_path / "label.svm"
+  label.write_text("+1 1:0.5\nnan 1:0.5\n")
+  assert _one_line_error(lambda: data.read_svmlight(label), label, "") == (
+      f"{label}: line 2: label 'nan' is not a finite number.")
+  raw = tmp_path / "raw.svm"
+  raw.write_text("1e39 1:0.5\n-1 1:0.5\n")
+  assert data.read_svmlight(raw)["y"].tolist() == [1, 0]  # as an index, a large label is just the larger one
+  assert _one_line_error(lambda: data.read_svmlight(raw, labels="raw"), raw, "") == (
+      f"{raw}: line 1: label '1e39' is not a finite number in float32.")
+
+
+def test_command_line_refuses_a_libsvm_file_with_nan_before_training(cli, tmp_path):
+  """The file, not the algorithm: it was read and trained on ("finished", objective gap nan; with inf, "dane
+  diverged at round 2")."""
+  for value in ("nan", "inf"):
+    path = tmp_path / f"{value}.svm"
+    path.write_text("".join(f"{(-1) ** i:+d} 1:{i / 10} 2:{(i % 3) / 3}\n" for i in range(40))
+                    .replace("2:0.3333333333333333\n", f"2:{value}\n", 1))
+    out = tmp_path / f"run_{value}"
+    result = cli("run", "--algorithms", "dane", "--dataset", f"libsvm:{path}", "--num-clients", "2",
+                 "--clients-per-round", "2", "--rounds", "2", "--out", out, "--quiet")
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{path}: line 2: '2:{value}' is not a finite number" in lines[0], result.stderr
+    assert "diverged" not in result.stdout + result.stderr and not out.exists()
+
+
+def test_leaf_json_refuses_nan_inf_and_float32_overflow_naming_file_client_and_example(tmp_path):
+  folder = tmp_path / "train"
+  folder.mkdir()
+  _write_json(folder / "part0.json", _leaf(["a"], lambda n: [[0.0, 1.0]] * n, lambda n: [0] * n, [2]))
+  for value, shown in ((float("nan"), "nan"), (float("-inf"), "-inf"), (1e39, "inf")):
+    second = _leaf(["b", "c"], lambda n: [[0.0, 1.0]] * n, lambda n: [1] * n, [2, 3])
+    second["user_data"]["c"]["x"][2] = [0.0, value]
+    path = _write_json(folder / "part1.json", second)
+    assert "NaN" in path.read_text() or "Infinity" in path.read_text() or value == 1e39  # what json writes
+    message = _one_line_error(lambda: data.read_leaf_json(folder), path, "")  # the file inside the folder
+    assert message == (f"{path}: client 'c' example 2: 'x' holds {shown} at feature index 1; clean the data, or read "
+                       f"it with load_leaf(..., drop_nonfinite=True) to drop the examples that hold NaN or Inf.")
+  # load_leaf still drops them when asked, and names the file otherwise.
+  with pytest.warns(UserWarning, match=r"dropped 1 example\(s\)"):
+    dropped = data.load_leaf(folder, num_classes=2, test_fraction=0, drop_nonfinite=True)
+  np.testing.assert_array_equal(dropped.train_count, [2, 2, 2])
+  with pytest.raises(ValueError, match=rf"^{path}: client 'c' example 2: 'x' holds inf at feature index 1; clean "
+                                       r"the data, or pass drop_nonfinite=True"):
+    data.load_leaf(folder, num_classes=2, test_fraction=0)
+
+
+def test_tff_hdf5_refuses_nan_naming_file_client_and_example(tmp_path):
+  pytest.importorskip("h5py", reason="h5py (the `hdf5` extra, part of `dev`) is not installed")
+  pixels = np.zeros((4, 3, 3), np.float32)
+  pixels[2, 1, 0] = np.nan
+  clients = {"f0000_00": {"pixels": np.zeros((2, 3, 3), np.float32), "label": np.zeros(2, np.int32)},
+             "f0001_00": {"pixels": pixels, "label": np.zeros(4, np.int32)}}
+  path = _write_tff(tmp_path / "train.h5", clients)
+  message = _one_line_error(lambda: data.read_tff_hdf5(path), path, "")
+  assert message.startswith(f"{path}: client 'f0001_00' example 2: 'x' holds nan at feature index (1, 0); "), message
+  assert data.read_tff_hdf5(path, client_ids=["f0000_00"]).client_names == ("f0000_00",)  # the clean client alone
+  with pytest.raises(ValueError, match=rf"^{path}: client 'f0001_00' example 2"):
+    data.load_tff_hdf5(path, test_fraction=0)
+  doubles = _write_tff(tmp_path / "doubles.h5", {"a": {"pixels": np.full((2, 2), 1e39), "label": np.zeros(2)}})
+  message = _one_line_error(lambda: data.read_tff_hdf5(doubles), doubles, "")
+  assert message.startswith(f"{doubles}: client 'a' example 0: 'x' holds inf at feature index 0; "), message
+
+
+def test_npz_refuses_inf_naming_file_client_and_example(tmp_path):
+  x = np.ones((5, 3))
+  x[3, 2] = -np.inf
+  path = tmp_path / "clients.npz"
+  np.savez(path, **{"alice/x": np.ones((2, 3)), "alice/y": [0, 1], "bob/x": x, "bob/y": np.arange(5)})
+  message = _one_line_error(lambda: data.read_npz(path), path, "")
+  assert message.startswith(f"{path}: client 'bob' example 3: 'x' holds -inf at feature index 2; "), message
+  targets = tmp_path / "targets.npz"
+  np.savez(targets, **{"a/x": np.ones((2, 1)), "a/y": [0.5, np.nan]})
+  message = _one_line_error(lambda: data.read_npz(targets), targets, "")
+  assert message.startswith(f"{targets}: client 'a' example 1: 'y' is nan; "), message
+
+
+def test_idx_refuses_nan_and_float32_overflow_naming_file_and_example(tmp_path):
+  values = np.zeros((3, 2, 2), np.float32)
+  values[1, 0, 1] = np.nan
+  path = _write_idx(tmp_path / "f.idx", values, 0x0D, ">f4")
+  message = _one_line_error(lambda: data.read_idx(path), path, "")
+  assert message.startswith(f"{path}: example 1 holds nan at feature index (0, 1); "), message
+  labels = _write_idx(tmp_path / "lab.idx", np.zeros(3, np.uint8), 0x08, ">u1")
+  _one_line_error(lambda: data.read_idx_images(path, labels), path, "example 1 holds nan")
+  doubles = np.zeros((3, 2, 2))
+  doubles[2, 1, 1] = 1e39  # finite in the file's float64, inf as float32
+  big = _write_idx(tmp_path / "d.idx", doubles, 0x0E, ">f8")
+  assert data.read_idx(big)[2, 1, 1] == 1e39
+  message = _one_line_error(lambda: data.read_idx_images(big, labels), big, "")
+  assert message.startswith(f"{big}: example 2 holds inf at feature index (1, 1); "), message
+  vector = _write_idx(tmp_path / "v.idx", np.array([0.0, np.inf]), 0x0E, ">f8")
+  assert _one_line_error(lambda: data.read_idx(vector), vector, "").startswith(f"{vector}: example 1 is inf; ")

@@ -6,8 +6,13 @@ a new document with code, or a document whose blocks are not all run, fails
 here until its test exists.
 """
 
+import os
 import pathlib
 import re
+import subprocess
+import urllib.parse
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -58,3 +63,65 @@ def test_the_readme_describes_the_notebook_it_ships():
   assert f"`{dataset}`" in sentence and f"{clients} clients" in sentence and f"{rounds} rounds" in sentence, sentence
   assert ("logistic_regression" in code) == ("logistic regression" in sentence)
   assert "is the same" not in sentence
+
+
+def _without_code(text: str) -> str:
+  """The Markdown text without its fenced blocks and inline code spans (a link written there is not a link)."""
+  text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+  return re.sub(r"(`+).+?\1", "", text, flags=re.S)
+
+
+def relative_links(text: str) -> list[str]:
+  """The targets of the links and images of a Markdown text that point into the repository: inline
+  (`[text](target)`, `![alt](target "title")`), reference definitions (`[id]: target`) and HTML `src` / `href`;
+  not web addresses, `mailto:` or anchors within the document. A target's own anchor is dropped."""
+  text = _without_code(text)
+  targets = re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+  targets += re.findall(r"^ {0,3}\[[^\]]+\]:\s+<?([^\s>]+)>?", text, flags=re.M)
+  targets += re.findall(r"(?:src|href)\s*=\s*\"([^\"]+)\"", text)
+  out = []
+  for target in targets:
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", target) or target.startswith("#"):
+      continue
+    out.append(urllib.parse.unquote(target.split("#", 1)[0]))
+  return out
+
+
+def broken_links(tracked: set[str]) -> list[str]:
+  """`document: target` for every relative link or image of README.md and docs/*.md whose file (or folder) is not
+  among `tracked`, the repository paths that git tracks."""
+  folders = {str(parent) for p in tracked for parent in pathlib.PurePosixPath(p).parents}
+  broken = []
+  for document in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+    for target in relative_links(document.read_text(encoding="utf-8")):
+      resolved = os.path.normpath(os.path.join(os.path.dirname(document.relative_to(ROOT)), target))
+      path = pathlib.PurePath(resolved).as_posix()
+      if path.startswith("../") or (path not in tracked and path not in folders):
+        broken.append(f"{document.relative_to(ROOT)}: {target}")
+  return broken
+
+
+def _tracked() -> set[str]:
+  try:
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    pytest.skip("not a git checkout: which files are tracked is unknown")
+  return set(listed.decode("utf-8").split("\0")) - {""}
+
+
+def test_every_relative_link_and_image_points_to_a_tracked_file():
+  """A link or image into the repository must name a file that is committed: one that is missing, or ignored
+  (benchmarks/results/*.png), shows as a broken image to every reader."""
+  tracked = _tracked()
+  assert "README.md" in tracked and "docs/img/main_job_accuracy.png" in tracked
+  assert not broken_links(tracked), broken_links(tracked)
+
+
+def test_the_link_check_finds_links_images_and_definitions_and_skips_code():
+  text = ("See [the CLI](cli.md#run) and ![a plot](img/a%20b.png \"title\"), [ref]: ../README.md\n"
+          "[ref]: data.md\n<img src=\"img/c.png\"> [web](https://example.org) [here](#top) `[code](nowhere.md)`\n"
+          "```text\n[fenced](nowhere.md)\n```\n")
+  assert relative_links(text) == ["cli.md", "img/a b.png", "data.md", "img/c.png"]
+  tracked = _tracked()
+  untracked = set(broken_links(tracked - {"docs/img/main_job_accuracy.png"})) - set(broken_links(tracked))
+  assert untracked == {"README.md: docs/img/main_job_accuracy.png"}

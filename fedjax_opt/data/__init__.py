@@ -40,7 +40,9 @@ from fedjax_opt.data.partition import (
     shard_partition,
 )
 from fedjax_opt.data.readers import (
+    EXAMPLES,
     ClientData,
+    example_path,
     load_leaf,
     load_tff_hdf5,
     read_idx,
@@ -61,6 +63,7 @@ __all__ = [
     "CentralizedData",
     "ClientData",
     "DatasetInfo",
+    "EXAMPLES",
     "FederatedDataset",
     "LEAF_VOCAB",
     "PLANTED_KINDS",
@@ -74,6 +77,7 @@ __all__ = [
     "dirichlet_partition",
     "draw_stragglers",
     "drop_stragglers",
+    "example_path",
     "fashion_mnist_arrays",
     "federate",
     "generate_synthetic",

@@ -19,7 +19,11 @@ Centralized layouts, returned as dicts of arrays (partition them with
 * IDX (LeCun et al.'s MNIST format, also EMNIST and Fashion-MNIST), raw or gzip.
 
 Every reader rejects a malformed file with a one-line ValueError that starts
-with the file name and says what is wrong.
+with the file name and says what is wrong. A feature value that is NaN or
+±Inf, or too large for float32 (which it would become), is such a problem:
+text files name the line (LibSVM) or the client and example (LEAF JSON),
+binary files the client and example (HDF5, `.npz`) or the example (IDX).
+Only `load_leaf(..., drop_nonfinite=True)` drops such examples instead.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import math
 import os
 import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
@@ -36,8 +41,8 @@ import numpy as np
 from fedjax_opt.data.dataset import FederatedDataset, check_labels, check_num_classes, pack
 from fedjax_opt.data.shakespeare import LEAF_VOCAB, encode
 
-__all__ = ["ClientData", "load_leaf", "load_tff_hdf5", "read_idx", "read_idx_images", "read_leaf_json", "read_npz",
-           "read_svmlight", "read_tff_hdf5", "write_npz"]
+__all__ = ["ClientData", "EXAMPLES", "example_path", "load_leaf", "load_tff_hdf5", "read_idx", "read_idx_images",
+           "read_leaf_json", "read_npz", "read_svmlight", "read_tff_hdf5", "write_npz"]
 
 Transform = Callable[[dict[str, Any]], Mapping[str, Any]]
 
@@ -58,6 +63,42 @@ def _fail(path: Any, problem: str) -> ValueError:
   return ValueError(f"{os.fspath(path)}: {' '.join(str(problem).split())}")
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _first_nonfinite(a: np.ndarray) -> tuple[int, Any, float] | None:
+  """(example, index within the example, value) of the first NaN or ±Inf of `a` `[n, ...]`; None when every value is
+  finite (integer and boolean arrays always are). The index is an int for `[n, d]`, a tuple for more axes."""
+  a = np.asarray(a)
+  if a.dtype.kind not in "fc" or a.ndim == 0 or a.size == 0:
+    return None
+  flat = a.reshape(len(a), -1)
+  finite = np.isfinite(flat)
+  if finite.all():
+    return None
+  i = int(np.argmin(finite.all(axis=1)))
+  j = int(np.argmin(finite[i]))
+  index = j if a.ndim <= 2 else tuple(int(t) for t in np.unravel_index(j, a.shape[1:]))
+  return i, index, flat[i, j].item()
+
+
+def _nonfinite_place(key: str | None, a: np.ndarray, index: Any, value: float) -> str:
+  """`'x' holds nan at feature index 3` (`'y' is inf` for a 1-D array; without a key, `holds ...` / `is ...`)."""
+  name = "" if key is None else f"'{key}' "
+  return f"{name}is {value}" if a.ndim == 1 else f"{name}holds {value} at feature index {index}"
+
+
+def _check_finite_clients(clients: Sequence[Mapping[str, np.ndarray]], names: Sequence[str], path: Any) -> None:
+  """Refuses the first NaN or ±Inf of any client's float arrays, naming the client, the example and the index."""
+  for arrays, name in zip(clients, names):
+    for key, a in arrays.items():
+      found = _first_nonfinite(a)
+      if found is not None:
+        i, index, value = found
+        raise _fail(path, f"client '{name}' example {i}: {_nonfinite_place(key, a, index, value)}; every value must "
+                          f"be a finite number (a value beyond float32's range becomes inf): clean the data.")
+
+
 def _numeric(values: Any, path: Any, where: str, *, labels: bool = False) -> np.ndarray:
   """Converts to a numeric array or raises a one-line error naming file and place."""
   try:
@@ -74,7 +115,8 @@ def _numeric(values: Any, path: Any, where: str, *, labels: bool = False) -> np.
   if a.dtype.kind == "f":
     if labels and a.size and np.all(np.isfinite(a)) and np.all(a == np.round(a)):
       return a.astype(np.int32)
-    return a.astype(np.float32)
+    with np.errstate(over="ignore"):  # a value beyond float32's range becomes inf, which the readers refuse
+      return a.astype(np.float32)
   if a.dtype.kind == "b":
     return a
   return a.astype(np.int32)
@@ -203,15 +245,23 @@ def read_leaf_json(path: Any, *, transform: Transform | None = None) -> ClientDa
 
   Raises:
     ValueError: `"<file>: <problem>"` for wrong keys, counts that disagree,
-      ragged or non-numeric data, a user listed twice, or a user without
-      examples (`client 'u9' has no examples`).
+      ragged or non-numeric data, a user listed twice, a user without
+      examples (`client 'u9' has no examples`), or a value that is NaN or
+      ±Inf (`client 'u1' example 1: 'x' holds nan at feature index 1`;
+      `load_leaf(..., drop_nonfinite=True)` drops such examples instead).
   """
-  return _read_leaf(path, transform)
+  return _read_leaf(path, transform, drop_nonfinite=None)[0]
 
 
-def _read_leaf(path: Any, transform: Transform | None, skip_empty: bool = False) -> ClientData:
-  """`read_leaf_json`; `skip_empty` leaves out the users without examples (a test file's) instead of refusing them."""
-  names, clients = [], []
+def _read_leaf(path: Any, transform: Transform | None, skip_empty: bool = False,
+               drop_nonfinite: bool | None = False) -> tuple[ClientData, dict[str, int]]:
+  """`read_leaf_json` and the examples dropped per client.
+
+  `skip_empty` leaves out the users without examples (a test file's) instead of refusing them. Examples that hold
+  NaN or ±Inf are dropped (`drop_nonfinite` True; see `_nonfinite`) or refused, naming the file they are in and
+  what drops them: `load_leaf`'s argument (False) or `load_leaf` itself (None, for `read_leaf_json`).
+  """
+  names, clients, files = [], [], []
   for file in _leaf_files(path):
     file_names, file_clients = _read_leaf_file(file, transform, skip_empty)
     for name in file_names:
@@ -219,8 +269,17 @@ def _read_leaf(path: Any, transform: Transform | None, skip_empty: bool = False)
         raise _fail(file, f"user '{name}' appears twice (also in an earlier file or entry).")
       names.append(name)
     clients.extend(file_clients)
+    files.extend([file] * len(file_names))
   _check_consistent(clients, names, path)
-  return ClientData(clients, tuple(names))
+  kept, kept_names, dropped = [], [], {}
+  for file in dict.fromkeys(files):
+    mine = [k for k, f in enumerate(files) if f == file]
+    part, lost = _nonfinite(ClientData([clients[k] for k in mine], tuple(names[k] for k in mine)), file,
+                            bool(drop_nonfinite), skip_empty, from_load_leaf=drop_nonfinite is not None)
+    kept.extend(part.clients)
+    kept_names.extend(part.client_names)
+    dropped.update(lost)
+  return ClientData(kept, tuple(kept_names)), dropped
 
 
 def _align(test: ClientData, names: Sequence[str], ref: Mapping[str, np.ndarray], path: Any) -> list[dict]:
@@ -232,11 +291,14 @@ def _align(test: ClientData, names: Sequence[str], ref: Mapping[str, np.ndarray]
   return [by_name.get(name, empty) for name in names]
 
 
-def _nonfinite(read: ClientData, path: Any, drop: bool, skip_empty: bool) -> tuple[ClientData, dict[str, int]]:
+def _nonfinite(read: ClientData, path: Any, drop: bool, skip_empty: bool,
+               from_load_leaf: bool = True) -> tuple[ClientData, dict[str, int]]:
   """Refuses (or, with `drop`, removes) the examples that hold NaN or Inf; returns (clients, dropped per client).
 
-  A client left without examples is refused, or with `skip_empty` (a test file's) left out.
+  A client left without examples is refused, or with `skip_empty` (a test file's) left out. The refusal says how to
+  drop them instead: `drop_nonfinite=True` (`from_load_leaf`), else `load_leaf(..., drop_nonfinite=True)`.
   """
+  how = "pass drop_nonfinite=True" if from_load_leaf else "read it with load_leaf(..., drop_nonfinite=True)"
   out, kept_names, dropped = [], [], {}
   for arrays, name in zip(read.clients, read.client_names):
     n = len(next(iter(arrays.values())))
@@ -244,17 +306,12 @@ def _nonfinite(read: ClientData, path: Any, drop: bool, skip_empty: bool) -> tup
     for key, a in arrays.items():
       if a.dtype.kind != "f":
         continue
-      finite = np.isfinite(a.reshape(n, -1))
-      bad = ~finite.all(axis=1)
-      if bad.any() and not drop:
-        i = int(np.argmax(bad))
-        j = int(np.argmin(finite[i]))
-        value = a.reshape(n, -1)[i, j].item()
-        index = j if a.ndim <= 2 else tuple(int(t) for t in np.unravel_index(j, a.shape[1:]))
-        place = f"'{key}' is {value}" if a.ndim == 1 else f"'{key}' holds {value} at feature index {index}"
-        raise _fail(path, f"client '{name}' example {i}: {place}; clean the data, or pass drop_nonfinite=True to "
-                          f"drop the examples that hold NaN or Inf.")
-      keep &= ~bad
+      found = _first_nonfinite(a)
+      if found is not None and not drop:
+        i, index, value = found
+        raise _fail(path, f"client '{name}' example {i}: {_nonfinite_place(key, a, index, value)}; clean the data, "
+                          f"or {how} to drop the examples that hold NaN or Inf.")
+      keep &= np.isfinite(a.reshape(n, -1)).all(axis=1)
     if not keep.all():
       dropped[name] = int(n - keep.sum())
       if not keep.any():
@@ -310,12 +367,11 @@ def load_leaf(train_path: Any, test_path: Any = None, *, num_classes: int | None
   num_classes = check_num_classes(num_classes)
   if not isinstance(drop_nonfinite, bool):
     raise TypeError(f"drop_nonfinite must be True or False; got {drop_nonfinite!r}.")
-  parts = [(train_path, read_leaf_json(train_path, transform=transform))]
+  parts = [(train_path, _read_leaf(train_path, transform, drop_nonfinite=drop_nonfinite))]
   if test_path is not None:
-    parts.append((test_path, _read_leaf(test_path, transform, skip_empty=True)))
+    parts.append((test_path, _read_leaf(test_path, transform, skip_empty=True, drop_nonfinite=drop_nonfinite)))
   read = []
-  for path, part in parts:
-    part, dropped = _nonfinite(part, path, drop_nonfinite, skip_empty=len(read) == 1)
+  for path, (part, dropped) in parts:
     if dropped:
       listed = ", ".join(f"'{k}' ({v})" for k, v in list(dropped.items())[:5]) + (", ..." if len(dropped) > 5 else "")
       warnings.warn(f"{os.fspath(path)}: dropped {sum(dropped.values())} example(s) that hold NaN or Inf, of "
@@ -344,12 +400,17 @@ def load_leaf(train_path: Any, test_path: Any = None, *, num_classes: int | None
 # ----------------------------------------------------------------------------
 
 
-def _parse_svmlight_line(line: str, path: Any, lineno: int) -> tuple[float, int | None, list[tuple[int, float]]]:
+def _parse_svmlight_line(line: str, path: Any, lineno: int,
+                         raw_labels: bool = False) -> tuple[float, int | None, list[tuple[int, float]]]:
+  """(label, qid or None, [(index, value)]) of one line; refuses a value that is not a finite float32 number."""
   tokens = line.split()
   try:
     label = float(tokens[0])
   except ValueError:
     raise _fail(path, f"line {lineno}: label {tokens[0]!r} is not a number.") from None
+  if not math.isfinite(label) or (raw_labels and abs(label) > _FLOAT32_MAX):
+    raise _fail(path, f"line {lineno}: label {tokens[0]!r} is not a finite number"
+                      + (" in float32." if math.isfinite(label) else "."))
   qid = None
   features = []
   for token in tokens[1:]:
@@ -368,6 +429,11 @@ def _parse_svmlight_line(line: str, path: Any, lineno: int) -> tuple[float, int 
       raise _fail(path, f"line {lineno}: {token!r} is not index:value with an integer index.") from None
     if index < 0:
       raise _fail(path, f"line {lineno}: negative feature index {index}.")
+    if not math.isfinite(val):
+      raise _fail(path, f"line {lineno}: {token!r} is not a finite number (NaN and Inf are refused).")
+    if abs(val) > _FLOAT32_MAX:
+      raise _fail(path, f"line {lineno}: {token!r} is beyond float32's range (±{_FLOAT32_MAX:.7g}), in which the "
+                        f"features are stored.")
     features.append((index, val))
   return label, qid, features
 
@@ -386,6 +452,12 @@ def read_svmlight(path: Any, *, num_features: int | None = None, zero_based: boo
 
   Returns:
     `{"x": [n, d] float32, "y": [n]}`, plus `"qid": [n] int32` when the file has qids.
+
+  Raises:
+    ValueError: `"<file>: line <k>: <problem>"` for a line that is not
+      `label [qid:q] index:value ...`, a label or value that is NaN or ±Inf
+      (`line 2: '2:nan' is not a finite number`), a value beyond float32's
+      range, or a feature index beyond `num_features`.
   """
   if labels not in ("index", "raw"):
     raise ValueError(f"labels must be 'index' or 'raw'; got {labels!r}.")
@@ -399,7 +471,7 @@ def read_svmlight(path: Any, *, num_features: int | None = None, zero_based: boo
       line = line.split("#", 1)[0].strip()
       if not line:
         continue
-      label, qid, features = _parse_svmlight_line(line, path, lineno)
+      label, qid, features = _parse_svmlight_line(line, path, lineno, raw_labels=labels == "raw")
       ys.append(label)
       qids.append(qid)
       rows.append(features)
@@ -433,6 +505,24 @@ def read_svmlight(path: Any, *, num_features: int | None = None, zero_based: boo
   return out
 
 
+EXAMPLES = {"libsvm": "two_class.svm"}
+"""The example files shipped in `fedjax_opt/data/examples/`, by format."""
+
+
+def example_path(kind: str = "libsvm") -> str:
+  """The path of the small example file of format `kind` that ships with the package.
+
+  `"libsvm"`: `two_class.svm`, 300 examples of 10 features scaled to [−1, 1]
+  and labels −1 / +1, made by scikit-learn's `make_classification` with a
+  fixed seed (the recipe: `tools/make_example_data.py`, and the file's
+  header). Read it with `read_svmlight(example_path())`, or train on it with
+  `fedjax-opt run --dataset libsvm:PATH`.
+  """
+  if kind not in EXAMPLES:
+    raise ValueError(f"no example file of kind {kind!r}; there are: {', '.join(sorted(EXAMPLES))}.")
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", EXAMPLES[kind])
+
+
 # ----------------------------------------------------------------------------
 # IDX (MNIST family).
 # ----------------------------------------------------------------------------
@@ -456,6 +546,11 @@ def read_idx(path: Any) -> np.ndarray:
 
   Returns:
     The array in native byte order, shaped by the file's dimensions.
+
+  Raises:
+    ValueError: `"<file>: <problem>"` for a bad header, a size that does not
+      match the dimensions, or a float file holding NaN or ±Inf (the first
+      example, along the first dimension, that holds one is named).
   """
   if not os.path.exists(os.fspath(path)):
     raise FileNotFoundError(f"{os.fspath(path)}: no such file.")
@@ -473,7 +568,18 @@ def read_idx(path: Any) -> np.ndarray:
   expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
   if len(data) - header != expected:
     raise _fail(path, f"holds {len(data) - header} data bytes; dimensions {shape} need {expected}.")
-  return np.frombuffer(data, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+  array = np.frombuffer(data, dtype, offset=header).reshape(shape).astype(dtype.newbyteorder("="))
+  _check_finite_examples(array, path)
+  return array
+
+
+def _check_finite_examples(array: np.ndarray, path: Any) -> None:
+  """Refuses the first NaN or ±Inf of an array of examples `[n, ...]`, naming the example and the index in it."""
+  found = _first_nonfinite(array)
+  if found is not None:
+    i, index, value = found
+    raise _fail(path, f"example {i} {_nonfinite_place(None, array, index, value)}; every value must be a finite "
+                      f"number (a value beyond float32's range becomes inf): clean the data.")
 
 
 def read_idx_images(images_path: Any, labels_path: Any, *, flatten: bool = False) -> dict[str, np.ndarray]:
@@ -491,7 +597,9 @@ def read_idx_images(images_path: Any, labels_path: Any, *, flatten: bool = False
   if len(images) != len(labels):
     raise _fail(labels_path, f"holds {len(labels)} labels for the {len(images)} images of {os.fspath(images_path)}.")
   scale = 255.0 if images.dtype == np.uint8 else 1.0
-  x = images.astype(np.float32) / scale
+  with np.errstate(over="ignore"):
+    x = images.astype(np.float32) / scale
+  _check_finite_examples(x, images_path)  # float64 values beyond float32's range
   x = x.reshape(len(x), -1) if flatten else x[..., None]
   return {"x": x, "y": labels.astype(np.int32)}
 
@@ -518,6 +626,11 @@ def read_tff_hdf5(path: Any, *, rename: Mapping[str, str] | None = None, transfo
 
   Returns:
     `ClientData`.
+
+  Raises:
+    ValueError: `"<file>: <problem>"` for a layout that is not TFF's, ragged
+      or non-numeric data, or a value that is NaN or ±Inf (`client 'f0001_00'
+      example 2: 'x' holds nan at feature index (3, 4)`).
   """
   try:
     import h5py  # pylint: disable=g-import-not-at-top
@@ -545,6 +658,7 @@ def read_tff_hdf5(path: Any, *, rename: Mapping[str, str] | None = None, transfo
       arrays = {k: _numeric(v, path, f"examples/{cid}/{k}", labels=(k == "y")) for k, v in raw.items()}
       clients.append(_check_client(arrays, path, f"examples/{cid}"))
   _check_consistent(clients, ids, path)
+  _check_finite_clients(clients, ids, path)
   return ClientData(clients, tuple(ids))
 
 
@@ -581,6 +695,11 @@ def read_npz(path: Any, *, transform: Transform | None = None) -> ClientData:
 
   Returns:
     `ClientData`.
+
+  Raises:
+    ValueError: `"<file>: <problem>"` for keys that are not
+      `"<client>/<feature>"`, ragged or non-numeric data, or a value that is
+      NaN or ±Inf (`client 'alice' example 3: 'x' holds inf at feature index 0`).
   """
   if not os.path.exists(os.fspath(path)):
     raise FileNotFoundError(f"{os.fspath(path)}: no such file.")
@@ -607,4 +726,5 @@ def read_npz(path: Any, *, transform: Transform | None = None) -> ClientData:
     arrays = {k: _numeric(v, path, f"{name}/{k}", labels=(k == "y")) for k, v in raw.items()}
     clients.append(_check_client(arrays, path, f"client '{name}'"))
   _check_consistent(clients, names, path)
+  _check_finite_clients(clients, names, path)
   return ClientData(clients, tuple(names))
