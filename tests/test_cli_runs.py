@@ -210,7 +210,9 @@ def test_a_diverging_algorithm_is_stopped_and_marked(tmp_path):
   result = run_cli("run", *SMALL, "--algorithms", "fedavg", "--client-lr", "1e6", "--rounds", "40", "--out", str(out))
   assert result.returncode == 0, result.stderr
   row = json.loads((out / "results.json").read_text())[0]
-  assert row["status"].startswith("diverged at round") and row["rounds"] < 40
+  assert row["status"].startswith("diverged ") and row["rounds"] < 40
+  first, seen = row["diverged_between"]  # stopped at an evaluation; it went wrong after the one before
+  assert seen == row["rounds"] and max(1, seen - 4) <= first <= seen
   assert "over 1000× the initial" in row["diverged_reason"] or "NaN or Inf" in row["diverged_reason"]
   assert f"fedavg {row['status']}: " in result.stdout
 

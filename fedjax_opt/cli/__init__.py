@@ -18,8 +18,11 @@ initial model, prints progress and a results table, and writes into `--out`:
 rounds and against MB sent), `loss.png` (train and test),
 `personalized_accuracy.png` (per-client histogram, personalized algorithms)
 and orbax checkpoints. The files are described in `docs/cli.md`. Bad input
-exits with code 2 and one line naming the bad value, and leaves the run
-folder as it was; Ctrl-C saves the last completed chunk and exits with 130.
+exits with code 2 and one line naming the flags of the bad value, and leaves
+the run folder as it was; so does any other failure before a checkpoint is
+saved (the same command may be given again). Ctrl-C saves the last completed
+chunk and exits with 130. A run's status is "finished", "degraded" (it ended
+far worse than it started: `run.outcome`) or "diverged between rounds a and b".
 
 The algorithms come from `fedjax_opt.cli.registry`: adding a `Spec` there
 puts an algorithm on the command line, with its hyper-parameters.

@@ -22,8 +22,9 @@ from typing import Any
 from fedjax_opt.cli import files, registry
 
 __all__ = ["AUTO_MODEL", "DEFAULTS", "MAY_CHANGE_ON_RESUME", "MLP_MIN_PIXELS", "MODELS", "PARTITIONS", "RESUME_RULE",
-           "SHAKESPEARE_ROLES", "UsageError", "build_parser", "check_writable", "clear_previous", "finish",
-           "for_resume", "given_settings", "hyper_parameters", "prepare_new", "write_json"]
+           "SAMPLING_CLIENTS", "SHAKESPEARE_ROLES", "UsageError", "build_parser", "check_clients_per_round",
+           "check_writable", "clear_previous", "finish", "flag_names", "for_resume", "given_settings",
+           "hyper_parameters", "prepare_new", "step_sizes", "write_json"]
 
 PARTITIONS = ("iid", "dirichlet", "shards", "labels", "power_law")
 MODELS = ("auto", "logreg", "mlp", "cnn", "rnn")
@@ -361,13 +362,55 @@ def _algorithms(value: Any) -> list[str]:
   return names
 
 
+def _flag(key: str) -> str:
+  """The flag of a configuration key (`clients_per_round` → `--clients-per-round`), which a TOML key mirrors."""
+  return "--async" if key == "asynchronous" else "--" + key.replace("_", "-")
+
+
+def flag_names(message: str) -> str:
+  """A library message with the arguments that are flags named as the flags (`num_clients=500` → `--num-clients
+  500`, `alpha` → `--alpha`), so that it names what the user typed."""
+  import re
+
+  for argument in ("num_clients", "clients_per_round", "alpha"):
+    flag = "--" + argument.replace("_", "-")
+    message = re.sub(rf"(?<![\w-]){argument}=(\S+)", rf"{flag} \1", message)
+    message = re.sub(rf"(?<![\w-]){argument}\b", flag, message)
+  return message
+
+
 def _check_number(config: dict, key: str, integer: bool) -> None:
   value = config[key]
   if integer:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise UsageError(f"{key} must be a positive integer; got {value!r}")
-  elif not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 < value and math.isfinite(value)):
-    raise UsageError(f"{key} must be a positive number; got {value!r}")
+      raise UsageError(f"{_flag(key)} must be a positive integer; got {value!r}")
+  elif not _positive_number(value):
+    raise UsageError(f"{_flag(key)} must be a positive number; got {value!r}")
+
+
+def _positive_number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value and math.isfinite(value)
+
+
+SAMPLING_CLIENTS = ("clients", "events")
+"""`Spec.sampling` of the algorithms that draw --clients-per-round of the --num-clients clients (or keep that many
+in flight, asynchronous); the others take every client and ignore --clients-per-round."""
+
+
+def check_clients_per_round(config: dict[str, Any], names: list[str], num_clients: int, *,
+                            given_num_clients: bool = True, given_clients_per_round: bool = True) -> None:
+  """--clients-per-round is at most the N clients, for the algorithms that use it (one line naming both flags;
+  `given_*`: the flag was given, else its value is the default)."""
+  users = [n for n in names if registry.REGISTRY[n].sampling in SAMPLING_CLIENTS]
+  cpr = config["clients_per_round"]
+  if not users or cpr <= num_clients:
+    return
+  clients = f"--num-clients {num_clients}" if given_num_clients else \
+      f"the {num_clients} clients of {config['dataset']!r} (--num-clients)"
+  raise UsageError(f"--clients-per-round {cpr}{'' if given_clients_per_round else ' (the default)'} exceeds "
+                   f"{clients}: {', '.join(users)} draw(s) that many clients a "
+                   f"round; lower --clients-per-round to at most {num_clients}"
+                   + (" or raise --num-clients" if config["num_clients"] is not None else ""))
 
 
 def finish(given: dict[str, Any]) -> dict[str, Any]:
@@ -424,16 +467,18 @@ def finish(given: dict[str, Any]) -> dict[str, Any]:
     _check_number(config, key, integer=True)
   seed = config["seed"]
   if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= SEED_LIMIT - config["seeds"]:
-    raise UsageError(f"seed must be an integer from 0 to {SEED_LIMIT - config['seeds']}"
+    raise UsageError(f"--seed must be an integer from 0 to {SEED_LIMIT - config['seeds']}"
                      + (f" (with --seeds {config['seeds']}, seeds seed … seed+{config['seeds'] - 1})"
                         if config["seeds"] > 1 else "") + f"; got {seed!r}")
-  if config["num_clients"] is not None and config["clients_per_round"] > config["num_clients"]:
-    raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds num_clients={config['num_clients']}")
+  if config["num_clients"] is not None:
+    check_clients_per_round(config, names, config["num_clients"], given_num_clients="num_clients" in given,
+                            given_clients_per_round="clients_per_round" in given)
   _check_hyper(config, names)
   from fedjax_opt.cli import robust
 
   try:
     robust.check(config, names, registry)
+    robust.check_rows(config, names, registry, config["num_clients"])
   except robust.RobustError as e:
     raise UsageError(str(e)) from None
   from fedjax_opt.cli import privacy
@@ -488,7 +533,7 @@ def check_devices(config: dict[str, Any]) -> None:
   if devices == "auto":
     return
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-    raise UsageError(f"devices must be a positive integer or auto; got {devices!r}")
+    raise UsageError(f"--devices must be a positive integer or auto; got {devices!r}")
   if devices > 1 and mode != "auto" and not mode.startswith("sharded"):
     raise UsageError(f"--devices {devices} shards the clients over {devices} devices, but --client-map {mode} runs "
                      f"them on one; use --client-map auto or sharded:{mode}")
@@ -512,9 +557,29 @@ def _check_hyper(config: dict[str, Any], names: list[str]) -> None:
                        f"(set the others one by one with --set ALGO.server_lr=VALUE)")
   for name in names:
     try:
-      registry.resolve(name, hyper.get(name, {}), config["client_lr"])
+      resolved = registry.resolve(name, hyper.get(name, {}), config["client_lr"])
     except registry.HyperParameterError as e:
       raise UsageError(str(e)) from None
+    for key, flag in step_sizes(name).items():
+      if key in hyper.get(name, {}) and not _positive_number(resolved[key]):
+        raise UsageError(f"{name}.{key} must be a positive number (a step size"
+                         + (f", as {flag} must" if flag else "") + f"); got {resolved[key]!r}")
+
+
+def step_sizes(name: str) -> dict[str, str | None]:
+  """The step sizes of algorithm `name` a user may set (`--set NAME.KEY=X`, a TOML section), each with the flag
+  that sets it for every algorithm (None: none does): `client_lr` and the defaults marked `--client-lr`
+  (--client-lr), the server step size (--server-lr), and the other `PSEUDO` step sizes (`finetune_lr`, ...).
+  Each is checked as its flag is: a finite number > 0."""
+  spec = registry.REGISTRY[name]
+  settable = spec.settable()
+  out: dict[str, str | None] = {k: None for k in registry.PSEUDO if k.endswith("_lr") and k in settable}
+  out.update({k: "--client-lr" for k, v in spec.defaults.items() if v is registry.CLIENT_LR})
+  if "client_lr" in settable:
+    out["client_lr"] = "--client-lr"
+  if spec.server_lr is not None:
+    out[spec.server_lr] = "--server-lr"
+  return out
 
 
 def hyper_parameters(config: dict[str, Any], name: str) -> dict[str, Any]:
@@ -574,8 +639,7 @@ def for_resume(out: str | None, given: dict[str, Any]) -> dict[str, Any]:
                              f"the saved configuration ({RESUME_RULE})")
       continue
     if not _same(saved[key], value):
-      flag = "--async" if key == "asynchronous" else "--" + key.replace("_", "-")
-      raise UsageError(f"{flag} {value} conflicts with the run saved in {out} ({key} = {saved[key]}); --resume "
+      raise UsageError(f"{_flag(key)} {value} conflicts with the run saved in {out} ({key} = {saved[key]}); --resume "
                        f"continues the saved configuration ({RESUME_RULE})")
   if "rounds" in given and given["rounds"] < saved["rounds"]:
     raise UsageError(f"--rounds {given['rounds']} is fewer than the {saved['rounds']} rounds of the run saved in {out}; "

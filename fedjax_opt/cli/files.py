@@ -62,7 +62,7 @@ def load(config: dict[str, Any]):
   import numpy as np
 
   from fedjax_opt import data
-  from fedjax_opt.cli.config import UsageError
+  from fedjax_opt.cli.config import UsageError, flag_names
 
   name = config["dataset"]
   try:
@@ -79,4 +79,4 @@ def load(config: dict[str, Any]):
     return data.federate(data.CentralizedData({"x": arrays["x"], "y": arrays["y"]}, None, classes),
                          name=run_name(name), **options)
   except ValueError as e:
-    raise UsageError(f"cannot split {name!r} as asked: {str(e).splitlines()[0]}") from None
+    raise UsageError(f"cannot split {name!r} as asked: {flag_names(str(e).splitlines()[0])}") from None

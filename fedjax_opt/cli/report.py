@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["Interrupted", "curve_styles", "figures", "legend_label", "plain_log_axis", "plot_all", "results_table", "title"]
+__all__ = ["Interrupted", "curve_styles", "epsilon_text", "figures", "integer_axis", "legend_label", "plain_formatter",
+           "plain_log_axis", "plain_number", "plot_all", "results_table", "running_mean", "significant",
+           "tick_labels", "title"]
 
 
 class Interrupted(Exception):
@@ -49,6 +51,36 @@ def _spread(row: dict[str, Any], key: str, spec: str) -> str:
                   for s in ("min", "median", "max"))
 
 
+EPSILON_DIGITS = 4
+"""Significant digits of the table's ε (more where the value is not its target but would print as it)."""
+
+
+def significant(value: float, digits: int) -> str:
+  """`value` to `digits` significant digits, trailing zeros kept (`8.000`, `0.5000`, `12.35`, `1,235`)."""
+  import math
+
+  if not math.isfinite(value) or value == 0:
+    return f"{value:g}"
+  decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+  text = f"{value:,.{decimals}f}"
+  if float(text.replace(",", "")) != 0 and math.floor(math.log10(abs(float(text.replace(",", ""))))) > \
+      math.floor(math.log10(abs(value))):  # rounded up to the next power of ten (9.9996 → 10.000): one less decimal
+    text = f"{value:,.{max(0, decimals - 1)}f}"
+  return text
+
+
+def epsilon_text(epsilon: float, target: float | None = None) -> str:
+  """ε to `EPSILON_DIGITS` significant digits; with a target ε (`--dp-epsilon`) that ε is not, as many more as it
+  takes not to print it as the target (7.9998 → `7.9998`, not `8.000`), up to 10."""
+  text = significant(epsilon, EPSILON_DIGITS)
+  if target is not None and epsilon != target:
+    for digits in range(EPSILON_DIGITS, 11):
+      text = significant(epsilon, digits)
+      if text != significant(target, digits):
+        break
+  return text
+
+
 def results_table(rows: list[dict[str, Any]]) -> str:
   """The table printed at the end of a run (columns for personalized and objective values when present)."""
   columns = [("algorithm", lambda r: r["algorithm"]), ("rounds", lambda r: str(r["rounds"])),
@@ -65,11 +97,12 @@ def results_table(rows: list[dict[str, Any]]) -> str:
   if any("objective_gap" in r for r in rows):
     columns.append(("obj. gap", lambda r: _cell(r, "objective_gap", ".2e")))
   if any("dp_epsilon" in r for r in rows):
-    columns.append(("ε", lambda r: _missing() if r.get("dp_epsilon") is None else f"{r['dp_epsilon']:.3g}"))
+    columns.append(("ε", lambda r: _missing() if r.get("dp_epsilon") is None else
+                    epsilon_text(r["dp_epsilon"], (r.get("privacy") or {}).get("target_epsilon"))))
   if any("consensus_distance" in r for r in rows):
     columns.append(("consensus", lambda r: _cell(r, "consensus_distance", ".2e")))
   if any("simulated_time" in r for r in rows):
-    columns.append(("sim. time", lambda r: _cell(r, "simulated_time", ".1f")))
+    columns.append(("sim. time", lambda r: _cell(r, "simulated_time", ",.1f")))
   if any("true_belief_median" in r for r in rows):
     columns += [("θ* belief", lambda r: _spread(r, "true_belief", ".3f")),
                 ("rounds to θ*", lambda r: _spread(r, "rounds_to_concentrate", "g"))]
@@ -87,7 +120,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
                      for i, (cell, w) in enumerate(zip(line, widths))).rstrip()
 
   rule = "-" * len(fmt(header))
-  notes = [f"{r['algorithm']} {r['status']}: {r['diverged_reason']}" for r in rows if r.get("diverged_reason")]
+  notes = [f"{r['algorithm']} {r['status']}: {r.get('diverged_reason') or r['degraded_reason']}" for r in rows
+           if r.get("diverged_reason") or r.get("degraded_reason")]
   if any("true_belief_median" in r for r in rows):
     notes.append("θ* belief: each node's belief on the true candidate (p2p_bayes: the fit) after the last round; "
                  "rounds to θ*: the round from which it stays above p2p_bayes.concentration (default 0.99; - never); "
@@ -205,9 +239,86 @@ def _eval_points(history, metric: str):
     return None
 
 
-def plain_number(value: float, _position=None) -> str:
-  """A tick label without mathtext powers: `2.14`, `0.05`, `1e-05`."""
-  return f"{value:.3g}"
+def plain_number(value: float, _position=None, digits: int = 3) -> str:
+  """A tick label without mathtext powers, to `digits` significant digits, trailing zeros dropped: `2.14`, `0.05`,
+  `1,000`, `25,000` (thousands separated as in the table), `1e-05` below 1e-4."""
+  import math
+
+  if value == 0 or not math.isfinite(value):
+    return f"{value:g}"
+  if abs(value) < 1e-4:
+    return f"{value:.{digits}g}"
+  decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+  text = f"{value:,.{decimals}f}"
+  return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def tick_labels(values) -> list[str]:
+  """Labels for the ticks `values` that tell them apart and say where they are (each within 1 % of the least gap
+  between two ticks): `plain_number`'s 3 significant digits where they do (`0.5`, `1`, `2`, `1,000`), else the
+  fewest decimals that do, the same for every tick (`2.3000`, `2.3025`, `2.3050`: a tiny range)."""
+  import math
+
+  values = [float(v) for v in values]
+  finite = sorted({v for v in values if math.isfinite(v)})
+  gaps = [b - a for a, b in zip(finite, finite[1:])]
+  tolerance = 0.01 * min(gaps) if gaps else math.inf
+
+  def fits(labels):
+    return len(set(labels)) == len(set(values)) and all(
+        not math.isfinite(v) or abs(float(text.replace(",", "")) - v) <= tolerance for v, text in zip(values, labels))
+
+  labels = [plain_number(v) for v in values]
+  if fits(labels):
+    return labels
+  for decimals in range(0, 13):
+    labels = [f"{v:,.{decimals}f}" if math.isfinite(v) else f"{v:g}" for v in values]
+    if fits(labels):
+      return labels
+  return [repr(v) if math.isfinite(v) else f"{v:g}" for v in values]
+
+
+def plain_formatter():
+  """A matplotlib tick formatter of `tick_labels`: plain numbers with thousands separators, enough digits to tell
+  the ticks apart."""
+  import matplotlib.ticker
+
+  class PlainFormatter(matplotlib.ticker.Formatter):
+    """`tick_labels` of the axis's ticks (`set_locs`), each looked up by its value."""
+
+    def __init__(self):
+      self.labels: dict[float, str] = {}
+
+    def set_locs(self, locs):
+      super().set_locs(locs)
+      self.labels = dict(zip((float(v) for v in locs), tick_labels(locs)))
+
+    def __call__(self, x, pos=None):
+      return self.labels.get(float(x), plain_number(x))
+
+  return PlainFormatter()
+
+
+def integer_axis(axis) -> None:
+  """An axis of rounds: ticks on whole numbers only (never 2.5 or 1.975), labelled as `tick_labels` does."""
+  import matplotlib.ticker
+
+  axis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+  axis.set_major_formatter(plain_formatter())
+
+
+def running_mean(values, window: int):
+  """The trailing running mean over `window` points along the last axis (`[R]` or a sweep's `[K, R]`): point i is
+  the mean of points max(0, i − window + 1) … i."""
+  import numpy as np
+
+  values = np.asarray(values, np.float64)
+  if window <= 1:
+    return values
+  sums = np.cumsum(values, axis=-1)
+  shifted = np.concatenate([np.zeros(values.shape[:-1] + (window,)), sums[..., :-window]], axis=-1)
+  counts = np.minimum(np.arange(1, values.shape[-1] + 1), window)
+  return (sums - shifted[..., :values.shape[-1]]) / counts
 
 
 def plain_log_axis(axis, minimum_ticks: int = 3) -> None:
@@ -230,7 +341,7 @@ def plain_log_axis(axis, minimum_ticks: int = 3) -> None:
   if len(ticks) < minimum_ticks:
     ticks = np.geomspace(low, high, minimum_ticks).tolist()
   axis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
-  axis.set_major_formatter(matplotlib.ticker.FuncFormatter(plain_number))
+  axis.set_major_formatter(plain_formatter())
   axis.set_minor_locator(matplotlib.ticker.NullLocator())
 
 
@@ -299,8 +410,10 @@ def figures(histories: dict, extras: dict, rows: list[dict[str, Any]], config: d
       _series(axes[0], np.asarray(rounds) / extras[name].get("steps_per_round", 1), values, label, ms=4,
               **styles[(name, kind)])
       _series(axes[1], sent[np.asarray(rounds) - 1], values, label, ms=4, **styles[(name, kind)])
-  axes[0].set_xlabel("round" if all(e.get("steps_per_round", 1) == 1 for e in extras.values()) else
-                     "round (asynchronous: server events / clients in flight)")
+  round_label = ("round" if all(e.get("steps_per_round", 1) == 1 for e in extras.values()) else
+                 "round (asynchronous: server events / clients in flight)")
+  axes[0].set_xlabel(round_label)
+  integer_axis(axes[0].xaxis)
   axes[1].set_xlabel("MB sent (each message once" + (", uploads compressed" if config.get("compression") else "")
                      + "; log scale)")
   axes[1].set_xscale("log")
@@ -311,27 +424,35 @@ def figures(histories: dict, extras: dict, rows: list[dict[str, Any]], config: d
   _legend_below(fig, axes)
 
   fig, axes = figure("loss.png", 1, 2, figsize=(11, 5.2))
-  silent = []
+  silent, smoothed = [], set()
   for name, history in histories.items():
+    per_round = extras[name].get("steps_per_round", 1)  # asynchronous: server events per round of C updates
     if "client_loss" in history.round_metrics:
       values = history.round_metrics["client_loss"]
-      _series(axes[0], np.arange(1, np.shape(values)[-1] + 1), values, labels[name], ms=4,
+      if per_round > 1:  # one arriving client per event: the mean over the last C events, a round's worth
+        values = running_mean(values, per_round)
+        smoothed.add(per_round)
+      _series(axes[0], np.arange(1, np.shape(values)[-1] + 1) / per_round, values, labels[name], ms=4,
               **styles[(name, "test")])
     else:
       silent.append(name)
     points = _eval_points(history, "test_loss")
     if points is not None:
-      _series(axes[1], *points, labels[name], ms=4, **styles[(name, "test")])
-  axes[0].set_ylabel("train loss (the round's clients, before their steps)")
+      steps, values = points
+      _series(axes[1], np.asarray(steps) / per_round, values, labels[name], ms=4, **styles[(name, "test")])
+  axes[0].set_ylabel("train loss (the round's clients, before their steps)" + (
+      f";\nasynchronous: running mean over the last {', '.join(map(str, sorted(smoothed)))} server events"
+      if smoothed else ""))
   axes[1].set_ylabel("test loss (every client's test split)")
   if silent:
     admm = [r["algorithm"] for r in rows if r.get("family") == "admm" and r["algorithm"] in silent]
     _note(axes[0], f"{', '.join(silent)}: no train loss (the algorithm reports none"
                    + ("; the ADMM family's objective gap is the table's obj. gap" if admm else "") + ")")
   for ax in axes:
-    ax.set_xlabel("round")
+    ax.set_xlabel(round_label)
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
+      integer_axis(ax.xaxis)
       ax.set_yscale("log")
       plain_log_axis(ax.yaxis)
   _legend_below(fig, axes)

@@ -18,6 +18,15 @@ checked against the function's signature like an algorithm's.
 Defaults that depend on the run: `num_byzantine` (MeaMed, Krum, Bulyan) is
 the number of attackers per round, ⌊F · C⌋ (at least 1), and `trimmed_mean`'s
 `beta` is F, when an attack is simulated; 1 and 0.1 otherwise.
+
+The rules that need enough clients in the round for their f = `num_byzantine`
+(`ROW_RULES`: Krum and Multi-Krum n ≥ 2f + 3, Bulyan n ≥ 4f + 3, MeaMed
+n ≥ f + 1; Multi-Krum's m ≤ n) and the trimmed mean's β < 1/2 are checked
+with the flags (`check_rows`), before anything is written: n is the clients
+whose updates one round aggregates, `--clients-per-round` for the algorithms
+that sample clients and `--num-clients` for those that take every client
+(CFL). A refusal is one line naming the flags that set f and n, and what
+would satisfy the rule.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import inspect
 import math
 from typing import Any
 
-__all__ = ["RobustError", "build", "check", "describe"]
+__all__ = ["ROW_RULES", "RobustError", "build", "check", "check_rows", "describe"]
 
 
 class _FromRun:
@@ -150,6 +159,98 @@ def build(config: dict[str, Any], clients_per_round: int, num_classes: int) -> t
       raise RobustError(f"attack {attack}: {str(e).splitlines()[0]}") from None
     used["attack"] = {"name": attack, "attackers": fraction, **values}
   return rule, corrupt, poison, used
+
+
+ROW_RULES = {
+    "krum": ("n > 2f + 2", lambda f: 2 * f + 3),
+    "multi_krum": ("n > 2f + 2", lambda f: 2 * f + 3),
+    "bulyan": ("n ≥ 4f + 3", lambda f: 4 * f + 3),
+    "mean_around_median": ("n > f", lambda f: f + 1),
+}
+"""`--aggregator NAME`: (its condition on the n clients of a round, in words; the least n for f = num_byzantine),
+the conditions `fo.aggregators` checks when it traces a round."""
+
+
+def _byzantine(config: dict[str, Any], clients: int) -> int:
+  """`num_byzantine` as `build` fills it for rounds of `clients` clients (the run's --clients-per-round)."""
+  per_round = math.floor(config["attackers"] * clients) if config["attack"] else 0
+  return max(1, per_round)
+
+
+def _is_count(value: Any) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_rows(config: dict[str, Any], names: list[str], registry, num_clients: int | None) -> None:
+  """`--aggregator`'s conditions on the clients of a round (`ROW_RULES`, the trimmed mean's β < 1/2), checked with
+  the flags; `num_clients` is the dataset's N (None: not known yet, the algorithms that take every client are
+  checked once it is). A refusal names the flags and what would satisfy the rule."""
+  name = config["aggregator"]
+  if name is None:
+    return
+  settings = config["hyper"].get("aggregator", {})
+  attackers = config["attackers"] if config["attack"] else None
+  if name == "trimmed_mean":
+    beta = settings.get("beta", attackers)
+    if isinstance(beta, (int, float)) and not isinstance(beta, bool) and beta >= 0.5:
+      what = "--aggregator trimmed_mean trims a fraction β of the values at each end and needs β < 0.5"
+      if "beta" in settings:
+        raise RobustError(f"{what}; --set aggregator.beta={beta:g} gives β = {beta:g}: give a smaller β")
+      raise RobustError(f"{what}; β is --attackers {beta:g} unless given: lower --attackers below 0.5, or give β "
+                        f"with --set aggregator.beta=B")
+  if name not in ROW_RULES:
+    return
+  condition, least = ROW_RULES[name]
+  cpr = config["clients_per_round"]
+  groups: dict[tuple[int, str], list[str]] = {}
+  for algo in names:
+    spec = registry.REGISTRY[algo]
+    if "aggregator" not in inspect.signature(spec.factory).parameters:
+      continue
+    if spec.sampling == "clients":
+      groups.setdefault((cpr, "--clients-per-round"), []).append(algo)
+    elif num_clients is not None:  # CFL: every client's update, every round
+      groups.setdefault((num_clients, "--num-clients"), []).append(algo)
+  fixed = settings.get("num_byzantine")
+  if fixed is not None and not _is_count(fixed):
+    return  # the aggregator's own check says what is wrong with it (`build`)
+  f = fixed if fixed is not None else _byzantine(config, cpr)
+  if fixed is not None:
+    source = f"--set aggregator.num_byzantine={f} gives f = {f}"
+  elif attackers is not None:
+    source = f"--attackers {attackers:g} of --clients-per-round {cpr} give f = ⌊{attackers:g} × {cpr}⌋" + \
+        (f" = {f}" if f == math.floor(attackers * cpr) else f", at least 1: {f}")
+  else:
+    source = f"without --attack, f = {f} (num_byzantine's default)"
+  m = settings.get("m")
+  for (n, flag), algos in groups.items():
+    who = f" ({', '.join(algos)} aggregate(s) every client's update)" if flag == "--num-clients" else ""
+    if name == "multi_krum" and _is_count(m) and m > n:
+      raise RobustError(f"--aggregator multi_krum averages m = {m} updates (--set aggregator.m={m}), more than "
+                        f"the {n} clients of a round ({flag} {n}{who}); lower m to at most {n}")
+    if n >= least(f):
+      continue
+    advice = []
+    if flag == "--clients-per-round":
+      limit = num_clients if num_clients is not None else config["num_clients"]
+      top = limit if limit is not None else max(100, 10 * n)
+      if fixed is not None or attackers is None:
+        enough = least(f) if least(f) <= top else None
+      else:
+        enough = next((c for c in range(n + 1, top + 1) if c >= least(_byzantine(config, c))), None)
+      if enough is not None:
+        advice.append(f"raise --clients-per-round to {enough}")
+    most = max((g for g in range(f) if least(g) <= n), default=None)  # the largest f the round allows
+    if most is not None and attackers is not None and fixed is None:
+      if most >= 1:
+        advice.append(f"lower --attackers below {(most + 1) / n:g} (at most {most} of {n} clients)")
+    elif most is not None:
+      advice.append(f"give --set aggregator.num_byzantine={most}")
+    if not advice:
+      advice.append("choose an aggregator without this bound (--aggregator mean_around_median, marginal_median, "
+                    "geometric_median or trimmed_mean)")
+    raise RobustError(f"--aggregator {name} needs {condition} clients in a round (f = num_byzantine); {source}, so "
+                      f"n ≥ {least(f)}, but {flag} gives n = {n}{who}: {' or '.join(advice)}")
 
 
 def check(config: dict[str, Any], names: list[str], registry) -> None:

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import shutil
 import sys
 import time
+import warnings
 from typing import Any, Callable, NamedTuple
 
 from fedjax_opt.cli import config as config_lib
 from fedjax_opt.cli import files, network, privacy, registry, report, robust, trust
 from fedjax_opt.cli.config import UsageError
 
-__all__ = ["Wrappers", "bits_per_round", "build_algorithm", "build_model", "command_run", "compile_cache_dir",
-           "load_dataset", "network_context", "pooled_sample", "prepared_context", "sampling", "start_jax",
-           "train_and_report"]
+__all__ = ["DEGRADED_ACCURACY_DROP", "DEGRADED_LOSS_FACTOR", "Wrappers", "bits_per_round", "build_algorithm",
+           "build_model", "command_run", "compile_cache_dir", "load_dataset", "network_context", "outcome",
+           "pooled_sample", "prepared_context", "sampling", "start_jax", "train_and_report"]
 
 FLOAT_BITS = 32
 """Bits per parameter of a model-sized message (float32)."""
@@ -57,7 +60,7 @@ def _load_split(config: dict[str, Any]):
       options["alpha"] = config["alpha"]
     return data.load(name, **options)
   except ValueError as e:
-    raise UsageError(f"cannot split {name!r} as asked: {str(e).splitlines()[0]}") from None
+    raise UsageError(f"cannot split {name!r} as asked: {config_lib.flag_names(str(e).splitlines()[0])}") from None
 
 
 def model_choice(config: dict[str, Any], dataset) -> str:
@@ -214,20 +217,38 @@ def personalized_per_client(spec: registry.Spec, algo, state, dataset, metric_fn
 
 
 def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size: int,
-                  solved: dict | None = None) -> dict[str, Any]:
-  """F at the final model(s), F* from a float64 centralized solve, and the relative gap (F − F*)/|F*|.
+                  solved: dict | None = None, row: dict | None = None) -> dict[str, Any]:
+  """F at the final model(s), the reference F*, and the relative gap (F − F*)/|F*| ≥ 0, all in float64.
 
   `model` is the model that scores the algorithm's parameters (`Spec.scoring_model`: the run's, or CoCoA+'s
-  linear model and loss). `solved` (a dict kept for one run: one dataset) holds F* per objective, so algorithms
-  that minimise the same objective (consensus ADMM, GADMM, CQ-GGADMM, DANE, ... with the same model and l2) share
-  one solve. F* is the algorithm's `Spec.reference` where it gives one (a non-smooth loss), else a float64 L-BFGS
-  solve.
+  linear model and loss). F is evaluated in float64: the final parameters and the data cast to float64, JAX's
+  64-bit mode on for the evaluation (a float32 evaluation is off by about 1e-7 relative, the size of the gaps of
+  the Newton-type methods). The reference solve is the algorithm's `Spec.reference` where it gives one (a
+  non-smooth loss), else a float64 L-BFGS solve (`objectives.minimize`). A solve stops at a tolerance, so a
+  trained model may score below it: F* is the least of the solve's value and the final F of every algorithm (every
+  sweep member) of the run that minimises the same objective, the finite ones. Each F is then ≥ F* exactly, so no
+  gap is negative by construction; the gap is clamped at 0 besides, and stays NaN for a NaN F.
+
+  `solved` (a dict kept for one run: one dataset) holds, per objective, the solve and the final F of the algorithms
+  scored so far, so algorithms that minimise the same objective (consensus ADMM, GADMM, CQ-GGADMM, DANE, ... with
+  the same model and l2) share one solve and one F*. `row` is the results row these keys go into: they are written
+  there too, and with `solved` the rows of the objective's earlier algorithms are restated whenever a later
+  algorithm lowers F*, so that every row of an objective ends with the same F*, the least of the whole run.
+
+  Returns:
+    `objective` (F; a list per seed for a sweep), `objective_reference` (the solve's value), `objective_star`
+    (F*) and `objective_gap` ((F − F*)/|F*|; a list per seed for a sweep).
   """
   import jax
+  import numpy as np
 
   import fedjax_opt as fo
   from fedjax_opt import objectives
   from fedjax_opt.data import client_batches
+
+  def to64(a):
+    a = np.asarray(a)
+    return a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a
 
   loss = registry._ridge(model.loss_fn, hyper.get("l2", 0.0))  # pylint: disable=protected-access
   batches = client_batches(dataset, dataset.max_train, split="train")
@@ -235,24 +256,43 @@ def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size:
   if spec.objective == "mixture":
     objective = objectives.mixture(loss, hyper["lam"])
     start = fo.core.per_client.broadcast(params0, dataset.num_clients)
-    values = [objective(fo.personalized_params(m), batches) for m in _members(state, size)]
+    finals = [fo.personalized_params(m) for m in _members(state, size)]
   else:
     objective = objectives.pooled(loss)
     start = params0
-    values = [objective(m.params, batches) for m in _members(state, size)]
+    finals = [m.params for m in _members(state, size)]
+  with jax.enable_x64(True):
+    batches64 = jax.tree.map(to64, batches)
+    values = [float(objective(jax.tree.map(to64, p), batches64)) for p in finals]
   key = (spec.objective, model.name, float(hyper.get("l2", 0.0)),
          float(hyper["lam"]) if spec.objective == "mixture" else None)
-  if solved is None or key not in solved:
-    f_star = spec.reference(hyper, batches) if spec.reference is not None else None
-    if f_star is None:
-      f_star = objectives.minimize(objective, start, batches)[1]
+  record = None if solved is None else solved.get(key)
+  if record is None:
+    reference = spec.reference(hyper, batches) if spec.reference is not None else None
+    if reference is None:
+      reference = objectives.minimize(objective, start, batches)[1]
+    record = {"reference": float(reference), "values": [], "rows": []}
     if solved is not None:
-      solved[key] = f_star
-  f_star = solved[key] if solved is not None else f_star
-  values = [float(v) for v in values]
-  gaps = [(v - f_star) / max(abs(f_star), 1e-12) for v in values]
-  return {"objective": values[0] if size == 1 else values, "objective_star": f_star,
-          "objective_gap": gaps[0] if size == 1 else gaps}
+      solved[key] = record
+  record["values"].extend(values)
+  candidates = [v for v in [record["reference"], *record["values"]] if math.isfinite(v)]
+  f_star = min(candidates) if candidates else math.nan
+
+  def gap(v: float) -> float:
+    g = (v - f_star) / max(abs(f_star), 1e-12)
+    return g if math.isnan(g) else max(0.0, g)
+
+  def restate(objective_values) -> dict[str, Any]:
+    gaps = [gap(v) for v in objective_values] if isinstance(objective_values, list) else gap(objective_values)
+    return {"objective_reference": record["reference"], "objective_star": f_star, "objective_gap": gaps}
+
+  out = {"objective": values[0] if size == 1 else values, **restate(values[0] if size == 1 else values)}
+  for earlier in record["rows"]:
+    earlier.update(restate(earlier["objective"]))
+  if row is not None:
+    row.update(out)
+    record["rows"].append(row)
+  return out
 
 
 def _summarize(last: dict[str, Any], key: str) -> dict[str, Any]:
@@ -336,11 +376,12 @@ def prepared_context(config: dict[str, Any], say: Callable[..., None] = print):
   """(dataset, model, `registry.Context`, `Wrappers`, planted groups or None): what every algorithm of the run is
   built from (`build_algorithm`), checked before anything runs."""
   dataset, groups = load_dataset_and_groups(config)
-  if config["num_clients"] is not None and config["clients_per_round"] > dataset.num_clients:
-    raise UsageError(f"clients_per_round={config['clients_per_round']} exceeds the dataset's "
-                     f"{dataset.num_clients} clients")
+  names = config["algorithms"].split(",")
+  config_lib.check_clients_per_round(config, names, dataset.num_clients,
+                                     given_num_clients=config["num_clients"] == dataset.num_clients)
   model = build_model(config, dataset)
   try:
+    robust.check_rows(config, names, registry, dataset.num_clients)
     rule, corrupt, poison, robust_used = robust.build(config, config["clients_per_round"], dataset.num_classes)
   except robust.RobustError as e:
     raise UsageError(str(e)) from None
@@ -577,84 +618,89 @@ def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: 
   num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(model.init(jax.random.key(0))))
   rows, histories, extras = [], {}, {}
   solved: dict = {}  # F* per centralized objective, shared by the algorithms that minimise the same one
-  for name, spec, hyper, algo in built:
-    algo_run, init_state, data_seed = _initial_state(algo, model, config)
-    scored = spec.scoring_model(model, hyper, dataset)  # FedEM: its mixtures; FedMD: each client's architecture
-    metric_fns = {"loss": scored.loss_fn, "accuracy": scored.accuracy_fn}
-    hooks = {}
-    if spec.evaluation == "table":
-      hooks["personalized_params"] = spec.personalized_params(hyper)
-    elif spec.evaluation == "adapt":
-      hooks["personalize"] = algo.personalize
-    t0 = time.perf_counter()
-    per_round = steps_per_round(spec, config)
-    try:
-      state, history = train_lib.train(
-          algo_run, init_state, dataset, config["rounds"] * per_round,
-          train_lib.Sampling(**sampling(spec, hyper, config, dataset)),
-          evaluation=train_lib.Evaluation(every=config["eval_every"] * per_round, metric_fns=metric_fns, **hooks),
-          checkpointing=train_lib.Checkpointing(os.path.join(out, "checkpoints", name),
-                                                every=config["checkpoint_every"], resume=resume),
-          seed=data_seed, progress=not config["quiet"],
-          label=name if per_round == 1 else f"{name} (server events)", accounting=_accounting(config, dataset))
-    except KeyboardInterrupt:
-      raise report.Interrupted(name) from None
-    except tuple(_train_errors()) as e:
-      if not resume and not rows:  # nothing trained yet: leave no half-made run behind
-        config_lib.clear_previous(out)
-        if created and not os.listdir(out):
-          os.rmdir(out)
-      raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
-    histories[name] = history
-    last = history.last_eval
-    diverged = getattr(history, "diverged_at_round", None)
-    row = dict(algorithm=name, family=spec.family, model=model.name,
-               status="finished" if diverged is None else f"diverged at round {diverged}",
-               **({} if diverged is None else {"diverged_reason": history.diverged_reason}),
-               rounds=train_lib.current_round(state))
-    for key in ("test_accuracy", "test_loss", "train_loss"):
-      row.update(_summarize(last, key))
-    if per_round > 1:
-      row["server_events"] = row["rounds"]
-      row["rounds"] = row["rounds"] // per_round  # in client updates of C synchronous clients
-    for key in ("consensus_distance", "simulated_time"):
-      if key in history.round_metrics:
-        row.update(_summarize({key: _last(history.round_metrics[key])}, key))
-    if spec.evaluation != "global":
-      for key, short in (("personalized_test_accuracy", "personalized_accuracy"),
-                         ("personalized_test_accuracy_p10", "personalized_accuracy_p10"),
-                         ("personalized_test_accuracy_weighted", "personalized_accuracy_weighted")):
-        row.update({k.replace(key, short): v for k, v in _summarize(last, key).items()})
-      if diverged is None:
-        row["personalized_accuracy_per_client"] = personalized_per_client(
-            spec, algo, state, dataset, {"accuracy": scored.accuracy_fn}, config["seeds"],
-            spec.personalized_params(hyper))
-    row.update(cluster_recovery(state, groups, config["seeds"]))
-    if spec.summary is not None:  # P2P Bayes: the beliefs on the fit
-      row.update(spec.summary(history.round_metrics, hyper, config["seeds"]))
-    if spec.objective is not None and diverged is None:
-      row.update(objective_gap(spec, hyper, scored, state, dataset, config["seeds"], solved))
-    counted = spec  # with a client stage or a secure sum, what the clients send is the round's bits_up metric
-    if trust.enabled(config) and spec.communication == "rounds":
-      counted = dataclasses.replace(spec, communication="metrics")
-    bits = bits_per_round(counted, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
-                          dataset.num_clients)
-    if trust.enabled(config):
-      row["bits_up"] = float(np.mean(_member0(history.round_metrics["bits_up"])))
-      row.update(trust.secure_report(state, config["seeds"]))
-    extras[name] = {"megabytes_sent": (bits.cumsum() / 8e6).tolist(), "steps_per_round": per_round}
-    if "simulated_time" in history.round_metrics:
-      times = np.asarray(history.round_metrics["simulated_time"], np.float64)
-      extras[name]["simulated_time"] = (times if times.ndim == 1 else times[0]).tolist()
-    row["megabytes_sent"] = float(bits.sum() / 8e6)
-    row["hyper_parameters"] = hyper
-    if privacy.enabled(config):
-      row["privacy"] = privacy.report(config, privacy.sampling(config, dataset.num_clients),
-                                      [e["round"] for e in history.evals], state, config["seeds"])
-      row["dp_epsilon"] = row["privacy"]["epsilon"]
-      extras[name]["dp_epsilon"] = row["privacy"]["epsilon_at_rounds"]
-    rows.append(dict(row, wall_seconds=time.perf_counter() - t0, compile_seconds=history.compile_seconds,
-                     rounds_per_second=history.rounds_per_second, devices=jax.device_count()))
+  try:
+    for name, spec, hyper, algo in built:
+      algo_run, init_state, data_seed = _initial_state(algo, model, config)
+      scored = spec.scoring_model(model, hyper, dataset)  # FedEM: its mixtures; FedMD: each client's architecture
+      metric_fns = {"loss": scored.loss_fn, "accuracy": scored.accuracy_fn}
+      hooks = {}
+      if spec.evaluation == "table":
+        hooks["personalized_params"] = spec.personalized_params(hyper)
+      elif spec.evaluation == "adapt":
+        hooks["personalize"] = algo.personalize
+      t0 = time.perf_counter()
+      per_round = steps_per_round(spec, config)
+      try:
+        with _divergence_noticed(train_lib) as noticed:
+          state, history = train_lib.train(
+              algo_run, init_state, dataset, config["rounds"] * per_round,
+              train_lib.Sampling(**sampling(spec, hyper, config, dataset)),
+              evaluation=train_lib.Evaluation(every=config["eval_every"] * per_round, metric_fns=metric_fns, **hooks),
+              checkpointing=train_lib.Checkpointing(os.path.join(out, "checkpoints", name),
+                                                    every=config["checkpoint_every"], resume=resume),
+              seed=data_seed, progress=not config["quiet"],
+              label=name if per_round == 1 else f"{name} (server events)", accounting=_accounting(config, dataset))
+      except KeyboardInterrupt:
+        raise report.Interrupted(name) from None
+      except tuple(_train_errors()) as e:
+        raise UsageError(f"{name}: {str(e).splitlines()[0]}") from None
+      histories[name] = history
+      last = history.last_eval
+      diverged = getattr(history, "diverged_at_round", None)
+      row = dict(algorithm=name, family=spec.family, model=model.name, **outcome(history, per_round),
+                 rounds=train_lib.current_round(state))
+      if diverged is not None and noticed:  # the driver's warning, with the rounds it could have happened in
+        warnings.warn(f"{name} {row['status']}: {row['diverged_reason']}; training stopped there",
+                      train_lib.DivergenceWarning, stacklevel=1)
+      for key in ("test_accuracy", "test_loss", "train_loss"):
+        row.update(_summarize(last, key))
+      if per_round > 1:
+        row["server_events"] = row["rounds"]
+        row["rounds"] = row["rounds"] // per_round  # in client updates of C synchronous clients
+      for key in ("consensus_distance", "simulated_time"):
+        if key in history.round_metrics:
+          row.update(_summarize({key: _last(history.round_metrics[key])}, key))
+      if spec.evaluation != "global":
+        for key, short in (("personalized_test_accuracy", "personalized_accuracy"),
+                           ("personalized_test_accuracy_p10", "personalized_accuracy_p10"),
+                           ("personalized_test_accuracy_weighted", "personalized_accuracy_weighted")):
+          row.update({k.replace(key, short): v for k, v in _summarize(last, key).items()})
+        if diverged is None:
+          row["personalized_accuracy_per_client"] = personalized_per_client(
+              spec, algo, state, dataset, {"accuracy": scored.accuracy_fn}, config["seeds"],
+              spec.personalized_params(hyper))
+      row.update(cluster_recovery(state, groups, config["seeds"]))
+      if spec.summary is not None:  # P2P Bayes: the beliefs on the fit
+        row.update(spec.summary(history.round_metrics, hyper, config["seeds"]))
+      if spec.objective is not None and diverged is None:
+        row.update(objective_gap(spec, hyper, scored, state, dataset, config["seeds"], solved, row=row))
+      counted = spec  # with a client stage or a secure sum, what the clients send is the round's bits_up metric
+      if trust.enabled(config) and spec.communication == "rounds":
+        counted = dataclasses.replace(spec, communication="metrics")
+      bits = bits_per_round(counted, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
+                            dataset.num_clients)
+      if trust.enabled(config):
+        row["bits_up"] = float(np.mean(_member0(history.round_metrics["bits_up"])))
+        row.update(trust.secure_report(state, config["seeds"]))
+      extras[name] = {"megabytes_sent": (bits.cumsum() / 8e6).tolist(), "steps_per_round": per_round}
+      if "simulated_time" in history.round_metrics:
+        times = np.asarray(history.round_metrics["simulated_time"], np.float64)
+        extras[name]["simulated_time"] = (times if times.ndim == 1 else times[0]).tolist()
+      row["megabytes_sent"] = float(bits.sum() / 8e6)
+      row["hyper_parameters"] = hyper
+      if privacy.enabled(config):
+        row["privacy"] = privacy.report(config, privacy.sampling(config, dataset.num_clients),
+                                        [e["round"] for e in history.evals], state, config["seeds"])
+        row["dp_epsilon"] = row["privacy"]["epsilon"]
+        extras[name]["dp_epsilon"] = row["privacy"]["epsilon_at_rounds"]
+      rows.append(dict(row, wall_seconds=time.perf_counter() - t0, compile_seconds=history.compile_seconds,
+                       rounds_per_second=history.rounds_per_second, devices=jax.device_count()))
+  except report.Interrupted:
+    raise
+  except Exception:  # a failure before any round was saved: leave no half-made run behind (a rerun starts anew)
+    if not resume:
+      _remove_unstarted(out, created)
+    raise
   config_lib.write_json(os.path.join(out, "history.json"),
                         {name: dict(h.to_dict(), **extras[name]) for name, h in histories.items()})
   config_lib.write_json(os.path.join(out, "results.json"), rows, indent=1, default=_json_default)
@@ -663,6 +709,98 @@ def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: 
   print(report.results_table(rows))
   print(f"\nwrote {out}/: config.json, history.json, results.json, {', '.join(os.path.basename(p) for p in plots)}")
   return 0
+
+
+DEGRADED_LOSS_FACTOR = 10.0
+"""A finished run is `degraded` when its final test loss exceeds this many times the initial model's."""
+
+DEGRADED_ACCURACY_DROP = 0.1
+"""... or when its final test accuracy is more than this below that of its first evaluation."""
+
+
+def outcome(history, per_round: int = 1) -> dict[str, Any]:
+  """The result row's `status` and, when it is not "finished", why: `diverged_reason` or `degraded_reason`.
+
+  * "diverged between rounds a and b (seen at the evaluation of round b)" (or "diverged at round b" when a = b):
+    `fo.train` stopped the run at the evaluation of round b, and the evaluation before it (round a − 1; 0, the
+    start) had not: it went wrong in one of the rounds a … b. `diverged_between` holds [a, b].
+  * "degraded": the run finished, but its final test loss is over `DEGRADED_LOSS_FACTOR` (10) times the initial
+    model's (the evaluation before round 1; the first evaluation's when there is none), or its final test
+    accuracy is more than `DEGRADED_ACCURACY_DROP` (0.1) below that of its first evaluation (round --eval-every).
+    For `--seeds N`, the means over the seeds are compared.
+  * "finished" otherwise.
+
+  `per_round`: training steps per round (an asynchronous run's server events per round of C client updates),
+  by which `fo.train`'s rounds are divided.
+  """
+  import numpy as np
+
+  evals = history.evals
+  diverged = history.diverged_at_round
+  if diverged is not None:
+    seen = diverged // per_round
+    first = (evals[-2]["round"] // per_round if len(evals) >= 2 else 0) + 1
+    first = min(first, seen)
+    status = (f"diverged at round {seen}" if first == seen else
+              f"diverged between rounds {first} and {seen} (seen at the evaluation of round {seen})")
+    return {"status": status, "diverged_reason": history.diverged_reason, "diverged_between": [first, seen]}
+  mean = lambda value: None if value is None else float(np.mean(np.asarray(value, np.float64)))  # noqa: E731
+  losses = [mean(e.get("test_loss")) for e in evals]
+  accuracies = [mean(e.get("test_accuracy")) for e in evals]
+  start = mean(history.initial_loss) if history.initial_loss is not None else (losses[0] if losses else None)
+  reasons = []
+  if losses and start is not None and losses[-1] is not None and start > 0 and \
+      losses[-1] > DEGRADED_LOSS_FACTOR * start:
+    reasons.append(f"the test loss grew {losses[-1] / start:,.0f}× ({start:.4g} → {losses[-1]:.4g}), over "
+                   f"{DEGRADED_LOSS_FACTOR:g}× the initial model's")
+  if len(accuracies) >= 2 and None not in (accuracies[0], accuracies[-1]) and \
+      accuracies[-1] < accuracies[0] - DEGRADED_ACCURACY_DROP:
+    reasons.append(f"the test accuracy fell from {accuracies[0]:.4f} at round {evals[0]['round'] // per_round} to "
+                   f"{accuracies[-1]:.4f}, over {DEGRADED_ACCURACY_DROP:g} below its first evaluation")
+  if reasons:
+    return {"status": "degraded", "degraded_reason": "; ".join(reasons)}
+  return {"status": "finished"}
+
+
+DRIVER_DIVERGED = r"[^:]* diverged at round \d+: "
+"""The start of `fo.train`'s warning for a run that diverged in this call (the round it was seen at); a restored run
+that had diverged warns "NAME: the restored run diverged ...", which is kept."""
+
+
+@contextlib.contextmanager
+def _divergence_noticed(train_lib):
+  """Holds back `fo.train`'s warning of a run that diverged in this call (the run warns with `outcome`'s rounds
+  instead); yields a list that is not empty once it was held back."""
+  import re
+
+  held: list = []
+  show = warnings.showwarning
+
+  def showwarning(message, category, *args, **kwargs):
+    if issubclass(category, train_lib.DivergenceWarning) and re.match(DRIVER_DIVERGED, str(message)):
+      held.append(message)
+      return
+    show(message, category, *args, **kwargs)
+
+  with warnings.catch_warnings():
+    warnings.showwarning = showwarning
+    yield held
+
+
+def _remove_unstarted(out: str, created: bool) -> None:
+  """After a failure before any checkpoint was saved: removes what this run wrote into `out`, config.json and the
+  empty checkpoint folders (and `out` itself when this run made it and nothing else is there), so that the same
+  command can be given again; a folder with a saved checkpoint is kept for `--resume`, and other files (a tuning's
+  tune.json) stay."""
+  checkpoints = os.path.join(out, "checkpoints")
+  if any(files_ for _, _, files_ in os.walk(checkpoints)):
+    return
+  if os.path.isdir(checkpoints):
+    shutil.rmtree(checkpoints)
+  if os.path.isfile(os.path.join(out, "config.json")):
+    os.remove(os.path.join(out, "config.json"))
+  if created and os.path.isdir(out) and not os.listdir(out):
+    os.rmdir(out)
 
 
 def _json_default(value: Any) -> Any:
