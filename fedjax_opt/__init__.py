@@ -24,6 +24,7 @@ __getattr__, __dir__, __all__ = _lazy.attach(
         ".core.types": ("ClientBatches", "FederatedAlgorithm"),
         ".core": ("client_map",),
         ".core.per_client": ("personalized_params",),
+        ".core.execution": ("execution", "with_execution"),
         ".train": ("Accounting", "Checkpointing", "Evaluation", "History", "Sampling", "train"),
     })
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
   from fedjax_opt import (aggregators, algorithms, attacks, compression, core, data, distributed, evaluate, graphs,
                           hyper, models, objectives, privacy, server_optimizers, sweep)
   from fedjax_opt.core import client_map
+  from fedjax_opt.core.execution import execution, with_execution
   from fedjax_opt.core.per_client import personalized_params
   from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm
   from fedjax_opt.train import Accounting, Checkpointing, Evaluation, History, Sampling, train

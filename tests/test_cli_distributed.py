@@ -61,7 +61,7 @@ def test_refusals_are_one_line_and_create_nothing(cli, tmp_path, svm_file):
        f"--dataset libsvm:{bad}: {bad}: line 2: '2:x' is not index:value with an integer index."),
       (["--algorithms", "giant", "--dataset", f"libsvm:{empty}"], f"{empty}: holds no examples."),
       (["--algorithms", "giant", "--dataset", f"libsvm:{svm_file}", "--num-clients", "600"],
-       "num_clients=600 exceeds the 569 train examples of 'cancer.svm'"),
+       "--num-clients 600 exceeds the 569 train examples of 'cancer.svm'"),
       (["--dataset", "cifar10"], "or libsvm:PATH for a LibSVM file"),
   ]
   for args, needle in cases:

@@ -32,7 +32,7 @@ def _run(block: str, name: str) -> dict:
 
 def test_single_process_blocks_run_as_written():
   blocks = [b for b in _blocks() if "fo.distributed.initialize" not in b]
-  assert len(blocks) == 3
+  assert len(blocks) == 4
   for i, block in enumerate(blocks):
     namespace = _run(block, f"docs/scaling.md python block {i}")
   # The last block's seed sweep: 8 members, 100 rounds each, and they differ (different seeds).

@@ -77,6 +77,7 @@ chain its aggregator's); FedDyn refuses the same pieces for its h.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -221,7 +222,7 @@ def scaffold(
   client_optimizer = optax.sgd(eta_l)
   server_optimizer = optax.sgd(eta_g)
 
-  def client_update(shared, data, mask, c_i):
+  def client_update(table_dtypes, shared, data, mask, c_i):
     x, c = shared
     drift = jax.tree.map(jnp.subtract, c, c_i)  # the correction c − c_i, constant over the local steps
     result = local_train(loss_fn, client_optimizer, x, data, mask, gradient_correction=lambda _: drift)
@@ -231,8 +232,7 @@ def scaffold(
       new_c_i = _option_ii(c_i, c, result.delta, result.num_steps, eta_l)
     # Δc_i, the second message: the change of the stored c_i (rounded to the table's dtype as `per_client.scatter`
     # does), so the sum of the messages is the change of the table.
-    stored_c_i = new_c_i if storage_dtype is None else jax.tree.map(
-        lambda n: n.astype(storage_dtype).astype(n.dtype), new_c_i)
+    stored_c_i = jax.tree.map(lambda n, d: n.astype(d).astype(n.dtype), new_c_i, table_dtypes)
     return ClientOutput(result, rows=(new_c_i,), uploads=(jax.tree.map(jnp.subtract, stored_c_i, c_i),))
 
   def init(params: PyTree, key: jax.Array) -> ScaffoldState:
@@ -244,7 +244,9 @@ def scaffold(
     )
 
   def step(state: ScaffoldState, batches: ClientBatches) -> ScaffoldState:
-    key, out = aggregated_round(mode, client_update, (state.params, state.control_variate), state, batches,
+    table_dtypes = jax.tree.map(lambda t: t.dtype, state.client_control_variates)
+    key, out = aggregated_round(mode, functools.partial(client_update, table_dtypes),
+                                (state.params, state.control_variate), state, batches,
                                 aggregator, tables=(state.client_control_variates,))
     params, server_opt_state = apply_server_update(
         server_optimizer, state.params, state.server_opt_state, out.agg.update, out.agg.accepted)

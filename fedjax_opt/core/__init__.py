@@ -15,7 +15,7 @@ from fedjax_opt.core import lazy as _lazy
 
 __getattr__, __dir__, __all__ = _lazy.attach(
     __name__,
-    submodules=("asynchrony", "client_map", "clusters", "per_client", "validation"),
+    submodules=("asynchrony", "client_map", "clusters", "execution", "per_client", "validation"),
     names={
         ".types": ("Aggregator", "ClientBatches", "ClientStage", "DeferredData", "FederatedAlgorithm", "LossFn",
                    "PyTree", "ServerState", "StagedState", "has_local_split", "materialize", "with_local_split"),
@@ -29,7 +29,7 @@ __getattr__, __dir__, __all__ = _lazy.attach(
     })
 
 if TYPE_CHECKING:
-  from fedjax_opt.core import asynchrony, client_map, clusters, per_client, validation
+  from fedjax_opt.core import asynchrony, client_map, clusters, execution, per_client, validation
   from fedjax_opt.core.averaging import AveragingState, Downlink, averaging_algorithm
   from fedjax_opt.core.client_map import map_clients
   from fedjax_opt.core.local import LocalResult, as_single_step, local_train, masked_mean_loss

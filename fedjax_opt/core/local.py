@@ -14,6 +14,11 @@ It returns the client delta Δ = x_S − x_0, the mean loss over the client's
 real examples (each loss taken before the step that used it), and the
 number of examples and of non-empty steps.
 
+Precision. The losses of local training are taken by `masked_mean_loss`, so
+the execution policy's `precision="bfloat16"` (`core.execution`) runs every
+step's forward and backward pass in bfloat16 while x, the optimizer state
+and Δ stay in the model's dtype (mixed-precision training).
+
 Differentiating through local training (`fo.hyper`). Inside
 `checkpointed_local_steps()`, every `local_train` traced makes each local step
 a `jax.checkpoint`: a reverse pass through the round then keeps each step's
@@ -34,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_opt.core import execution
 from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import LossFn, PyTree
 from fedjax_opt.core.validation import check_per_example_loss
@@ -72,13 +78,28 @@ class LocalResult(NamedTuple):
   num_steps: jax.Array
 
 
+def _cast_floating(tree: PyTree, dtype) -> PyTree:
+  """Every floating leaf of `tree` cast to `dtype`; other leaves (labels, masks, keys) as they are."""
+  return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a, tree)
+
+
 def masked_mean_loss(loss_fn: LossFn, params: PyTree, batch: PyTree, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Mean of `loss_fn(params, batch)` over the examples where `mask` `[B]` is True.
+
+  Under the execution policy's `precision="bfloat16"` (`core.execution`) the
+  floating parameters and data are cast to bfloat16 for `loss_fn` and the
+  per-example losses back to float32 (the default float: float64 under x64):
+  the forward and backward passes run in bfloat16, while the parameters the
+  gradient is taken with respect to, and the gradient itself, keep their dtype.
 
   Returns:
     (mean loss, number of real examples); the mean is 0 when there are none.
   """
-  losses = loss_fn(params, batch)
+  low = execution.compute_dtype()
+  if low is None:
+    losses = loss_fn(params, batch)
+  else:  # mixed precision: the pass in bfloat16, the loss (and so the gradient w.r.t. params) back in their dtype
+    losses = loss_fn(_cast_floating(params, low), _cast_floating(batch, low)).astype(jnp.result_type(float))
   check_per_example_loss(losses, mask.shape[0])
   count = jnp.sum(mask, dtype=losses.dtype)
   total = jnp.sum(jnp.where(mask, losses, jnp.zeros_like(losses)))

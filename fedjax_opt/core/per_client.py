@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_opt.core import execution
 from fedjax_opt.core.validation import check_num_clients, is_concrete
 
 __all__ = ["Scattered", "broadcast", "gather", "init", "last_writers", "nbytes", "num_rows", "personalized_params",
@@ -91,17 +92,21 @@ def init(params: PyTree, num_clients: int, *, storage_dtype: Any = None, fill: f
   Args:
     params: the model (or any pytree) whose shapes each row takes.
     num_clients: N, the number of rows (static Python int).
-    storage_dtype: dtype of the stored entries (e.g. `jnp.bfloat16`); None keeps
-      each leaf's dtype.
+    storage_dtype: dtype of the stored entries (e.g. `jnp.bfloat16`); None: the
+      execution policy's (`core.execution`) for floating leaves, which keeps
+      each leaf's dtype unless a policy sets one.
     fill: the initial value of every entry (0 for control variates).
 
   Returns:
     The table, a pytree like `params` with leaves `[N, ...]`.
   """
   n = check_num_clients(num_clients)
+  policy_dtype = execution.current().storage_dtype if storage_dtype is None else None
 
   def leaf(p):
     dtype = jnp.result_type(p) if storage_dtype is None else storage_dtype
+    if policy_dtype is not None and jnp.issubdtype(dtype, jnp.floating):  # the policy's: floating leaves only
+      dtype = policy_dtype
     return jnp.full((n,) + jnp.shape(p), fill, dtype)
 
   return jax.tree.map(leaf, params)

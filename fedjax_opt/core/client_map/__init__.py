@@ -38,9 +38,9 @@ sum-type aggregator never stacks the C updates.
 
 from fedjax_opt.core.client_map.heuristics import CPU_VMAP_MAX_BYTES, CPU_VMAP_MAX_PARAMS
 from fedjax_opt.core.client_map.memory import client_footprint, default_chunk_size, default_memory_budget
-from fedjax_opt.core.client_map.modes import (CLIENTS_AXIS, Auto, Chunked, ClientMap, Sharded, VMap, auto, chunked,
-                                              client_mesh, map_clients, pad_clients, resolve, sequential, sharded,
-                                              vmap)
+from fedjax_opt.core.client_map.modes import (CLIENTS_AXIS, Auto, Chunked, ClientMap, FromPolicy, Sharded, VMap, auto,
+                                              chunked, client_mesh, concrete, map_clients, pad_clients, resolve,
+                                              sequential, sharded, vmap)
 from fedjax_opt.core.client_map.rewrites import (FUSED_DOT_MAX_CONTRACTION, canonical_conv, has_convolution,
                                                  has_small_batched_dot, rewrite_client_fn, sum_of_products)
 from fedjax_opt.core.client_map.streaming import loop_chunk, map_clients_and_sum
@@ -48,8 +48,8 @@ from fedjax_opt.core.client_map.tracing import trace_client
 
 __all__ = [
     # modes and their names
-    "ClientMap", "VMap", "Chunked", "Auto", "Sharded", "vmap", "sequential", "chunked", "auto", "sharded",
-    "resolve", "map_clients",
+    "ClientMap", "VMap", "Chunked", "Auto", "Sharded", "FromPolicy", "vmap", "sequential", "chunked", "auto",
+    "sharded", "resolve", "concrete", "map_clients",
     # loops that sum as they go
     "loop_chunk", "map_clients_and_sum",
     # devices

@@ -7,11 +7,16 @@
 * `Sharded` (`sharded(mesh, inner)`): `jax.shard_map` over the mesh axis
   `"clients"`, any single-device mode inside each device; C is padded to a
   multiple of the devices with all-zero clients whose outputs are dropped.
-* `Auto` (`auto()`, the default): the mode `choose` decides for the backend,
-  the model and C.
+* `Auto` (`auto()`, the default): the mode measured fastest for the backend,
+  the model and C (`autotune`), or the rule `choose` decides when measuring
+  is off.
+* `FromPolicy` (what None resolves to): the execution policy's client map
+  (`core.execution`), looked up when the step is traced; "auto" unless a
+  policy sets another.
 
 `resolve` turns a mode, its name ("vmap", "sequential:canonical_convs",
-"chunked:64:unroll", "sharded:chunked:8", ...) or None (auto) into a mode.
+"chunked:64:unroll", "sharded:chunked:8", ...) or None (the policy's) into a
+mode; `concrete` follows `FromPolicy` to the mode it stands for.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
+from fedjax_opt.core import execution
+from fedjax_opt.core.client_map import autotune
 from fedjax_opt.core.client_map.heuristics import choose
 from fedjax_opt.core.client_map.memory import default_chunk_size
 from fedjax_opt.core.client_map.rewrites import rewrite_client_fn
@@ -31,8 +38,8 @@ from fedjax_opt.core.client_map.tracing import num_clients
 from fedjax_opt.core.types import PyTree
 from fedjax_opt.core.validation import check_optional_int
 
-__all__ = ["Auto", "CLIENTS_AXIS", "Chunked", "ClientMap", "Sharded", "VMap", "auto", "chunked", "client_mesh",
-           "map_clients", "pad_clients", "resolve", "sequential", "sharded", "vmap"]
+__all__ = ["Auto", "CLIENTS_AXIS", "Chunked", "ClientMap", "FromPolicy", "Sharded", "VMap", "auto", "chunked",
+           "client_mesh", "concrete", "map_clients", "pad_clients", "resolve", "sequential", "sharded", "vmap"]
 
 CLIENTS_AXIS = "clients"
 """The name of the device-mesh axis that clients are sharded on."""
@@ -145,28 +152,40 @@ def _unrolled_chunks(fn: Callable, shared: PyTree, per_client: PyTree, c: int, k
 
 @dataclasses.dataclass(frozen=True)
 class Auto:
-  """The default: the mode `choose` (fedjax_opt/core/client_map/heuristics.py) decides for the backend, model and C.
+  """The default: the fastest mode measured on this machine (`autotune.decide`), or, with measuring off, the
+  mode the measured rule `choose` (fedjax_opt/core/client_map/heuristics.py) decides for the backend, model and C.
 
   Decided when the step is traced; never more than `memory_budget` bytes of
-  clients at once (`client_footprint`).
+  clients at once (`client_footprint`). Splitting clients over several
+  devices is the rule's decision; each device's share is then measured.
 
   Attributes:
     memory_budget: bytes a map may use at once (default `default_memory_budget()`).
     shard: allow splitting clients across several devices (False inside `sharded`).
+    measure: time the candidate modes (`autotune`); None: unless env `FEDJAX_OPT_AUTOTUNE=off`.
+    cache_dir: the folder of measured decisions (None: `autotune.cache_dir()`; "off": memory only).
+    timer: `timer(name, run) -> seconds` for the measurement (None: wall time; tests pass a fake).
   """
 
   memory_budget: int | None = None
   shard: bool = True
+  measure: bool | None = None
+  cache_dir: str | None = None
+  timer: Callable | None = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     check_optional_int(self.memory_budget, "memory_budget")
     _check_flag(self.shard, "shard")
+    if self.measure is not None:
+      _check_flag(self.measure, "measure")
 
   def resolve(self, fn: Callable | None = None, shared: PyTree = None, per_client: PyTree = None) -> ClientMap:
     """The concrete mode for this call; without arguments, the default for the backend alone."""
     choice = choose(fn, shared, per_client, self.memory_budget, self.shard)
     if choice.shard:
-      return Sharded(inner=Auto(self.memory_budget, shard=False))
+      return Sharded(inner=dataclasses.replace(self, shard=False))
+    if fn is not None and autotune.measuring(self.measure):
+      choice = autotune.decide(fn, shared, per_client, self.memory_budget, folder=self.cache_dir, timer=self.timer)
     if choice.chunk_size is None:
       return VMap(canonical_convs=choice.canonical_convs, fuse_small_dots=choice.fuse_small_dots)
     return Chunked(choice.chunk_size, canonical_convs=choice.canonical_convs, fuse_small_dots=choice.fuse_small_dots)
@@ -250,7 +269,7 @@ class Sharded:
     if isinstance(inner, Sharded):
       raise ValueError("inner must be a single-device mode (vmap, sequential, chunked, auto); got a sharded mode.")
     if isinstance(inner, Auto) and inner.shard:  # inside a device: decide among the single-device modes
-      inner = Auto(inner.memory_budget, shard=False)
+      inner = dataclasses.replace(inner, shard=False)
     object.__setattr__(self, "inner", inner)
 
   def __call__(self, fn: Callable, shared: PyTree, per_client: PyTree) -> PyTree:
@@ -266,7 +285,16 @@ class Sharded:
     return jax.tree.map(lambda a: a[:c], out)
 
 
-ClientMap = VMap | Chunked | Auto | Sharded
+@dataclasses.dataclass(frozen=True)
+class FromPolicy:
+  """The client map of the execution policy in force when the step is traced (`core.execution`; "auto" by
+  default). What a factory's `client_map=None` means."""
+
+  def __call__(self, fn: Callable, shared: PyTree, per_client: PyTree) -> PyTree:
+    return concrete(self)(fn, shared, per_client)
+
+
+ClientMap = VMap | Chunked | Auto | Sharded | FromPolicy
 
 
 def vmap(*, unroll: bool = False, canonical_convs: bool = False, fuse_small_dots: bool = False) -> VMap:
@@ -285,9 +313,11 @@ def chunked(chunk_size: int | None = None, *, unroll: bool = False, canonical_co
   return Chunked(chunk_size, unroll, canonical_convs, memory_budget, fuse_small_dots)
 
 
-def auto(memory_budget: int | None = None, *, shard: bool = True) -> Auto:
-  """The fastest measured mode for the backend, model and C; never more than `memory_budget` at once."""
-  return Auto(memory_budget, shard)
+def auto(memory_budget: int | None = None, *, shard: bool = True, measure: bool | None = None,
+         cache_dir: str | None = None) -> Auto:
+  """The mode measured fastest on this machine for the model and C (`autotune`); never more than
+  `memory_budget` at once. `measure=False` (or env `FEDJAX_OPT_AUTOTUNE=off`): the measured rule instead."""
+  return Auto(memory_budget, shard, measure, cache_dir)
 
 
 def sharded(mesh: Mesh | None = None, inner: Any = "auto", axis_name: str = CLIENTS_AXIS) -> Sharded:
@@ -327,16 +357,25 @@ def _parse(mode: str) -> ClientMap | None:
 
 
 def resolve(mode: ClientMap | str | None) -> ClientMap:
-  """Turns a mode object, a name ("vmap", "chunked:64:unroll", "sharded:vmap", ...) or None (auto) into a mode."""
+  """Turns a mode object, a name ("vmap", "chunked:64:unroll", "sharded:vmap", ...) or None (the execution
+  policy's, `FromPolicy`) into a mode."""
   if mode is None:
-    return Auto()
-  if isinstance(mode, (VMap, Chunked, Auto, Sharded)):
+    return FromPolicy()
+  if isinstance(mode, (VMap, Chunked, Auto, Sharded, FromPolicy)):
     return mode
   parsed = _parse(mode) if isinstance(mode, str) else None
   if parsed is None:
     raise ValueError(f"client_map must be one of {_MODE_NAMES} or a mode from fedjax_opt.core.client_map; "
                      f"got {mode!r}.")
   return parsed
+
+
+def concrete(mode: ClientMap | str | None) -> ClientMap:
+  """`resolve(mode)`, with `FromPolicy` replaced by the policy's client map in force now."""
+  mode = resolve(mode)
+  if isinstance(mode, FromPolicy):
+    mode = resolve(execution.current().client_map)
+  return mode
 
 
 def map_clients(mode: ClientMap | str | None, fn: Callable, shared: PyTree, per_client: PyTree) -> PyTree:

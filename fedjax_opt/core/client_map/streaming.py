@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_opt.core.client_map.memory import default_chunk_size
-from fedjax_opt.core.client_map.modes import Auto, Chunked, ClientMap, resolve
+from fedjax_opt.core.client_map.modes import Auto, Chunked, ClientMap, concrete
 from fedjax_opt.core.client_map.rewrites import rewrite_client_fn
 from fedjax_opt.core.client_map.tracing import num_clients
 from fedjax_opt.core.types import PyTree
@@ -35,7 +35,7 @@ from fedjax_opt.core.types import PyTree
 def loop_chunk(mode: ClientMap | str | None, fn: Callable, shared: PyTree,
                per_client: PyTree) -> tuple[Chunked, int] | None:
   """`(the loop mode, clients per chunk k)` when `mode` runs these C clients in a loop (k < C), else None."""
-  mode = resolve(mode)
+  mode = concrete(mode)
   if isinstance(mode, Auto):
     mode = mode.resolve(fn, shared, per_client)
   if not isinstance(mode, Chunked):
