@@ -73,12 +73,35 @@ out 20 % of its examples as its test split (`fo.data.pack`):
     its 144 examples; 50 with --quick) from one common start, then (i) one
     coordinate-wise average of those models (n_k weights), (ii) one
     `fedma.match` of them (layer-wise matching, with its retraining of the
-    layers above on the same batches), (iii) `pfnm` (matching only). Accuracy
+    layers above on the same batches), (iii) `pfnm` (matching only; σ in
+    layer units, `prior_scale="layer"`, as `fedma`'s default). Accuracy
     is on all clients' test splits (the global model). Three seeds (1 with
     --quick), each with its own initial model and batch stream (the split is
     fixed); mean and range. MLP and CNN kernels start N(0, 1/fan_in) (drawn
     by NumPy), biases 0. A FedMA round that raises is recorded (round, error)
     and ends that seed's rows of that method; the tables say so.
+    (b) is fair in upload, not in local computation: a FedMA round runs L
+    local trainings of S steps (one, then one after each of the L − 1
+    matchings) for one upload of each layer, so at the same upload it has
+    taken L times FedAvg's local steps, and FedAvg runs at the one step
+    size of the configuration, not tuned.
+(d) The same question, fair in both, on the MLP configurations of (b)
+    (`fair_configs`: digits 64-32-32-10 and MNIST 5k 784-200-200-10, the same
+    Dirichlet(0.5) splits). 20 % of each client's train split is held out as
+    validation (`fo.data.pack(test_fraction=0.2)` of the train split); the
+    test split is (b)'s. FedMA runs R = 3 rounds of S = 50 (L·S local steps a
+    round, R·L·S in all) at every step size of the grid {0.05, 0.1, 0.2, 0.4}, from
+    three seeds (initial model and batch stream); its step size is the one of
+    best mean validation accuracy. FedAvg gets FedMA's budget at that step
+    size: k rounds, the whole number of N·P-float rounds nearest FedMA's mean
+    upload, of S' = R·L·S / k local steps (rounded) each, so the same upload
+    and the same local steps per client; it runs at every step size of the
+    same grid from the same seeds and takes its own best by validation.
+    Reported: each method's test accuracy at its chosen step size, and the
+    mean of the per-seed differences. A local step is one SGD step on a batch
+    of B = 20; FedMA's retraining steps update only the layers above the
+    matched one (cheaper than a full step), so its count is an upper bound of
+    its computation.
 (c) FedMD (`fedmd`). 300 digits are drawn out of the pool first as the public
     set D₀ (inputs for the digest; its labels only for the
     `consensus_accuracy` metric); the rest is split over N = 10 clients with
@@ -92,9 +115,10 @@ out 20 % of its examples as its test split (`fo.data.pack`):
     test splits (the ten classes), and the consensus accuracy: argmax of the
     mean score over all clients, on the same test examples.
 
-    python benchmarks/clustered.py            # all three parts
-    python benchmarks/clustered.py --part b   # (b) alone; keeps (a) and (c) of the JSON already there
-    python benchmarks/clustered.py --quick    # digits, labels, G = 2, 3 (FedEM: 2), 40 rounds, small (b), (c)
+    python benchmarks/clustered.py            # all four parts
+    python benchmarks/clustered.py --part b   # (b) alone; keeps (a), (c) and (d) of the JSON already there
+    python benchmarks/clustered.py --part d   # (d) alone (about 5 minutes on 2 CPU cores)
+    python benchmarks/clustered.py --quick    # digits, labels, G = 2, 3 (FedEM: 2), 40 rounds, small (b), (c), (d)
 
 Writes benchmarks/results/clustered.json, docs/img/clustered.png and
 docs/img/clustered_fedma.png (part (b): accuracy against MB uploaded)
@@ -134,6 +158,7 @@ FEDMA = dict(
               "fedma_grown": {"client_start": "global", "prior_scale": "absolute", "max_growth": None}})
 VARIANT_LABELS = {"fedma": "FedMA", "fedma_clients": "FedMA, n_j-weighted classifier",
                   "fedma_grown": "FedMA before (grown global start, absolute σ, no cap)"}
+FAIR = dict(validation_fraction=0.2, fedma_variant="fedma")
 FEDMD = dict(num_clients=10, public=300, classes_per_client=2, local_steps=8, batch_size=16, client_lr=0.05,
              digest_lr=0.2, digest_steps=20, public_per_round=200, digest_batch_size=50)
 FULL = dict(datasets=("digits", "mnist5k"), variants=("labels", "rotated"), groups=(2, 3, 4), fedem_groups=(2, 3, 4),
@@ -146,13 +171,16 @@ FULL = dict(datasets=("digits", "mnist5k"), variants=("labels", "rotated"), grou
                             "digits_cnn": ("fedma", "fedma_clients", "fedma_grown"),
                             "mnist5k_mlp": ("fedma", "fedma_clients"), "mnist5k_cnn": ("fedma", "fedma_clients")},
             one_shot_steps={"digits_mlp": 200, "digits_mlp_lr0.5": 200, "digits_cnn": 200}, fedmd_rounds=40,
-            fedmd_architectures=("logistic_regression", "mlp_32", "mlp_128x2"))
+            fedmd_architectures=("logistic_regression", "mlp_32", "mlp_128x2"),
+            fair_configs=("digits_mlp", "mnist5k_mlp"), fair_lrs=(0.05, 0.1, 0.2, 0.4), fair_seeds=(0, 1, 2),
+            fair_rounds={"digits_mlp": 3, "mnist5k_mlp": 3})
 QUICK = dict(datasets=("digits",), variants=("labels",), groups=(2, 3), fedem_groups=(2,), rounds=40, restarts=3,
              eval_every=5,
              fedma_configs=("digits_mlp",), fedma_rounds={"digits_mlp": 1}, fedavg_rounds={}, fedma_seeds=(0,),
              fedma_variants={"digits_mlp": ("fedma",)}, one_shot_steps={"digits_mlp": 50}, fedmd_rounds=15,
-             fedmd_architectures=("logistic_regression", "mlp_32"))
-PARTS = {"a": "clustered", "b": "fedma", "c": "fedmd"}
+             fedmd_architectures=("logistic_regression", "mlp_32"),
+             fair_configs=("digits_mlp",), fair_lrs=(0.1, 0.2), fair_seeds=(0, 1), fair_rounds={"digits_mlp": 1})
+PARTS = {"a": "clustered", "b": "fedma", "c": "fedmd", "d": "fedma_fair"}
 METHODS = ("fedavg", "ifca", "cfl", "fedem")
 NUM_CLASSES = 10
 
@@ -478,7 +506,7 @@ def _fedma_one(task: _FedMATask, seed: int, rounds: int, fedavg_rounds: int, one
     fedma = fo.algorithms.fedma(task.loss_fn, layers=layers, client_optimizer=task.optimizer, num_clients=n)
     matched, info = fedma.match(local, batches, seed=seed)
     clients = [jax.tree.map(lambda a, k=k: a[k], local) for k in range(n)]
-    pfnm = fo.algorithms.pfnm(clients, layers=layers)
+    pfnm = fo.algorithms.pfnm(clients, layers=layers, prior_scale="layer")  # as fedma above (its default)
     out["one_shot"] = {
         "local_models": {"accuracy": float(np.mean([accuracy(c) for c in clients])), "uploaded_floats": 0.0},
         "average": {"accuracy": accuracy(averaged), "uploaded_floats": float(n * num_params), "communications": 1},
@@ -545,6 +573,111 @@ def run_fedma(settings: dict, log) -> dict:
         f"{_fmt(head['fedavg_same_upload'] and head['fedavg_same_upload']['mean'])}, same communications "
         f"{summary['fedavg_same_communications']['mean']:.3f} ({len(runs)} seeds, {out[name]['seconds']:5.1f} s)")
   return out
+
+
+# ---- (d) FedMA against FedAvg at equal upload and equal local computation ------------------------------------------
+
+
+def _pooled(clients: list[dict]) -> tuple[jax.Array, jax.Array]:
+  return (jnp.asarray(np.concatenate([c["x"] for c in clients])),
+          jnp.asarray(np.concatenate([c["y"] for c in clients])))
+
+
+def _chosen(validation: dict[str, float]) -> str:
+  """The step size of highest mean validation accuracy (ties: the first of the grid)."""
+  return max(validation, key=lambda lr: (validation[lr], -list(validation).index(lr)))
+
+
+def _fair_config(name: str, settings: dict, log) -> dict:
+  """One configuration of (d): every step size of the grid for FedMA, then FedAvg on FedMA's budget."""
+  start_time = time.perf_counter()
+  s = FEDMA
+  config, n = s["configs"][name], s["num_clients"]
+  full = fo.data.load(config["data"], partition="dirichlet", alpha=s["alpha"], num_clients=n, seed=SEED,
+                      flatten=config["model"] == "mlp")
+  ds = fo.data.pack(fo.data.unpack(full, "train"), test_fraction=FAIR["validation_fraction"], seed=SEED,
+                    num_classes=NUM_CLASSES, name=f"{config['data']}_fit", max_padding_factor=None)
+  val_x, val_y = _pooled(fo.data.unpack(ds, "test"))
+  test_x, test_y = _pooled(fo.data.unpack(full, "test"))
+  model, apply_fn, layers = _fedma_model(config)
+  loss_fn = fo.models.classification_loss(apply_fn)
+  hits = jax.jit(lambda p, x, y: jnp.mean(jnp.argmax(apply_fn(p, x), -1) == y))
+
+  def evaluate(params) -> dict:
+    return {"validation": float(hits(params, val_x, val_y)), "test": float(hits(params, test_x, test_y))}
+
+  sample = jax.jit(lambda d, key, r, steps: fo.data.sample_round(
+      jax.random.fold_in(key, r), d, n, steps, s["batch_size"], client_sampling="all"), static_argnames="steps")
+  lrs, seeds, rounds, steps = settings["fair_lrs"], settings["fair_seeds"], settings["fair_rounds"][name], \
+      config["local_steps"]
+  num_params = fo.models.count_params(initial_params(model, 100))
+  budget_steps = rounds * len(layers) * steps  # a FedMA round: S steps, then S after each of the L − 1 matchings
+  fedma_rows: dict[str, list[dict]] = {}
+  for lr in lrs:
+    fedma = fo.algorithms.fedma(loss_fn, layers=layers, client_optimizer=optax.sgd(lr), num_clients=n,
+                                **FEDMA["variants"][FAIR["fedma_variant"]])
+    fedma_rows[str(lr)] = []
+    for seed in seeds:
+      key = jax.random.key(seed)
+      state, uploaded, failure = fedma.init(initial_params(model, 100 + seed), key), 0.0, None
+      for r in range(rounds):
+        try:
+          state = fedma.run(state, sample(ds, key, r, steps))
+        except ValueError as err:  # see _FAILURE_NOTE
+          failure = {"round": r + 1, "error": f"{type(err).__name__}: {err}"}
+          break
+        uploaded += float(state.metrics["uploaded_floats"])
+      fedma_rows[str(lr)].append({"seed": seed, **evaluate(state.params), "uploaded_floats": uploaded,
+                                  "widths": [int(np.shape(state.params[k]["bias"])[0]) for k in layers[:-1]],
+                                  "failure": failure})
+  fedma_validation = {lr: float(np.mean([row["validation"] for row in rows])) for lr, rows in fedma_rows.items()}
+  fedma_lr = _chosen(fedma_validation)
+  # FedAvg's budget: the whole number k of rounds (N·P floats each) nearest FedMA's mean upload, and FedMA's local
+  # steps spread over them (k·S' with S' the nearest whole number of steps)
+  upload = float(np.mean([row["uploaded_floats"] for row in fedma_rows[fedma_lr]]))
+  fedavg_rounds = max(1, round(upload / (n * num_params)))
+  fedavg_steps = max(1, round(budget_steps / fedavg_rounds))
+  init = fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(0.1)).init
+  step = jax.jit(lambda state, batches, lr: fo.algorithms.fedavg(
+      loss_fn, client_optimizer=optax.sgd(lr)).step(state, batches))  # the step size traced: one compilation
+  fedavg_rows: dict[str, list[dict]] = {}
+  for lr in lrs:
+    fedavg_rows[str(lr)] = []
+    for seed in seeds:
+      key = jax.random.key(seed)
+      state = init(initial_params(model, 100 + seed), key)
+      for r in range(fedavg_rounds):
+        state = step(state, sample(ds, key, r, fedavg_steps), jnp.float32(lr))
+      fedavg_rows[str(lr)].append({"seed": seed, **evaluate(state.params)})
+  fedavg_validation = {lr: float(np.mean([row["validation"] for row in rows])) for lr, rows in fedavg_rows.items()}
+  fedavg_lr = _chosen(fedavg_validation)
+  test = {"fedma": [row["test"] for row in fedma_rows[fedma_lr]],
+          "fedavg": [row["test"] for row in fedavg_rows[fedavg_lr]]}
+  out = {
+      "data": config["data"], "model": config["model"], "num_params": num_params, "layers": list(layers),
+      "lrs": list(lrs), "seeds": list(seeds), "batch_size": s["batch_size"],
+      "train_examples": int(sum(len(c["y"]) for c in fo.data.unpack(ds, "train"))),
+      "validation_examples": int(len(val_y)), "test_examples": int(len(test_y)),
+      "fedma": {"rounds": rounds, "local_steps_per_round": len(layers) * steps, "local_steps_per_client":
+                budget_steps, "communications": rounds * len(layers), "per_lr": fedma_rows,
+                "validation": fedma_validation, "chosen_lr": float(fedma_lr), "test": _spread(test["fedma"]),
+                "uploaded_mb": _spread([megabytes(row["uploaded_floats"]) for row in fedma_rows[fedma_lr]]),
+                "failed_seeds": [row["seed"] for row in fedma_rows[fedma_lr] if row["failure"]]},
+      "fedavg": {"rounds": fedavg_rounds, "local_steps_per_round": fedavg_steps,
+                 "local_steps_per_client": fedavg_rounds * fedavg_steps, "communications": fedavg_rounds,
+                 "per_lr": fedavg_rows, "validation": fedavg_validation, "chosen_lr": float(fedavg_lr),
+                 "test": _spread(test["fedavg"]), "uploaded_mb": _spread([megabytes(fedavg_rounds * n * num_params)])},
+      "fedma_minus_fedavg": _spread([a - b for a, b in zip(test["fedma"], test["fedavg"])]),
+      "seconds": time.perf_counter() - start_time}
+  log(f"  (d) {name}: FedMA lr {fedma_lr} {out['fedma']['test']['mean']:.3f}, FedAvg lr {fedavg_lr} "
+      f"{out['fedavg']['test']['mean']:.3f} ({fedavg_rounds} rounds of {fedavg_steps} steps), FedMA − FedAvg "
+      f"{out['fedma_minus_fedavg']['mean']:+.3f} ({len(seeds)} seeds, {out['seconds']:5.1f} s)")
+  return out
+
+
+def run_fair(settings: dict, log) -> dict:
+  """(d): FedMA and FedAvg with the same upload and the same local steps, each at its own validated step size."""
+  return {name: _fair_config(name, settings, log) for name in settings["fair_configs"]}
 
 
 # ---- (c) FedMD ----------------------------------------------------------------------------------------------------
@@ -679,6 +812,35 @@ def fedma_tables(result: dict) -> list[str]:
   return lines
 
 
+def fair_tables(result: dict) -> list[str]:
+  """Part (d)'s Markdown: FedMA and FedAvg at the same upload and local steps, each at its validated step size."""
+  lines = []
+  runs = result["fedma_fair"]
+  grid = next(iter(runs.values()))["lrs"] if runs else []
+  lines.append(f"(d) FedMA against FedAvg at the same upload and the same local steps per client, Dirichlet("
+               f"{FEDMA['alpha']}), N = {FEDMA['num_clients']} clients (all per round), B = {FEDMA['batch_size']}: "
+               f"each method's step size chosen from {list(grid)} by its mean validation accuracy over the seeds "
+               f"(validation: {FAIR['validation_fraction']:.0%} of each client's train split, held out of "
+               "training); test accuracy (mean over seeds [min, max]) on the clients' test splits; FedMA − FedAvg "
+               "is the mean of the per-seed differences")
+  lines.append("")
+  lines.append("| data, model (P) | method | step size (validation accuracy per step size) | rounds | "
+               "local steps per client | MB uploaded | test accuracy | FedMA − FedAvg |")
+  lines.append("|---|---|---|---|---|---|---|---|")
+  for res in runs.values():
+    title = f"{res['data']}, {res['model']} (P = {res['num_params']:,}), {len(res['seeds'])} seeds"
+    for method, label in (("fedma", "FedMA"), ("fedavg", "FedAvg")):
+      m = res[method]
+      validation = ", ".join(f"{lr}: {v:.3f}" for lr, v in m["validation"].items())
+      rounds = (f"{m['rounds']} ({m['communications']} communications)" if method == "fedma" else
+                f"{m['rounds']} of {m['local_steps_per_round']} steps")
+      diff = _spread_text(res["fedma_minus_fedavg"], "+.3f") if method == "fedma" else ""
+      lines.append(f"| {title} | {label} | {m['chosen_lr']} ({validation}) | {rounds} | "
+                   f"{m['local_steps_per_client']} | {_spread_text(m['uploaded_mb'], '.2f')} | "
+                   f"{_spread_text(m['test'])} | {diff} |")
+  return lines
+
+
 def tables(result: dict) -> str:
   lines = []
   st = result["settings"]
@@ -701,6 +863,9 @@ def tables(result: dict) -> str:
   lines.append("")
   lines.extend(fedma_tables(result))
   lines.append("")
+  if result.get("fedma_fair"):
+    lines.extend(fair_tables(result))
+    lines.append("")
   md = result["fedmd"]
   lines.append(f"(c) FedMD, digits, {FEDMD['public']} public examples, N = {FEDMD['num_clients']} clients with "
                f"{FEDMD['classes_per_client']} classes each, {st['fedmd_rounds']} rounds: accuracy on all clients' "
@@ -847,9 +1012,10 @@ def plot_fedma(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--quick", action="store_true", help="digits, labels, G = 2 and 3, 40 rounds; small (b), (c)")
+  parser.add_argument("--quick", action="store_true",
+                      help="digits, labels, G = 2 and 3, 40 rounds; small (b), (c), (d)")
   parser.add_argument("--part", choices=("all", *PARTS), default="all",
-                      help="run one part (a, b or c) and keep the other parts' results of the JSON already there")
+                      help="run one part (a, b, c or d) and keep the other parts' results of the JSON already there")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   parser.add_argument("--out-dir", default=os.path.join(root, "benchmarks", "results"))
   parser.add_argument("--img-dir", default=os.path.join(root, "docs", "img"), help="where the PNGs go")
@@ -865,10 +1031,10 @@ def main(argv: list[str] | None = None) -> dict:
       parser.error(f"--part {args.part} keeps the other parts of {path}, which does not exist: run all parts first")
     with open(path, encoding="utf-8") as f:
       result = json.load(f)
-  result["settings"] = {**settings, "clustered": CLUSTERED, "fedma": FEDMA, "fedmd": FEDMD, "seed": SEED,
-                        "quick": args.quick, "jax": jax.__version__, "backend": jax.default_backend(),
+  result["settings"] = {**settings, "clustered": CLUSTERED, "fedma": FEDMA, "fair": FAIR, "fedmd": FEDMD,
+                        "seed": SEED, "quick": args.quick, "jax": jax.__version__, "backend": jax.default_backend(),
                         "machine": platform.machine(), "cpu_count": os.cpu_count()}
-  runners = {"a": run_clustered, "b": run_fedma, "c": run_fedmd}
+  runners = {"a": run_clustered, "b": run_fedma, "c": run_fedmd, "d": run_fair}
   seconds = result.setdefault("part_seconds", {})
   for part in parts:
     start = time.perf_counter()

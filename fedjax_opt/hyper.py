@@ -114,6 +114,7 @@ runs a grid.
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -126,14 +127,14 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.differentiation import NotDifferentiableError
 from fedjax_opt.core.local import checkpointed_local_steps
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, materialize
-from fedjax_opt.core.validation import check_int, check_loss_fn
+from fedjax_opt.core.validation import TracedIntegerError, check_int, check_loss_fn
 from fedjax_opt.data.dataset import FederatedDataset
 from fedjax_opt.data.sampling import sample_round
 from fedjax_opt.train.config import Sampling
 from fedjax_opt.train.driver import proportional_weights
 
-__all__ = ["KINDS", "NotDifferentiableError", "TuneResult", "constrain", "objective_fn", "tune", "unconstrain",
-           "validation_loss", "value_and_grad"]
+__all__ = ["KINDS", "NotDifferentiableError", "TuneResult", "UnknownHyperParameterError", "constrain", "objective_fn",
+           "tune", "unconstrain", "validation_loss", "value_and_grad"]
 
 PyTree = Any
 KINDS = ("log", "logit", "identity")
@@ -286,8 +287,51 @@ def _check_make_algorithm(make_algorithm: Any) -> None:
                     f"fo.algorithms.fedprox(loss_fn, h['mu'], ...); got {type(make_algorithm).__name__}.")
 
 
+class UnknownHyperParameterError(KeyError):
+  """The build function asked for a hyper-parameter by a name that is not among those given (a `KeyError`).
+
+  Attributes:
+    name: the name asked for.
+    given: the names of the given hyper-parameters, sorted.
+  """
+
+  def __init__(self, name: Any, given: list[str]):
+    close = difflib.get_close_matches(name, given, n=1) if isinstance(name, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    super().__init__(f"fo.hyper: the build function asked for hyper-parameter {name!r}, which is not among the "
+                     f"given hyper-parameters {given}{hint}.")
+    self.name, self.given = name, given
+
+  def __str__(self) -> str:  # the message as it is, not KeyError's quoted repr of it
+    return str(self.args[0])
+
+
+class _Hyper(dict):
+  """The dict of traced hyper-parameters the build function receives: a missing name is one clear line."""
+
+  def __missing__(self, name: Any) -> Any:
+    raise UnknownHyperParameterError(name, sorted(self))
+
+
+jax.tree_util.register_pytree_with_keys(
+    _Hyper, lambda h: ([(jax.tree_util.DictKey(k), h[k]) for k in sorted(h)], tuple(sorted(h))),
+    lambda names, values: _Hyper(zip(names, values)))
+
+
 def _build(make_algorithm: Callable, h: dict) -> FederatedAlgorithm:
-  algorithm = make_algorithm(h)
+  """`make_algorithm(h)`, with h's missing names and integers taken from h refused in one line naming them."""
+  h = _Hyper(h)
+  try:
+    algorithm = make_algorithm(h)
+  except TracedIntegerError as e:
+    names = [name for name, value in h.items() if value is e.value]
+    if names:
+      raise TypeError(f"fo.hyper: hyper-parameter {names[0]!r} is used where an integer (a Python int) is needed "
+                      f"({e.name} must be one); it cannot be differentiated or swept as a traced value: give it to "
+                      "the build function as a constant.") from None
+    raise TypeError(f"fo.hyper: {e.name} is given a value computed from the traced hyper-parameters "
+                    f"{sorted(h)}, where an integer (a Python int) is needed; an integer cannot be differentiated "
+                    "or swept as a traced value: give it to the build function as a constant.") from None
   if not isinstance(algorithm, FederatedAlgorithm):
     if callable(getattr(algorithm, "run", None)):
       raise TypeError(f"{type(algorithm).__name__} is host-driven (its rounds run on the host, e.g. FedMA's and "
@@ -305,7 +349,9 @@ def objective_fn(make_algorithm: Callable[[dict], FederatedAlgorithm],
   Args:
     make_algorithm: `h -> FederatedAlgorithm`, h a dict of traced scalars, e.g.
       `lambda h: fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(h["client_lr"]),
-      server_optimizer=fo.server_optimizers.fedadam(h["server_lr"]))`.
+      server_optimizer=fo.server_optimizers.fedadam(h["server_lr"]))`. A name not in h is one line naming it
+      (`UnknownHyperParameterError`, a KeyError); so is a hyper-parameter given where a Python int is needed
+      (a step count: a TypeError; such a value fixes the program's shape and cannot be traced).
     objective: `objective(state, validation) -> scalar`, e.g. `validation_loss(loss_fn)`.
     rounds: R, a Python int >= 1.
     sampling: `fo.Sampling`, how rounds are drawn when the data is a `FederatedDataset`.

@@ -156,3 +156,41 @@ def test_fedma_uploads_are_its_layer_sizes_and_fedavg_uploads_n_times_p(quick):
     # from a common start the units stay at their own indices: pfnm is the plain mean, the average of equal clients
     assert abs(one["pfnm"]["accuracy"] - one["average"]["accuracy"]) <= 0.01
     assert one["pfnm"]["widths"] == res["initial_widths"]
+
+
+def test_the_fair_comparison_gives_fedavg_fedmas_upload_and_local_steps_and_each_its_validated_step_size(quick):
+  """Part (d), recomputed from the stored per-seed rows: FedMA's local steps are R·L·S; FedAvg runs the whole number
+  of N·P-float rounds nearest FedMA's mean upload with FedMA's steps spread over them; each method's step size is
+  the grid's best mean validation accuracy; the test accuracies and differences are those of the chosen rows; the
+  train, validation and test examples are the whole of digits (1,797)."""
+  module, _, result = quick
+  assert list(result["fedma_fair"]) == ["digits_mlp"]
+  res = result["fedma_fair"]["digits_mlp"]
+  settings = result["settings"]
+  n, config = settings["fedma"]["num_clients"], settings["fedma"]["configs"]["digits_mlp"]
+  assert res["lrs"] == list(settings["fair_lrs"]) and len(res["seeds"]) >= 2
+  assert res["train_examples"] + res["validation_examples"] + res["test_examples"] == 1797
+  assert res["validation_examples"] > 0.15 * (res["train_examples"] + res["validation_examples"])
+  fedma, fedavg = res["fedma"], res["fedavg"]
+  steps = settings["fair_rounds"]["digits_mlp"] * len(res["layers"]) * config["local_steps"]
+  assert fedma["local_steps_per_client"] == steps
+  chosen = {}
+  for name, method in (("fedma", fedma), ("fedavg", fedavg)):
+    assert list(method["per_lr"]) == [str(lr) for lr in res["lrs"]]
+    validation = {lr: np.mean([row["validation"] for row in rows]) for lr, rows in method["per_lr"].items()}
+    best = max(validation.values())
+    assert float(next(lr for lr in validation if validation[lr] == best)) == method["chosen_lr"]
+    rows = method["per_lr"][str(method["chosen_lr"])]
+    assert [row["seed"] for row in rows] == res["seeds"]
+    chosen[name] = np.array([row["test"] for row in rows])
+    assert method["test"]["mean"] == pytest.approx(chosen[name].mean())
+  upload = np.mean([row["uploaded_floats"] for row in fedma["per_lr"][str(fedma["chosen_lr"])]])
+  assert fedavg["rounds"] == max(1, round(upload / (n * res["num_params"])))
+  assert fedavg["local_steps_per_round"] == max(1, round(steps / fedavg["rounds"]))
+  assert abs(fedavg["local_steps_per_client"] - steps) <= fedavg["rounds"] / 2
+  assert fedavg["uploaded_mb"]["mean"] == pytest.approx(4 * fedavg["rounds"] * n * res["num_params"] / 1e6)
+  assert abs(fedavg["uploaded_mb"]["mean"] - fedma["uploaded_mb"]["mean"]) <= 2 * n * res["num_params"] / 1e6
+  assert res["fedma_minus_fedavg"]["mean"] == pytest.approx(np.mean(chosen["fedma"] - chosen["fedavg"]))
+  table = "\n".join(module.fair_tables(result))
+  assert "(d) FedMA against FedAvg at the same upload and the same local steps" in table
+  assert f"{fedavg['rounds']} of {fedavg['local_steps_per_round']} steps" in table

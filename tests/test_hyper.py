@@ -10,6 +10,7 @@ three features, the runs 20 rounds or more.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -267,6 +268,72 @@ def test_bad_arguments_are_refused_with_a_clear_error():
   with pytest.raises(ValueError, match="schedule must be one of"):
     fo.hyper.tune(_fedavg_sgd, GLOBAL, {"client_lr": 0.1, "server_lr": 1.0}, params, jax.random.key(0), batches,
                   batches, rounds=2, outer_steps=1, schedule="nightly")
+
+
+def _one_line_error(call, kind):
+  """The message of the `kind` error that `call()` raises, checked to be one line."""
+  with pytest.raises(kind) as info:
+    call()
+  message = str(info.value)
+  assert "\n" not in message and "Traced<" not in message, message
+  return message
+
+
+def test_a_misspelled_hyper_parameter_is_one_line_naming_it_and_the_given_names():
+  params, batches = example_inputs("fedavg")
+  u = fo.hyper.unconstrain({"client_lr": 0.1, "server_lr": 1.0})
+
+  def misspelled(h):
+    return fo.algorithms.fedavg(loss_fn, client_optimizer=optax.sgd(h["client_lrr"]),
+                                server_optimizer=optax.sgd(h["server_lr"]))
+
+  hg = fo.hyper.value_and_grad(misspelled, GLOBAL, rounds=2)
+  message = _one_line_error(lambda: jax.eval_shape(hg, u, params, jax.random.key(0), batches, batches), KeyError)
+  assert message == ("fo.hyper: the build function asked for hyper-parameter 'client_lrr', which is not among the "
+                     "given hyper-parameters ['client_lr', 'server_lr'] (did you mean 'client_lr'?).")
+  # tune reports it the same way (its program is traced on the call); a KeyError still, for code that catches one
+  with pytest.raises(fo.hyper.UnknownHyperParameterError, match="hyper-parameter 'client_lrr'") as info:
+    fo.hyper.tune(misspelled, GLOBAL, {"client_lr": 0.1, "server_lr": 1.0}, params, jax.random.key(0), batches,
+                  batches, rounds=2, outer_steps=1)
+  assert isinstance(info.value, KeyError) and info.value.name == "client_lrr"
+  # a name far from every given one gets no suggestion; h.get and `in` behave as for a dict
+  far = fo.hyper.value_and_grad(lambda h: _fedavg_sgd({**h, "client_lr": h["zeta"]}), GLOBAL, rounds=2)
+  message = _one_line_error(lambda: jax.eval_shape(far, u, params, jax.random.key(0), batches, batches), KeyError)
+  assert message.endswith("which is not among the given hyper-parameters ['client_lr', 'server_lr'].")
+  seen = {}
+
+  def lenient(h):
+    seen.update(missing=h.get("momentum", 0.0), has=("momentum" in h, "client_lr" in h), tree=jax.tree.structure(h))
+    return _fedavg_sgd(h)
+
+  jax.eval_shape(fo.hyper.value_and_grad(lenient, GLOBAL, rounds=2), u, params, jax.random.key(0), batches, batches)
+  assert seen["missing"] == 0.0 and seen["has"] == (False, True) and seen["tree"].num_leaves == 2
+
+
+def test_a_hyper_parameter_used_as_an_integer_is_one_line_naming_it():
+  params, batches = example_inputs("fedavg")
+  u = fo.hyper.unconstrain({"lam": 0.5, "steps": 2.0})
+
+  def ditto(h, steps):
+    return fo.algorithms.ditto(loss_fn, h["lam"], 0.05, num_clients=N, personal_steps=steps,
+                               client_optimizer=optax.sgd(0.05))
+
+  for make, want in (
+      (lambda h: ditto(h, h["steps"]),
+       "fo.hyper: hyper-parameter 'steps' is used where an integer (a Python int) is needed (personal_steps must be "
+       "one); it cannot be differentiated or swept as a traced value: give it to the build function as a constant."),
+      (lambda h: ditto(h, 2 * h["steps"]),
+       "fo.hyper: personal_steps is given a value computed from the traced hyper-parameters ['lam', 'steps'], where "
+       "an integer (a Python int) is needed; an integer cannot be differentiated or swept as a traced value: give "
+       "it to the build function as a constant.")):
+    for mode in ("reverse", "forward"):
+      hg = fo.hyper.value_and_grad(make, PERSONAL, rounds=2, mode=mode)
+      assert _one_line_error(lambda: jax.eval_shape(hg, u, params, jax.random.key(0), batches, batches),
+                             TypeError) == want
+  # outside fo.hyper, a traced integer argument is still one line, naming the argument
+  message = _one_line_error(lambda: jax.jit(lambda s: ditto({"lam": 0.5}, s))(2), TypeError)
+  assert re.fullmatch(r"personal_steps must be a Python int >= 1 \(it fixes a shape or a loop length\); got a traced "
+                      r"int(32|64)\[\] value, which cannot be one\.", message), message
 
 
 # ---- tune: closed-form optima ----------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ import numpy as np
 
 from fedjax_opt.core.types import ClientBatches, materialize
 
-__all__ = ["check_choice", "check_client_batches", "check_full_participation", "check_in_range", "check_int",
-           "check_key", "check_loss_fn", "check_num_clients", "check_optimizer", "check_optional_int",
+__all__ = ["TracedIntegerError", "check_choice", "check_client_batches", "check_full_participation", "check_in_range",
+           "check_int", "check_key", "check_loss_fn", "check_num_clients", "check_optimizer", "check_optional_int",
            "check_per_example_loss", "check_positive", "check_probability", "check_scalar", "is_concrete"]
 
 
@@ -90,8 +90,21 @@ def check_per_example_loss(losses: Any, batch_size: int) -> None:
     raise TypeError(f"loss_fn must return floating-point losses; got dtype {jnp.result_type(losses)}.")
 
 
+class TracedIntegerError(TypeError):
+  """A traced value (inside jit, grad or vmap: a swept or differentiated hyper-parameter) where a Python int is
+  needed; `name` is the argument, `value` the tracer (`fedjax_opt.hyper` names the hyper-parameter it came from)."""
+
+  def __init__(self, message: str, name: str, value: Any):
+    super().__init__(message)
+    self.name, self.value = name, value
+
+
 def check_int(value: Any, name: str, minimum: int = 1) -> int:
   """`value` as a Python int >= `minimum` (a count that fixes a shape or a loop length), or a clear error."""
+  if isinstance(value, jax.core.Tracer):
+    raise TracedIntegerError(f"{name} must be a Python int >= {minimum} (it fixes a shape or a loop length); got a "
+                             f"traced {jnp.result_type(value)}{list(jnp.shape(value))} value, which cannot be one.",
+                             name, value)
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise TypeError(f"{name} must be a Python int >= {minimum}; got {type(value).__name__} {value!r}.")
   if value < minimum:

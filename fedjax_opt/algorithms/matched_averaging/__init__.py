@@ -22,8 +22,9 @@ The package, one idea a module:
   model (`select_units`, FedMA's restart), and which models are supported.
 * `matching`: BBP-MAP, the matching of one layer's neurons across clients
   (`bbp_map`, `match_client`: the cost and the Hungarian assignment), and
-  its settings for every layer (`LayerPrior`: σ per layer, in units of the
-  layer's weight scale; the width cap).
+  its settings for every layer (`LayerPrior`: σ per layer, as given, the
+  authors' convention and `pfnm`'s default, or in units of the layer's
+  weight scale, `fedma`'s default; the width cap).
 * `layerwise`: FedMA's Algorithm 1, layer by layer (match, average, move,
   retrain the layers above), and the class-weighted classifier.
 * `one_shot`: `pfnm`, Algorithm 1 without retraining.

@@ -49,7 +49,7 @@ def _check_class_counts(class_counts: Any, num: int, num_classes: int) -> np.nda
 
 def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: Any = 1.0, sigma0: Any = 1.0,
          gamma: Any = 1.0, mu0: Any = 0.0, iterations: int = 3, max_width: Any = None,
-         max_growth: float | None = None, prior_scale: str = "layer",
+         max_growth: float | None = None, prior_scale: str = "absolute",
          client_weights: Sequence[float] | None = None, class_counts: Any = None, seed: int = 0) -> PyTree:
   """One-shot matched averaging (PFNM, with FedMA's layer-wise rule): J trained networks -> one global network.
 
@@ -72,8 +72,13 @@ def pfnm(client_params: Sequence[PyTree], *, layers: Sequence[str], sigma: Any =
       (`int(max_growth · max_j L_j)`; the smaller cap applies when both are set).
       Each of sigma, sigma0, gamma, mu0, max_width: one value for every hidden layer or a sequence of one per
       hidden layer (`LayerPrior`).
-    prior_scale: "layer" (σ, σ₀, μ₀ in units of each layer's root-mean-square unit coordinate, measured on the
-      clients' units) or "absolute" (as given, the authors' code); see `LayerPrior`.
+    prior_scale: "absolute" (default): σ, σ₀, μ₀ as given, in the units of the weights, the convention of
+      Yurochkin et al. 2019 and their code (and of `pfnm` before `prior_scale` existed); "layer": the
+      scale-free variant, σ, σ₀, μ₀ in units of r_n, each layer's root-mean-square unit coordinate measured on
+      the clients' units being matched (`LayerPrior`), so one value means the same in every layer and at every
+      weight scale (`fedma`'s default). The two read the same numbers differently: σ = 0.1 is a tenth of a
+      weight in absolute units but a tenth of r_n ≈ 1/√fan-in in layer units, a far stricter match, and copies
+      of one network with a little noise then open spurious units (tests/test_matched_averaging.py).
     client_weights: n_j for the classifier average when `class_counts` is None or a class is held
       by no client; default uniform.
     class_counts: None, or `[J, K]` n_jk, client j's examples of class k (any array-like, finite, >= 0): the
