@@ -153,15 +153,10 @@ def plain_vmap_round(workload, params, batches) -> Callable[[], Any]:
 
 
 def _plain_program(workload, params, batches):
-  loss, lr = workload.model.loss_fn, tp.CLIENT_LR
+  sgd_step = tp._sgd_step(workload.model.loss_fn)  # one masked SGD step, as every method of throughput.py takes
 
   def client(p, data, mask):
-    def step(x, inputs):
-      batch, m = inputs
-      g = jax.grad(lambda q: jnp.sum(jnp.where(m, loss(q, batch), 0)) / jnp.maximum(jnp.sum(m), 1))(x)
-      return jax.tree.map(lambda a, b: a - lr * b, x, g), None
-
-    final, _ = jax.lax.scan(step, p, (data, mask))
+    final, _ = jax.lax.scan(lambda x, inputs: (sgd_step(x, *inputs), None), p, (data, mask))
     return jax.tree.map(jnp.subtract, final, p)
 
   def round_(p, data, mask, weight):

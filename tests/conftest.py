@@ -81,6 +81,16 @@ def pack(clients, steps, batch, *, extra_steps=0, extra_slots=0, extra_clients=0
   )
 
 
+def run_rounds(step, state, batches, rounds):
+  """`rounds` rounds of `step` on the same batches as one jitted `lax.scan`: (final state, metrics stacked [rounds])."""
+
+  def one(s, _):
+    s = step(s, batches)
+    return s, s.metrics
+
+  return jax.jit(lambda s: jax.lax.scan(one, s, length=rounds))(state)
+
+
 def lsq_loss(params, batch):
   """Per-example least squares ½(xᵀw + b − y)²."""
   pred = batch["x"] @ params["w"] + params["b"]
@@ -91,6 +101,23 @@ def lsq_grad_np(w, b, x, y):
   """float64 gradient of the mean least-squares loss."""
   r = x @ w + b - y
   return x.T @ r / len(y), np.mean(r)
+
+
+def fedavg_lsq_np(w, b, x, y, mask, weight, lr):
+  """float64 FedAvg round on least squares: each client's masked local SGD steps from (w, b), then the
+  n_k-weighted mean of the deltas added to (w, b). x [C, S, B, d], y and mask [C, S, B], weight [C]."""
+  x, y, weight = (np.asarray(a, np.float64) for a in (x, y, weight))
+  w, mask = np.asarray(w, np.float64), np.asarray(mask, bool)
+  dw, db = np.zeros_like(w), 0.0
+  for k in range(len(weight)):
+    wk, bk = w.copy(), float(b)
+    for s in range(x.shape[1]):
+      m = mask[k, s]
+      if m.any():
+        gw, gb = lsq_grad_np(wk, bk, x[k, s][m], y[k, s][m])
+        wk, bk = wk - lr * gw, bk - lr * gb
+    dw, db = dw + weight[k] * (wk - w), db + weight[k] * (bk - float(b))
+  return w + dw / weight.sum(), float(b) + db / weight.sum()
 
 
 def softmax_loss(params, batch):

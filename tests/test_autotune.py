@@ -23,8 +23,7 @@ from fedjax_opt.core.client_map import autotune, heuristics
 from fedjax_opt.core.local import local_train
 
 
-def _loss(params, batch):
-  return 0.5 * (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2
+from conftest import fedavg_lsq_np, lsq_loss as _loss
 
 
 def _client(params, client):
@@ -198,18 +197,10 @@ def test_measured_auto_runs_the_chosen_mode_inside_a_jitted_fedavg_round(tmp_pat
   for leaf_auto, leaf_seq, leaf_vmap in zip(*(jax.tree.leaves(runs[k]) for k in ("auto", "sequential", "vmap"))):
     np.testing.assert_array_equal(np.asarray(leaf_auto), np.asarray(leaf_seq))
     np.testing.assert_allclose(np.asarray(leaf_auto), np.asarray(leaf_vmap), rtol=1e-5, atol=1e-6)
-  # the round's update against a float64 NumPy transcription of weighted FedAvg with 2 local SGD steps
-  x, y, w = (np.asarray(a, np.float64) for a in (data["x"], data["y"], batches.weight))
-  w0, b0 = np.asarray(params["w"], np.float64), 0.0
-  deltas = []
-  for k in range(16):
-    wk, bk = w0.copy(), b0
-    for s in range(2):
-      r = x[k, s] @ wk + bk - y[k, s]
-      wk, bk = wk - 0.1 * x[k, s].T @ r / 4, bk - 0.1 * r.mean()
-    deltas.append((wk - w0, bk - b0))
-  expect_w = w0 + sum(wt * d[0] for wt, d in zip(w, deltas)) / w.sum()
+  # the round against a float64 NumPy transcription of weighted FedAvg with 2 local SGD steps
+  expect_w, expect_b = fedavg_lsq_np(params["w"], params["b"], data["x"], data["y"], mask, batches.weight, 0.1)
   np.testing.assert_allclose(np.asarray(runs["auto"]["w"]), expect_w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(runs["auto"]["b"]), expect_b, rtol=1e-5, atol=1e-6)
 
 
 def test_choice_names_round_trip():

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import logistic_clients, pack
+from conftest import logistic_clients, pack, run_rounds
 from sklearn.linear_model import Ridge
 from sklearn.svm import LinearSVC
 
@@ -118,15 +118,7 @@ def test_cocoa_dual_objective_never_decreases_and_the_gap_converges_though_not_m
     algorithm = fo.algorithms.cocoa(SMALL_LAM, num_clients=N, num_examples=S * B)
     params = {"w": jnp.zeros(D, jnp.float64), "b": jnp.zeros((), jnp.float64)}
 
-    @jax.jit
-    def run(state):
-      def one(s, _):
-        s = algorithm.step(s, batches)
-        return s, s.metrics
-
-      return jax.lax.scan(one, state, length=X64_ROUNDS)
-
-    state, metrics = run(algorithm.init(params, jax.random.key(0)))
+    state, metrics = run_rounds(algorithm.step, algorithm.init(params, jax.random.key(0)), batches, X64_ROUNDS)
     last = jax.jit(algorithm.step)(state, batches).metrics  # the certificate at the final (w, α)
   for name in ("primal_objective", "dual_objective", "duality_gap", "update_norm"):
     assert metrics[name].dtype == jnp.float64 and last[name].dtype == jnp.float64, name

@@ -380,6 +380,8 @@ def test_leaf_json_refuses_nan_inf_and_float32_overflow_naming_file_client_and_e
 
 
 def test_tff_hdf5_refuses_nan_naming_file_client_and_example(tmp_path):
+  # h5py comes with `.[dev]`, so CI runs this; only an install without the extra skips it, as the file's other
+  # HDF5 tests do (the reader itself imports h5py only when called).
   pytest.importorskip("h5py", reason="h5py (the `hdf5` extra, part of `dev`) is not installed")
   pixels = np.zeros((4, 3, 3), np.float32)
   pixels[2, 1, 0] = np.nan

@@ -105,6 +105,7 @@ def _tracked() -> set[str]:
   try:
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
   except (OSError, subprocess.CalledProcessError):
+    # CI and every developer run from a git clone, where this runs; an unpacked source archive has no index.
     pytest.skip("not a git checkout: which files are tracked is unknown")
   return set(listed.decode("utf-8").split("\0")) - {""}
 

@@ -21,8 +21,7 @@ from fedjax_opt.core.client_map import tracing
 from fedjax_opt.core.local import masked_mean_loss
 
 
-def _loss(params, batch):
-  return 0.5 * (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2
+from conftest import fedavg_lsq_np, lsq_loss as _loss
 
 
 def _problem(c=6, s=3, b=5, d=4, seed=0):
@@ -65,11 +64,12 @@ def test_every_client_map_of_the_policy_gives_fedavg_the_same_round():
   params, batches = _problem()
   algorithm = fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1))
   state = algorithm.init(params, jax.random.key(0))
-  ends = [jax.jit(fo.with_execution(algorithm, client_map=mode).step)(state, batches).params
-          for mode in ("vmap", "sequential", "chunked:4")]
-  for other in ends[1:]:
-    for a, b in zip(jax.tree.leaves(ends[0]), jax.tree.leaves(other)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+  w, b = fedavg_lsq_np(params["w"], params["b"], batches.data["x"], batches.data["y"], batches.mask,
+                       batches.weight, 0.1)
+  for mode in ("vmap", "sequential", "chunked:4"):
+    end = jax.jit(fo.with_execution(algorithm, client_map=mode).step)(state, batches).params
+    np.testing.assert_allclose(np.asarray(end["w"]), w, rtol=1e-5, atol=1e-6, err_msg=mode)
+    np.testing.assert_allclose(float(end["b"]), b, rtol=1e-5, atol=1e-6, err_msg=mode)
 
 
 def test_the_policy_storage_dtype_sets_per_client_tables_and_a_keyword_overrides_it():

@@ -66,7 +66,8 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from fedjax_opt.core.client_map.heuristics import Choice, choose
-from fedjax_opt.core.client_map.memory import ACCELERATOR_PLATFORMS, client_footprint, default_memory_budget
+from fedjax_opt.core.client_map.memory import (ACCELERATOR_PLATFORMS, array_nbytes, client_footprint,
+                                               default_memory_budget)
 from fedjax_opt.core.client_map.rewrites import has_convolution, has_small_batched_dot
 from fedjax_opt.core.client_map.tracing import abstract, num_clients, trace_client, trace_mapped
 from fedjax_opt.core.types import PyTree
@@ -210,10 +211,6 @@ def _example(aval: Any, rng: np.random.Generator) -> Any:
   return jnp.zeros(aval.shape, dtype)
 
 
-def _nbytes(aval: Any) -> int:
-  return int(np.prod(aval.shape, dtype=np.int64)) * jnp.dtype(aval.dtype).itemsize if hasattr(aval, "shape") else 0
-
-
 def _default_timer(_name: str, run: Callable[[], Any]) -> float:
   start = time.perf_counter()
   jax.block_until_ready(run())
@@ -315,7 +312,7 @@ def decide(fn: Callable, shared: PyTree, per_client: PyTree, memory_budget: int 
   name = None if path is None else _read(path)
   if name is None:
     choices = candidates(fn, shared, per_client, budget, jaxpr)
-    inputs = sum(_nbytes(a) for a in jax.tree.leaves(abstract((shared, per_client))))
+    inputs = sum(array_nbytes(a) for a in jax.tree.leaves(abstract((shared, per_client))))
     # Inputs that alone take over a quarter of the default budget (of the device's memory) are not made up for a
     # measurement: the rule decides (and the round itself will be refused, or fit, as it would unmeasured).
     times = {} if inputs > default_memory_budget() // 4 else measure(fn, shared, per_client, choices, budget_seconds=budget_seconds,

@@ -28,13 +28,14 @@ from jax.extend import core as jex_core
 from fedjax_opt.core.client_map.tracing import abstract, equations, num_clients, trace_client
 from fedjax_opt.core.types import PyTree
 
-__all__ = ["ACCELERATOR_PLATFORMS", "client_footprint", "default_chunk_size", "default_memory_budget"]
+__all__ = ["ACCELERATOR_PLATFORMS", "array_nbytes", "client_footprint", "default_chunk_size", "default_memory_budget"]
 
 ACCELERATOR_PLATFORMS = ("gpu", "tpu")
 """Platforms whose memory `default_memory_budget` reads from the device (host RAM otherwise)."""
 
 
-def _nbytes(aval: Any) -> int:
+def array_nbytes(aval: Any) -> int:
+  """Bytes of an array's shape and dtype (0 for a value without them); `autotune` counts its inputs with it."""
   shape = getattr(aval, "shape", None)
   dtype = getattr(aval, "dtype", None)
   if shape is None or dtype is None:
@@ -52,9 +53,9 @@ def client_footprint(fn: Callable, shared: PyTree, per_client: PyTree,
   loop body counted once. `jaxpr` (from `trace_client`) saves tracing `fn` again.
   """
   closed = trace_client(fn, shared, per_client) if jaxpr is None else jaxpr
-  inputs = sum(_nbytes(x) for x in jax.tree.leaves(abstract(per_client, drop_leading=True)))
-  outputs = sum(_nbytes(v.aval) for v in closed.jaxpr.outvars)
-  intermediates = sum(_nbytes(v.aval) for eqn in equations(closed) for v in eqn.outvars)
+  inputs = sum(array_nbytes(x) for x in jax.tree.leaves(abstract(per_client, drop_leading=True)))
+  outputs = sum(array_nbytes(v.aval) for v in closed.jaxpr.outvars)
+  intermediates = sum(array_nbytes(v.aval) for eqn in equations(closed) for v in eqn.outvars)
   return inputs + outputs + intermediates
 
 
