@@ -254,7 +254,8 @@ def test_stateful_algorithms_agree_across_modes(report, name):
 def test_auto_shards_larger_dense_models_over_several_devices(report):
   """With 8 devices, `auto` shards a dense model above CPU_VMAP_MAX_PARAMS (its inner auto then picks one device's
   mode) and keeps a small model on one device; the sharded default gives the sequential loop's FedAvg state."""
-  assert report["auto"]["big"].startswith("Sharded(") and "Auto(memory_budget=None, shard=False)" in report["auto"]["big"]
+  big = report["auto"]["big"]
+  assert big.startswith("Sharded(") and "inner=Auto(memory_budget=None, shard=False" in big, big
   assert report["auto"]["small"].startswith("VMap(")
   assert report["auto"]["diff"] < 2e-6
 
