@@ -155,3 +155,85 @@ def test_a_panel_without_data_says_why(figures):
   assert not train.get_lines()
   (note,) = train.texts
   assert "admm_consensus, gadmm: no train loss" in note.get_text().replace("\n", " ")
+
+
+def _texts(ax):
+  return " ".join(t.get_text().replace("\n", " ") for t in [*ax.texts, ax.title])
+
+
+def test_the_admm_family_s_objective_gap_is_plotted_from_f_at_each_evaluation_and_the_run_s_f_star(figures):
+  """objective_gap.png: (F − F*)/|F*| per evaluation against rounds and MB sent, F* the row's (the table's); a gap
+  below float32's resolution is drawn at the floor and the panel says so. No such figure without an objective."""
+  histories, extras, rows, config = _run(["admm_consensus", "gadmm", "fedavg"])
+  f_star = 0.5
+  objective = {"admm_consensus": [0.6, 0.5 + 1e-9], "gadmm": [0.75, 0.55]}
+  for row in rows:
+    if row["algorithm"] in objective:
+      row["objective_star"] = f_star
+      for point, value in zip(histories[row["algorithm"]].evals, objective[row["algorithm"]]):
+        point["objective"] = value
+  out = report.figures(histories, extras, rows, config, DATASET)
+  try:
+    rounds_ax, sent_ax = out["objective_gap.png"].axes
+    drawn = {line.get_label().split(" (")[0]: line for line in rounds_ax.get_lines()}
+    assert set(drawn) == {"admm_consensus", "gadmm"}  # fedavg has no objective
+    np.testing.assert_allclose(drawn["gadmm"].get_ydata(), [0.5, 0.1])
+    np.testing.assert_allclose(drawn["admm_consensus"].get_ydata(), [0.2, report.OBJECTIVE_GAP_FLOOR])
+    np.testing.assert_array_equal(drawn["gadmm"].get_xdata(), [5, 10])
+    sent = {line.get_label().split(" (")[0]: line.get_xdata() for line in sent_ax.get_lines()}
+    np.testing.assert_allclose(sent["gadmm"], np.asarray(extras["gadmm"]["megabytes_sent"])[[4, 9]])
+    assert rounds_ax.get_yscale() == "log" and "drawn at it" in _texts(rounds_ax)
+  finally:
+    for fig in out.values():
+      plt.close(fig)
+  assert "objective_gap.png" not in figures(["fedavg"])
+
+
+def test_a_loss_of_another_model_goes_on_its_own_axis(figures):
+  """CoCoA+ scores its own linear model with the squared loss: not on the axis of the others' cross-entropy."""
+  histories, extras, rows, config = _run(["fedavg", "admm_consensus"])
+  rows[1]["loss_of"] = "admm_consensus's squared loss (linear_ridge)"
+  out = report.figures(histories, extras, rows, config, DATASET)
+  try:
+    fig = out["loss.png"]
+    test_ax, twin = fig.axes[1], fig.axes[2]
+    assert [l.get_label().split(" (")[0] for l in test_ax.get_lines()] == ["fedavg"]
+    assert [l.get_label().split(" (")[0] for l in twin.get_lines()] == ["admm_consensus"]
+    assert "squared loss (linear_ridge)" in twin.get_ylabel()
+  finally:
+    for fig in out.values():
+      plt.close(fig)
+
+
+def test_legends_carry_epsilon_and_a_status_and_an_empty_panel_names_the_divergence():
+  row = {"algorithm": "fedavg", "hyper_parameters": {"client_lr": 0.1}, "dp_epsilon": 7.99981,
+         "privacy": {"target_epsilon": 8.0}, "status": "diverged between rounds 1 and 5 (seen at the evaluation of "
+                                                     "round 5)"}
+  assert report.legend_label(row) == "fedavg (client_lr=0.1); ε = 7.9998; diverged between rounds 1 and 5"
+  histories, extras, rows, config = _run(["fedavg"])
+  histories["fedavg"] = History(round_metrics={}, evals=[])  # stopped before its first evaluation
+  rows[0]["status"] = "diverged at round 1"
+  out = report.figures(histories, extras, rows, config, DATASET)
+  try:
+    for ax in out["accuracy.png"].axes:
+      assert "no curve: fedavg diverged at round 1 before its first evaluation" in _texts(ax)
+  finally:
+    for fig in out.values():
+      plt.close(fig)
+
+
+def test_the_personalized_histogram_spans_the_accuracies_not_zero_to_one():
+  bins = report.histogram_bins([0.91, 0.95, 0.99])
+  assert len(bins) == 21 and 0.9 < bins[0] <= 0.91 and 0.99 <= bins[-1] < 1.0
+  np.testing.assert_allclose(np.diff(bins), np.diff(bins)[0])
+  single = report.histogram_bins([1.0, 1.0])
+  assert single[-1] == 1.0 and single[-1] - single[0] >= 0.025
+  histories, extras, rows, config = _run(["ditto"])
+  rows[0]["personalized_accuracy_per_client"] = [list(0.9 + 0.1 * np.linspace(0, 1, 20))]
+  out = report.figures(histories, extras, rows, config, DATASET)
+  try:
+    low, high = out["personalized_accuracy.png"].axes[0].get_xlim()
+    assert 0.85 < low < 0.9 and 1.0 <= high < 1.01, (low, high)  # the data's range with margins, not 0–1
+  finally:
+    for fig in out.values():
+      plt.close(fig)

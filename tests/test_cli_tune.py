@@ -124,6 +124,10 @@ def test_tune_writes_the_trajectory_the_optimizer_took_and_trains_with_its_resul
     assert record["tuned_values"][name] != pytest.approx(h[-1], rel=1e-4)
     assert "outer step 2/2: " in stdout and f"{name}={h[1]:.4g}" in stdout
   assert len(record["validation_loss"]) == 2 and all(math.isfinite(v) for v in record["validation_loss"])
+  lines = stdout.splitlines()  # the compilation is announced before the outer steps' lines (they arrive together)
+  compiling = lines.index("[fedadam] compiling the tuning program (all 2 outer steps are one program: their lines "
+                          "follow as it runs)")
+  assert compiling < min(i for i, line in enumerate(lines) if line.startswith("[fedadam] outer step "))
   assert (out / "tune.png").stat().st_size > 0
   # The run afterwards is `fedjax-opt run --set fedadam.server_lr=… --set fedadam.client_lr=… --rounds 2`.
   config = json.loads((out / "config.json").read_text())

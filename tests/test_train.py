@@ -278,3 +278,45 @@ def test_progress_lines_show_a_dash_for_no_train_loss_and_large_values_in_scient
   assert format_point({"train_loss": [1.0, 3.0]}, 1.0).endswith("train_loss 2.0000 ± 1.0000")
   assert [format_value(v) for v in (None, 0.0, float("nan"), float("inf"), -12345.0)] == [
       "–", "0.0000", "nan", "inf", "-1.234e+04"]
+
+
+def test_silent_phases_print_a_line_compilation_first_and_a_resume_with_its_round(setup, tmp_path, capsys):
+  """Before the first chunk runs, one line says what compiles (the first progress line used to be the first word
+  after seconds of silence); a resumed run says the round it resumes from, and a finished one that none is left."""
+  dataset, model, algo, params = setup
+  init = algo.init(params, jax.random.key(1))
+  evaluation = Evaluation(every=3, metric_fns=_fns(model))
+  ckpt = Checkpointing(str(tmp_path), resume=True)
+  train(algo, init, dataset, 4, SAMPLING, evaluation=evaluation, seed=SEED, label="a", checkpointing=ckpt)
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines[0] == "[a] compiling rounds 1–3 and the evaluation; then a progress line every 3 rounds", lines
+  assert [l.split(" | ")[0] for l in lines[1:]] == ["[a] round 3/4", "[a] round 4/4"]
+  train(algo, init, dataset, 5, SAMPLING, evaluation=evaluation, seed=SEED, label="a", checkpointing=ckpt)
+  lines = capsys.readouterr().out.strip().splitlines()
+  assert lines[:2] == [f"[a] resuming from round 4 of 5 (checkpoint in {tmp_path})",
+                       "[a] compiling round 5 and the evaluation; then a progress line as they end"], lines
+  train(algo, init, dataset, 5, SAMPLING, evaluation=evaluation, seed=SEED, label="a", checkpointing=ckpt)
+  assert capsys.readouterr().out.strip().splitlines() == ["[a] restored at round 5: no round left to train"]
+  train(algo, init, dataset, 3, SAMPLING, evaluation=evaluation, seed=SEED, label="a", progress=False)
+  assert capsys.readouterr().out == ""
+
+
+def test_an_objective_is_recorded_at_every_evaluation_without_metric_fns(setup):
+  """`Evaluation.objective(params, table, dataset)` (the ADMM family's F, for its gap curve): one value per
+  evaluation, here ‖θ‖² of the evaluated model against NumPy; `table` is None without personalized_params."""
+  dataset, _, algo, params = setup
+  seen_tables = []
+
+  def squared_norm(p, table, data):
+    seen_tables.append(table)
+    assert data.num_clients == dataset.num_clients
+    return sum(jnp.sum(jnp.square(leaf)) for leaf in jax.tree.leaves(p))
+
+  state, history = train(algo, algo.init(params, jax.random.key(1)), dataset, 4, SAMPLING, progress=False,
+                         evaluation=Evaluation(every=2, objective=squared_norm), seed=SEED)
+  assert [e["round"] for e in history.evals] == [2, 4] and "test_loss" not in history.evals[-1]
+  want = sum(np.sum(np.asarray(leaf, np.float64) ** 2) for leaf in jax.tree.leaves(state.params))
+  assert history.evals[-1]["objective"] == pytest.approx(want, rel=1e-6)
+  assert seen_tables and all(t is None for t in seen_tables)
+  with pytest.raises(TypeError, match="objective must be callable"):
+    Evaluation(objective=3.0)

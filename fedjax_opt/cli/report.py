@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -226,10 +227,26 @@ def _series(ax, x, values, name: str, **style):
 
 
 def legend_label(row: dict[str, Any]) -> str:
-  """`ditto (lam=0.1, eta=0.05, ...)`: the algorithm and its numeric hyper-parameters."""
+  """`ditto (lam=0.1, eta=0.05, ...)`: the algorithm and its numeric hyper-parameters; then, where they apply, the
+  run's ε (`; ε = 7.9998`, differential privacy) and a status other than finished (`; diverged at round 3`)."""
   hyper = row.get("hyper_parameters", {})
   shown = [f"{k}={v:g}" for k, v in hyper.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-  return f"{row['algorithm']} ({', '.join(shown)})" if shown else row["algorithm"]
+  label = f"{row['algorithm']} ({', '.join(shown)})" if shown else row["algorithm"]
+  if row.get("dp_epsilon") is not None:
+    label += f"; ε = {epsilon_text(row['dp_epsilon'], (row.get('privacy') or {}).get('target_epsilon'))}"
+  if row.get("status", "finished") != "finished":
+    label += f"; {row['status'].split(' (seen')[0]}"
+  return label
+
+
+def _empty_panels(axes, rows: list[dict[str, Any]], what: str) -> None:
+  """A note in each panel of `axes` that has no curve: which runs diverged (and when), else that none reported
+  `what`."""
+  gone = [f"{r['algorithm']} {r['status'].split(' (seen')[0]}" for r in rows
+          if str(r.get("status", "")).startswith("diverged")]
+  for ax in axes:
+    if not ax.get_legend_handles_labels()[0] and not ax.texts:
+      _note(ax, "no curve: " + ("; ".join(gone) + " before its first evaluation" if gone else f"no {what}"))
 
 
 def _eval_points(history, metric: str):
@@ -372,10 +389,30 @@ def _note(ax, text: str) -> None:
     ax.set_yticks([])
 
 
+OBJECTIVE_GAP_FLOOR = 1e-7
+"""objective_gap.png draws a gap below this (float32's relative resolution, the dtype F is tracked in) at it."""
+
+
+def histogram_bins(values, count: int = 20):
+  """`count` equal bins over the accuracies' own range (a 0–1 range squeezed 0.90–0.99 into two bars), widened to
+  0.05 around a single value, within [0, 1]."""
+  import numpy as np
+
+  low, high = (float(min(values)), float(max(values))) if len(values) else (0.0, 1.0)
+  if high - low < 0.05:
+    middle = (low + high) / 2
+    low, high = middle - 0.025, middle + 0.025
+  low, high = max(0.0, low - 0.01 * (high - low)), min(1.0, high + 0.01 * (high - low))
+  if high <= low:
+    low, high = max(0.0, high - 0.05), min(1.0, low + 0.05)
+  return np.linspace(low, high, count + 1)
+
+
 def figures(histories: dict, extras: dict, rows: list[dict[str, Any]], config: dict[str, Any],
             dataset) -> dict[str, Any]:
   """`{file name: matplotlib Figure}`: accuracy.png (against rounds and MB sent), loss.png (train and test),
-  accuracy_time.png (--async), personalized_accuracy.png (personalized algorithms)."""
+  accuracy_time.png (--async), personalized_accuracy.png (personalized algorithms), objective_gap.png (algorithms
+  with an objective: the ADMM and distributed families). A panel left without a curve says why."""
   import matplotlib
 
   matplotlib.use("Agg")
@@ -421,25 +458,39 @@ def figures(histories: dict, extras: dict, rows: list[dict[str, Any]], config: d
   for ax in axes:
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
+  _empty_panels(axes, rows, "test accuracy")
   _legend_below(fig, axes)
 
   fig, axes = figure("loss.png", 1, 2, figsize=(11, 5.2))
   silent, smoothed = [], set()
+  own_loss = {r["algorithm"]: r["loss_of"] for r in rows if r.get("loss_of")}  # CoCoA+: its linear model's loss
+  twins = {}
+
+  def loss_axis(panel: int, name: str):
+    """The panel's axis, or for an algorithm scored by its own loss a twin axis on the right, labelled by it."""
+    if name not in own_loss:
+      return axes[panel]
+    if panel not in twins:
+      twins[panel] = axes[panel].twinx()
+      twins[panel].set_ylabel(f"right axis: {', '.join(sorted(own_loss.values()))}", fontsize=8)
+    return twins[panel]
+
   for name, history in histories.items():
     per_round = extras[name].get("steps_per_round", 1)  # asynchronous: server events per round of C updates
+    style = dict(styles[(name, "test")], **({"ls": "--"} if name in own_loss else {}))
     if "client_loss" in history.round_metrics:
       values = history.round_metrics["client_loss"]
       if per_round > 1:  # one arriving client per event: the mean over the last C events, a round's worth
         values = running_mean(values, per_round)
         smoothed.add(per_round)
-      _series(axes[0], np.arange(1, np.shape(values)[-1] + 1) / per_round, values, labels[name], ms=4,
-              **styles[(name, "test")])
+      _series(loss_axis(0, name), np.arange(1, np.shape(values)[-1] + 1) / per_round, values, labels[name], ms=4,
+              **style)
     else:
       silent.append(name)
     points = _eval_points(history, "test_loss")
     if points is not None:
       steps, values = points
-      _series(axes[1], np.asarray(steps) / per_round, values, labels[name], ms=4, **styles[(name, "test")])
+      _series(loss_axis(1, name), np.asarray(steps) / per_round, values, labels[name], ms=4, **style)
   axes[0].set_ylabel("train loss (the round's clients, before their steps)" + (
       f";\nasynchronous: running mean over the last {', '.join(map(str, sorted(smoothed)))} server events"
       if smoothed else ""))
@@ -447,15 +498,48 @@ def figures(histories: dict, extras: dict, rows: list[dict[str, Any]], config: d
   if silent:
     admm = [r["algorithm"] for r in rows if r.get("family") == "admm" and r["algorithm"] in silent]
     _note(axes[0], f"{', '.join(silent)}: no train loss (the algorithm reports none"
-                   + ("; the ADMM family's objective gap is the table's obj. gap" if admm else "") + ")")
-  for ax in axes:
+                   + ("; the ADMM family's objective gap is in objective_gap.png" if admm else "") + ")")
+  for panel, ax in enumerate(axes):
     ax.set_xlabel(round_label)
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-      integer_axis(ax.xaxis)
+    for drawn in (ax, twins.get(panel)):
+      if drawn is not None and drawn.get_legend_handles_labels()[0]:
+        integer_axis(drawn.xaxis)
+        drawn.set_yscale("log")
+        plain_log_axis(drawn.yaxis)
+  _empty_panels([ax for panel, ax in enumerate(axes) if panel not in twins], rows, "loss")
+  _legend_below(fig, [*axes, *twins.values()])
+
+  gapped = [r for r in rows if r.get("objective_star") is not None and math.isfinite(r["objective_star"])
+            and r["algorithm"] in histories and _eval_points(histories[r["algorithm"]], "objective") is not None]
+  if gapped:
+    fig, axes = figure("objective_gap.png", 1, 2, figsize=(11, 5.2))
+    floored = False
+    for r in gapped:
+      name = r["algorithm"]
+      rounds, values = _eval_points(histories[name], "objective")
+      f_star = r["objective_star"]
+      gaps = (np.asarray(values, np.float64) - f_star) / max(abs(f_star), 1e-12)
+      floored |= bool(np.any(gaps < OBJECTIVE_GAP_FLOOR))
+      gaps = np.maximum(gaps, OBJECTIVE_GAP_FLOOR)
+      per_round = extras[name].get("steps_per_round", 1)
+      sent = np.asarray(extras[name]["megabytes_sent"], np.float64)
+      _series(axes[0], np.asarray(rounds) / per_round, gaps, labels[name], ms=4, **styles[(name, "test")])
+      _series(axes[1], sent[np.asarray(rounds) - 1], gaps, labels[name], ms=4, **styles[(name, "test")])
+    axes[0].set_xlabel(round_label)
+    integer_axis(axes[0].xaxis)
+    axes[1].set_xlabel("MB sent (each message once; log scale)")
+    axes[1].set_xscale("log")
+    plain_log_axis(axes[1].xaxis)
+    for ax in axes:
+      ax.set_ylabel("objective gap (F − F*) / |F*| (log scale)")
       ax.set_yscale("log")
       plain_log_axis(ax.yaxis)
-  _legend_below(fig, axes)
+      ax.grid(alpha=0.3)
+    _note(axes[0], "F on every client's train split at each evaluation, in the run's float32; F* as in the table "
+                   "(float64)" + (f"; gaps below {OBJECTIVE_GAP_FLOOR:g}, float32's resolution, drawn at it"
+                                  if floored else ""))
+    _legend_below(fig, axes)
 
   timed = [name for name in histories if "simulated_time" in extras[name]]
   if timed:
@@ -475,7 +559,9 @@ def figures(histories: dict, extras: dict, rows: list[dict[str, Any]], config: d
   personal = [r for r in rows if r.get("personalized_accuracy_per_client")]
   if personal:
     fig, ax = figure("personalized_accuracy.png", figsize=(6.5, 4.8))
-    bins = np.linspace(0, 1, 21)
+    every = [v for r in personal for member in r["personalized_accuracy_per_client"] for v in member
+             if v is not None]
+    bins = histogram_bins(every)
     for r in personal:
       values = [v for member in r["personalized_accuracy_per_client"] for v in member if v is not None]
       style = styles.get((r["algorithm"], "personalized"), styles.get((r["algorithm"], "test"), {}))

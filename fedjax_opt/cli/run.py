@@ -216,8 +216,34 @@ def personalized_per_client(spec: registry.Spec, algo, state, dataset, metric_fn
   return out
 
 
+def training_objective(spec: registry.Spec, hyper: dict, model) -> Callable:
+  """`objective(x, batches) -> F` that `spec`'s algorithm minimises, scored by `model`: the pooled ridge-regularised
+  risk of one model, or the mixture objective of the table of personalized models (`spec.objective == "mixture"`)."""
+  from fedjax_opt import objectives
+
+  loss = registry._ridge(model.loss_fn, hyper.get("l2", 0.0))  # pylint: disable=protected-access
+  return objectives.mixture(loss, hyper["lam"]) if spec.objective == "mixture" else objectives.pooled(loss)
+
+
+def objective_during_training(spec: registry.Spec, hyper: dict, model) -> Callable | None:
+  """`Evaluation.objective` for `spec` (None for an algorithm without an objective): F at every evaluation, in the
+  program's dtype, on every client's train split, for the objective-gap curve (objective_gap.png)."""
+  if spec.objective is None:
+    return None
+  from fedjax_opt.data import client_batches
+
+  objective = training_objective(spec, hyper, model)
+  mixture = spec.objective == "mixture"
+
+  def during(params, table, dataset):
+    return objective(table if mixture else params, client_batches(dataset, dataset.max_train, split="train"))
+
+  return during
+
+
 def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size: int,
-                  solved: dict | None = None, row: dict | None = None) -> dict[str, Any]:
+                  solved: dict | None = None, row: dict | None = None,
+                  say: Callable[[str], None] | None = None) -> dict[str, Any]:
   """F at the final model(s), the reference F*, and the relative gap (F − F*)/|F*| ≥ 0, all in float64.
 
   `model` is the model that scores the algorithm's parameters (`Spec.scoring_model`: the run's, or CoCoA+'s
@@ -234,6 +260,7 @@ def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size:
   the same model and l2) share one solve and one F*. `row` is the results row these keys go into: they are written
   there too, and with `solved` the rows of the objective's earlier algorithms are restated whenever a later
   algorithm lowers F*, so that every row of an objective ends with the same F*, the least of the whole run.
+  `say`, when given, is told (one line) before a reference solve starts: it takes seconds on a larger dataset.
 
   Returns:
     `objective` (F; a list per seed for a sweep), `objective_reference` (the solve's value), `objective_star`
@@ -250,15 +277,13 @@ def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size:
     a = np.asarray(a)
     return a.astype(np.float64) if np.issubdtype(a.dtype, np.floating) else a
 
-  loss = registry._ridge(model.loss_fn, hyper.get("l2", 0.0))  # pylint: disable=protected-access
+  objective = training_objective(spec, hyper, model)
   batches = client_batches(dataset, dataset.max_train, split="train")
   params0 = model.init(jax.random.key(0))
   if spec.objective == "mixture":
-    objective = objectives.mixture(loss, hyper["lam"])
     start = fo.core.per_client.broadcast(params0, dataset.num_clients)
     finals = [fo.personalized_params(m) for m in _members(state, size)]
   else:
-    objective = objectives.pooled(loss)
     start = params0
     finals = [m.params for m in _members(state, size)]
   with jax.enable_x64(True):
@@ -270,6 +295,9 @@ def objective_gap(spec: registry.Spec, hyper: dict, model, state, dataset, size:
   if record is None:
     reference = spec.reference(hyper, batches) if spec.reference is not None else None
     if reference is None:
+      if say is not None:
+        say(f"solving the centralized objective in float64 (L-BFGS) for the objective gap's reference F* "
+            f"({dataset.num_clients} clients' data pooled)")
       reference = objectives.minimize(objective, start, batches)[1]
     record = {"reference": float(reference), "values": [], "rows": []}
     if solved is not None:
@@ -635,7 +663,8 @@ def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: 
           state, history = train_lib.train(
               algo_run, init_state, dataset, config["rounds"] * per_round,
               train_lib.Sampling(**sampling(spec, hyper, config, dataset)),
-              evaluation=train_lib.Evaluation(every=config["eval_every"] * per_round, metric_fns=metric_fns, **hooks),
+              evaluation=train_lib.Evaluation(every=config["eval_every"] * per_round, metric_fns=metric_fns,
+                                             objective=objective_during_training(spec, hyper, scored), **hooks),
               checkpointing=train_lib.Checkpointing(os.path.join(out, "checkpoints", name),
                                                     every=config["checkpoint_every"], resume=resume),
               seed=data_seed, progress=not config["quiet"],
@@ -649,6 +678,8 @@ def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: 
       diverged = getattr(history, "diverged_at_round", None)
       row = dict(algorithm=name, family=spec.family, model=model.name, **outcome(history, per_round),
                  rounds=train_lib.current_round(state))
+      if isinstance(hyper.get("loss"), str) and scored.name != model.name:  # CoCoA+: its own model's loss
+        row["loss_of"] = f"{name}'s {hyper['loss']} loss ({scored.name})"
       if diverged is not None and noticed:  # the driver's warning, with the rounds it could have happened in
         warnings.warn(f"{name} {row['status']}: {row['diverged_reason']}; training stopped there",
                       train_lib.DivergenceWarning, stacklevel=1)
@@ -673,7 +704,8 @@ def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: 
       if spec.summary is not None:  # P2P Bayes: the beliefs on the fit
         row.update(spec.summary(history.round_metrics, hyper, config["seeds"]))
       if spec.objective is not None and diverged is None:
-        row.update(objective_gap(spec, hyper, scored, state, dataset, config["seeds"], solved, row=row))
+        row.update(objective_gap(spec, hyper, scored, state, dataset, config["seeds"], solved, row=row,
+                                 say=lambda text, name=name: say(f"[{name}] {text}")))
       counted = spec  # with a client stage or a secure sum, what the clients send is the round's bits_up metric
       if trust.enabled(config) and spec.communication == "rounds":
         counted = dataclasses.replace(spec, communication="metrics")

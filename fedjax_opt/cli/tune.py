@@ -191,6 +191,8 @@ def command_tune(config: dict[str, Any], opts: Options, out: str, overwrite: boo
       f"{' and '.join(sorted({'log' if k == 'log' else 'logit' for k in kinds.values()}))} h; "
       + (f"online: one run of {opts.outer_steps} windows of {config['rounds']} rounds" if opts.schedule == "online"
          else f"offline: {opts.outer_steps} runs of {config['rounds']} rounds from the start"))
+  say(f"[{name}] compiling the tuning program (all {opts.outer_steps} outer steps are one program: their lines "
+      "follow as it runs)")
   started = time.perf_counter()
 
   def progress(setting, step, h, value, grad):

@@ -93,6 +93,11 @@ class Evaluation:
     holdout: a `FederatedDataset` of clients that never train, evaluated on
       all their examples.
     batch_size: example slots per evaluation step.
+    objective: `objective(params, table, dataset) -> scalar`, recorded as
+      `objective` at every evaluation, e.g. the training objective F of the
+      ADMM and distributed families (a curve of their gap to F*); `table` is
+      `personalized_params(state)` (None without it). Computed in the
+      program's dtype.
   """
 
   every: int = 10
@@ -103,11 +108,13 @@ class Evaluation:
   personalized_client_map: Any = None
   holdout: Any = None
   batch_size: int = 256
+  objective: Callable[[PyTree, PyTree, Any], jax.Array] | None = None
 
   def __post_init__(self):
     check_int(self.every, "Evaluation.every")
     check_int(self.batch_size, "Evaluation.batch_size")
-    for name, fn in (("personalized_params", self.personalized_params), ("personalize", self.personalize)):
+    for name, fn in (("personalized_params", self.personalized_params), ("personalize", self.personalize),
+                     ("objective", self.objective)):
       if fn is not None and not callable(fn):
         raise TypeError(f"{name} must be callable; got {type(fn).__name__}.")
     if self.personalized_params is not None and self.personalize is not None:

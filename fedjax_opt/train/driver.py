@@ -329,6 +329,7 @@ def train(
   eval_params = evaluation.eval_params or _default_eval_params
   table_fn = evaluation.personalized_params or _no_table
   metric_fns = evaluation.metric_fns
+  evaluates = bool(metric_fns) or evaluation.objective is not None
   eval_program = EvalProgram.of(evaluation, swept)
   programs = _Programs()
 
@@ -353,6 +354,15 @@ def train(
                   f"({history.diverged_reason}); it is not trained further", DivergenceWarning, stacklevel=2)
   padding = padded_batch(sampling.batch_size, dataset.max_train)
   bar = Progress(progress, rounds, start_round, label)
+  if start_round > 0:
+    bar.note(f"resuming from round {start_round} of {rounds} (checkpoint in {checkpointing.directory})"
+             if start_round < rounds else f"restored at round {start_round}: no round left to train")
+  if start_round < rounds and history.diverged_at_round is None:  # compiled (or loaded from the cache) first
+    first = min(rounds, (start_round // evaluation.every + 1) * evaluation.every)
+    bar.note(f"compiling round{'s' if first - start_round > 1 else ''} {start_round + 1}"
+             + (f"–{first}" if first - start_round > 1 else "") + (" and the evaluation" if evaluates else "")
+             + ("; then a progress line as they end" if first >= rounds else
+                f"; then a progress line every {evaluation.every} round{'s' if evaluation.every > 1 else ''}"))
   chunks_done = 0
   committed = (state, history)  # (state, history) of the last completed chunk: replaced in one assignment
   checked_memory = not check_memory or host  # nothing of a host-driven algorithm is compiled as one program
@@ -381,7 +391,7 @@ def train(
       point = {"round": current_round(new_state), "seconds": history.train_seconds + elapsed}
       if "client_loss" in metrics:  # absent for algorithms that report no train loss (L2GD, the ADMM family, ...)
         point["train_loss"] = host_value(np.mean(metrics["client_loss"], axis=-1))
-      if metric_fns:
+      if evaluates:
         point.update({k: host_value(v) for k, v in evaluated(new_state, history).items()})
       new_history = history.extended(metrics, point, elapsed)
       if divergence_factor is not None:

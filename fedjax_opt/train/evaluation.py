@@ -15,6 +15,8 @@
   `personalized_test_<name>_p10` (10th percentile over clients) and
   `personalized_num_excluded` (clients without test examples), exactly the
   summary of `fedjax_opt.evaluate.personalized` / `adapted`.
+* `objective(params, table, dataset)` when given: `objective`, e.g. the
+  training objective whose gap the ADMM and distributed families plot.
 
 `EvalProgram` is the hashable description of one such evaluation, so that
 `evaluate` is one `jax.jit` program per description and argument shapes.
@@ -47,11 +49,13 @@ class EvalProgram(NamedTuple):
   personalize: Callable | None
   client_map: Any
   swept: bool
+  objective: Callable | None = None
 
   @classmethod
   def of(cls, evaluation: Evaluation, swept: bool) -> "EvalProgram":
     return cls(tuple(sorted((evaluation.metric_fns or {}).items())), evaluation.batch_size,
-               evaluation.personalized, evaluation.personalize, evaluation.personalized_client_map, swept)
+               evaluation.personalized, evaluation.personalize, evaluation.personalized_client_map, swept,
+               evaluation.objective)
 
 
 def _personalized_summary(params, table, personalize, dataset, metric_fns, batch_size, client_map) -> dict:
@@ -83,6 +87,8 @@ def _evaluate_one(program: EvalProgram, params: PyTree, table: PyTree, dataset: 
     if holdout is not None:
       out.update({f"holdout_{k}": v for k, v in evaluate_lib.global_model(
           params, holdout, metric_fns, split="train", batch_size=program.batch_size).items()})
+  if program.objective is not None:
+    out["objective"] = program.objective(params, table, dataset)
   return out
 
 

@@ -40,6 +40,16 @@ class Progress:
     else:
       print(f"[{self.label}] round {round_}/{self.total} | {info}", flush=True)
 
+  def note(self, text: str) -> None:
+    """One line about a phase that shows no round (a resume, a compilation): `[label] text`, above a bar."""
+    if not self.enabled:
+      return
+    line = f"[{self.label}] {text}"
+    if self._bar is not None:
+      self._bar.console.print(line, markup=False, highlight=False)
+    else:
+      print(line, flush=True)
+
   def close(self) -> None:
     if self._bar is not None:
       self._bar.stop()
