@@ -58,3 +58,34 @@ def test_the_main_job_figure_is_redrawn_by_a_short_run_of_the_command(tmp_path):
   with Image.open(tmp_path / "main_job_accuracy.png") as drawn:
     width, height = drawn.size
   assert width > height > 300
+
+
+def test_the_main_job_image_is_current_with_the_drawing_code_and_the_readme_table():
+  """The image was drawn by today's fedjax_opt/cli/report.py (its hash is the one recorded when the image was
+  made; a change to the drawing code fails here until `python tools/doc_images.py main_job_accuracy` runs again)
+  from the run whose rows the README's main-job table prints, digit for digit."""
+  import json
+
+  record = json.loads(doc_images.MAIN_JOB_RECORD.read_text(encoding="utf-8"))
+  assert record["drawing_code_sha256"] == doc_images.drawing_code_hash(), (
+      "fedjax_opt/cli/report.py changed since docs/img/main_job_accuracy.png was drawn: run "
+      "`python tools/doc_images.py main_job_accuracy`")
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  table = readme.split("algorithm  rounds  test acc", 1)[1].split("```", 1)[0]
+  printed = {line.split()[0]: line.split() for line in table.splitlines()[2:] if line.strip()}
+  assert set(printed) == {row["algorithm"] for row in record["rows"]}
+  for row in record["rows"]:
+    name, rounds, accuracy, loss, train_loss, sent = printed[row["algorithm"]][:6]
+    assert (int(rounds), accuracy, loss, train_loss, sent) == (
+        row["rounds"], f"{row['test_accuracy']:.4f}", f"{row['test_loss']:.4f}", f"{row['train_loss']:.4f}",
+        f"{row['megabytes_sent']:,.1f}"), (name, printed[name])
+    assert printed[name][-1] == row["status"] == "finished"
+
+
+def test_the_drawing_code_hash_sees_a_change(tmp_path, monkeypatch):
+  copy = tmp_path / "report.py"
+  copy.write_bytes(doc_images.DRAWING_CODE.read_bytes())
+  monkeypatch.setattr(doc_images, "DRAWING_CODE", copy)
+  before = doc_images.drawing_code_hash()
+  copy.write_text(copy.read_text(encoding="utf-8").replace("fontsize=7", "fontsize=8", 1), encoding="utf-8")
+  assert doc_images.drawing_code_hash() != before

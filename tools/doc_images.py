@@ -24,13 +24,19 @@ for one of them by name.
 
 `--img-dir` and `--rounds` apply to the images this script draws itself
 (`--rounds` to the main job's run only). `tests/test_doc_images.py` checks
-that every image of docs/img/ has a recipe and that the quick ones run.
+that every image of docs/img/ has a recipe and that the quick ones run, and
+that the main job's image is current: the full run records its rows and the
+hash of the drawing code (`fedjax_opt/cli/report.py`) in
+`benchmarks/results/main_job.json`, and the test compares that hash with
+today's file and the rows with the README's table (a change to the drawing
+code means running `python tools/doc_images.py main_job_accuracy`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -63,8 +69,24 @@ class Recipe:
   draw: Callable[[pathlib.Path, int | None], pathlib.Path] | None = None
 
 
+DRAWING_CODE = ROOT / "fedjax_opt" / "cli" / "report.py"
+"""The module that draws the run's figures: the main job's image is current while its hash is the recorded one."""
+
+MAIN_JOB_RECORD = ROOT / "benchmarks" / "results" / "main_job.json"
+"""What the main job's image was drawn from: the run's rows (the README's table) and `DRAWING_CODE`'s hash."""
+
+MAIN_JOB_KEYS = ("algorithm", "rounds", "test_accuracy", "test_loss", "train_loss", "megabytes_sent", "status",
+                 "compile_seconds", "wall_seconds")
+
+
+def drawing_code_hash() -> str:
+  """sha256 of `DRAWING_CODE`'s text."""
+  return hashlib.sha256(DRAWING_CODE.read_bytes()).hexdigest()
+
+
 def _main_job(img_dir: pathlib.Path, rounds: int | None) -> pathlib.Path:
-  """`fedjax-opt run` at its defaults (README's main job) in a subprocess; its accuracy.png, copied."""
+  """`fedjax-opt run` at its defaults (README's main job) in a subprocess; its accuracy.png, copied. The full run
+  (not a smoke test's `--rounds`) into docs/img/ also writes `MAIN_JOB_RECORD`."""
   with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "run"
     command = [sys.executable, "-m", "fedjax_opt.cli", "run", "--out", str(out), "--quiet"]
@@ -73,6 +95,12 @@ def _main_job(img_dir: pathlib.Path, rounds: int | None) -> pathlib.Path:
     subprocess.run(command, cwd=ROOT, check=True)
     target = img_dir / "main_job_accuracy.png"
     shutil.copyfile(out / "accuracy.png", target)
+    if rounds is None and img_dir.resolve() == IMG.resolve():
+      rows = json.loads((out / "results.json").read_text(encoding="utf-8"))
+      record = {"command": "fedjax-opt run", "regenerated_by": IMAGES["main_job_accuracy"].command,
+                "drawing_code": str(DRAWING_CODE.relative_to(ROOT)), "drawing_code_sha256": drawing_code_hash(),
+                "rows": [{k: row[k] for k in MAIN_JOB_KEYS if k in row} for row in rows]}
+      MAIN_JOB_RECORD.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
   return target
 
 
