@@ -8,7 +8,10 @@ arrive without being checked. For every factory it checks the parameter kinds
 and names, that it returns a `FederatedAlgorithm`, that `step` keeps the state's
 structure and dtypes (so it drops into `lax.scan`), and that
 `fo.personalized_params` reads the per-client models of exactly the states
-that keep them.
+that keep them. The execution policy's keywords (`client_map=`, and
+`storage_dtype=` where a factory keeps per-client tables) come to every
+factory from one decorator, `core.execution.accepts_policy_keywords`, never
+from the factory's own signature, and give the step the policy gives.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ SHARED_KEYWORDS = {
     "storage_dtype", "graph",
 }
 """One name per concept (docs/algorithms.md, "The factory convention")."""
+
+POLICY_KEYWORDS = ("client_map", "storage_dtype")
+"""The execution policy's keywords: `core.execution.accepts_policy_keywords` gives them to factories, which never
+declare them themselves."""
+
+HOST_DRIVEN = {"fedma"}
+"""Helpers that build an algorithm (not a `FederatedAlgorithm`) and take the policy's keywords too."""
 
 SYNONYMS = {
     "local_optimizer": "client_optimizer", "optimizer": "client_optimizer", "client_opt": "client_optimizer",
@@ -139,6 +149,49 @@ def test_factory_returns_a_federated_algorithm_whose_step_keeps_the_state_shape(
   if name in WITH_PERSONALIZE:
     adapted = algorithm.personalize(state.params, jax.tree.map(lambda a: a[0], batches.data), batches.mask[0])
     assert jax.tree.structure(adapted) == jax.tree.structure(state.params)
+
+
+@pytest.mark.parametrize("name", sorted(set(EXAMPLES) | HOST_DRIVEN))
+def test_the_policy_keywords_come_from_the_one_decorator_not_the_factory(name):
+  """`inspect.signature` shows the factory's own parameters, then the policy's keywords (keyword-only, None);
+  the function the decorator wraps declares none of them, and is applied by a call after the definition, not
+  with `@` (mutmut leaves decorated functions unmutated: tools/mutation.py would find no mutant in the update
+  rule)."""
+  factory = getattr(fo.algorithms, name)
+  assert inspect.getsource(factory.__wrapped__).startswith("def "), (
+      f"{name}: apply the decorator as `{name} = execution.accepts_policy_keywords({name})`, not with @")
+  expected = POLICY_KEYWORDS if name in TABLES else POLICY_KEYWORDS[:1]
+  own = inspect.signature(factory.__wrapped__).parameters
+  assert not set(POLICY_KEYWORDS) & set(own), f"{name} declares {sorted(set(POLICY_KEYWORDS) & set(own))} itself"
+  assert factory.__wrapped__.__module__ == factory.__module__ and not hasattr(factory.__wrapped__, "__wrapped__")
+  params = inspect.signature(factory).parameters
+  assert list(params) == [*own, *expected]
+  for keyword in expected:
+    assert params[keyword].kind == inspect.Parameter.KEYWORD_ONLY and params[keyword].default is None
+    assert f"    {keyword}: " in factory.__doc__  # the decorator documents what it adds
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_a_policy_keyword_gives_the_step_and_state_the_policy_gives(name):
+  """`factory(client_map=m, storage_dtype=d)` traced inside a contrary policy is the factory's plain algorithm
+  traced inside `fo.execution(client_map=m, storage_dtype=d)`: the same initial state's shapes and dtypes, and the
+  same program (jaxpr) for the step, so bit-identical rounds."""
+  tables = {"storage_dtype": jnp.bfloat16} if name in TABLES else {}
+  keyworded, plain = EXAMPLES[name](client_map="sequential", **tables), EXAMPLES[name]()
+  assert type(keyworded) is type(plain)  # pylint: disable=unidiomatic-typecheck
+  assert (keyworded.personalize is None) == (plain.personalize is None)
+  params, batches = example_inputs(name)
+  key = jax.random.key(0)
+  with fo.execution(client_map="vmap", storage_dtype=jnp.float32 if tables else None):  # overridden
+    state = jax.eval_shape(keyworded.init, params, key)
+    program = jax.make_jaxpr(keyworded.step)(state, batches)
+  with fo.execution(client_map="sequential", **tables):
+    want_state = jax.eval_shape(plain.init, params, key)
+    want = jax.make_jaxpr(plain.step)(want_state, batches)
+  assert state == want_state
+  assert str(program) == str(want)
+  if tables:
+    assert {leaf.dtype for leaf in jax.tree.leaves(getattr(state, TABLES[name]))} == {jnp.dtype(jnp.bfloat16)}
 
 
 @pytest.mark.parametrize("name", sorted(TABLES))

@@ -3,7 +3,10 @@
 Claims: a context or `fo.with_execution` sets the client map, the per-client storage dtype and the compute
 precision of algorithms built without those keywords; a factory keyword overrides the policy; inner settings win
 field by field; bfloat16 client compute keeps parameters and state in float32 and matches a float64 NumPy
-transcription of the same bfloat16-rounded computation; bad values are refused in one line.
+transcription of the same bfloat16-rounded computation; bad values are refused in one line. The factory keywords
+(`execution.accepts_policy_keywords`, the one decorator every factory has) are `with_execution`: they override the
+surrounding policy field by field, set the tables' dtype at `init`, give bit-identical rounds, run every function
+of the algorithm (`personalize`, FedMA's `run` and `match`) under the policy, and are refused in one line when bad.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from fedjax_opt.core.client_map import tracing
 from fedjax_opt.core.local import masked_mean_loss
 
 
-from conftest import fedavg_lsq_np, lsq_loss as _loss
+from conftest import fedavg_lsq_np, lsq_loss as _loss, run_rounds
 
 
 def _problem(c=6, s=3, b=5, d=4, seed=0):
@@ -70,6 +73,10 @@ def test_every_client_map_of_the_policy_gives_fedavg_the_same_round():
     end = jax.jit(fo.with_execution(algorithm, client_map=mode).step)(state, batches).params
     np.testing.assert_allclose(np.asarray(end["w"]), w, rtol=1e-5, atol=1e-6, err_msg=mode)
     np.testing.assert_allclose(float(end["b"]), b, rtol=1e-5, atol=1e-6, err_msg=mode)
+    # the factory keyword is the same policy: the same bits
+    keyword = fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1), client_map=mode)
+    for got, want in zip(jax.tree.leaves(jax.jit(keyword.step)(state, batches).params), jax.tree.leaves(end)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=mode)
 
 
 def test_the_policy_storage_dtype_sets_per_client_tables_and_a_keyword_overrides_it():
@@ -137,3 +144,140 @@ def test_bad_policies_are_refused_in_one_line():
     fo.with_execution(fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1)), client_map="vmapp")
   with pytest.raises(TypeError, match="with_execution: algorithm must be a FederatedAlgorithm"):
     fo.with_execution(lambda s, b: s, client_map="vmap")
+
+
+def _scaffold(**kw):
+  return fo.algorithms.scaffold(_loss, 0.1, 1.0, num_clients=6, **kw)
+
+
+def _table_dtypes(state):
+  return {a.dtype for a in jax.tree.leaves(state.client_control_variates)}
+
+
+def test_a_factory_keyword_overrides_the_surrounding_policy_field_by_field():
+  params, batches = _problem()
+  key = jax.random.key(0)
+  looped = _scaffold(client_map="sequential")  # sets the client map, not the storage dtype
+  with fo.execution(client_map="vmap", storage_dtype=jnp.bfloat16):
+    state = looped.init(params, key)
+    vmapped = _loops(_scaffold().step, state, batches)
+    assert _loops(looped.step, state, batches) == vmapped + 1  # the keyword's client map
+  assert _table_dtypes(state) == {jnp.dtype(jnp.bfloat16)}  # the context's storage dtype
+  kept = _scaffold(storage_dtype=jnp.float32)  # sets the storage dtype, not the client map
+  with fo.execution(client_map="sequential", storage_dtype=jnp.bfloat16):
+    state = kept.init(params, key)
+    assert _loops(kept.step, state, batches) == vmapped + 1  # the context's client map
+  assert _table_dtypes(state) == {jnp.dtype(jnp.float32)}  # the keyword's storage dtype
+  both = _scaffold(client_map="vmap", storage_dtype=jnp.float32)
+  with fo.execution(client_map="sequential", storage_dtype=jnp.bfloat16):
+    state = both.init(params, key)
+    assert _loops(both.step, state, batches) == vmapped
+  assert _table_dtypes(state) == {jnp.dtype(jnp.float32)}
+  assert execution.current() == execution.Policy("auto", "float32", None)  # nothing leaks out
+
+
+def test_a_storage_dtype_keyword_sets_the_table_at_init_and_rounds_as_with_execution_bit_for_bit():
+  params, batches = _problem()
+  keyword = _scaffold(storage_dtype=jnp.bfloat16)
+  state = keyword.init(params, jax.random.key(0))  # no context: the keyword alone
+  assert _table_dtypes(state) == {jnp.dtype(jnp.bfloat16)}
+  assert {a.dtype for a in jax.tree.leaves(state.params)} == {jnp.dtype(jnp.float32)}
+  wrapped = fo.with_execution(_scaffold(), storage_dtype=jnp.bfloat16)
+  got, _ = run_rounds(keyword.step, state, batches, 3)
+  want, _ = run_rounds(wrapped.step, wrapped.init(params, jax.random.key(0)), batches, 3)
+  assert _table_dtypes(got) == {jnp.dtype(jnp.bfloat16)}
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_bad_factory_keyword_is_refused_in_one_line_when_the_factory_is_called():
+  fedavg = lambda **kw: fo.algorithms.fedavg(_loss, client_optimizer=optax.sgd(0.1), **kw)
+  cases = [
+      (ValueError, "client_map must be one of", lambda: fedavg(client_map="vmapp")),
+      (ValueError, "client_map must be one of", lambda: fedavg(client_map=3)),
+      (TypeError, "storage_dtype must be a floating dtype such as jnp.bfloat16; got int32",
+       lambda: _scaffold(storage_dtype=jnp.int32)),
+      (TypeError, "storage_dtype must be a floating dtype such as jnp.bfloat16; got 'no_such_dtype'",
+       lambda: _scaffold(storage_dtype="no_such_dtype")),
+      (TypeError, "unexpected keyword argument 'storage_dtype'", lambda: fedavg(storage_dtype=jnp.bfloat16)),
+  ]
+  for error, message, call in cases:
+    with pytest.raises(error, match=message) as caught:
+      call()
+    assert "\n" not in str(caught.value), str(caught.value)
+  # FromPolicy is what None means: the plain algorithm, which follows the context
+  params, batches = _problem()
+  follows = fedavg(client_map=fo.client_map.FromPolicy())
+  state = follows.init(params, jax.random.key(0))
+  with fo.execution(client_map="vmap"):
+    vmapped = _loops(follows.step, state, batches)
+  with fo.execution(client_map="sequential"):
+    assert _loops(follows.step, state, batches) == vmapped + 1
+
+
+def test_the_decorator_refuses_a_factory_that_declares_a_policy_keyword_itself():
+  def factory(loss_fn, *, client_map=None):
+    return loss_fn, client_map
+
+  with pytest.raises(TypeError, match="factory must not declare \\['client_map'\\] itself"):
+    execution.accepts_policy_keywords(factory)
+
+
+def test_every_function_of_a_personalized_or_host_driven_algorithm_runs_under_the_keyword():
+  """Per-FedAvg's `personalize` and FedMA's `init`/`run`/`match` are wrapped too: each runs under the
+  algorithm's policy (the loss sees it when traced), and gives what the plain algorithm gives."""
+  seen = []
+
+  def loss(params, batch):
+    seen.append(execution.current().client_map)
+    return _loss(params, batch)
+
+  params, batches = _problem(s=2)  # Per-FedAvg's two batches (D, D') per local step
+  build = lambda **kw: fo.algorithms.per_fedavg(loss, 0.01, 0.01, local_steps=1, **kw)
+  keyword, plain = build(client_map="sequential"), build()
+  data, mask = jax.tree.map(lambda a: a[0], batches.data), batches.mask[0]
+  with fo.execution(client_map="vmap"):
+    adapted = keyword.personalize(params, data, mask)
+    assert seen[-1] == fo.client_map.sequential()
+    state = keyword.init(params, jax.random.key(0))
+    jax.eval_shape(keyword.step, state, batches)
+    assert seen[-1] == fo.client_map.sequential()
+  want = plain.personalize(params, data, mask)
+  assert seen[-1] == "auto"  # the default policy
+  for a, b in zip(jax.tree.leaves(adapted), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  matched = fo.algorithms.fedma(loss, layers=("hidden_0", "output"), client_optimizer=optax.sgd(0.1),
+                                num_clients=2, client_map="vmap")
+  assert type(matched).__name__ == "MatchedAveraging"
+  assert all(hasattr(getattr(matched, name), "__wrapped__") for name in matched._fields)
+  again = fo.with_execution(matched, client_map="sequential")  # any NamedTuple of functions
+  assert type(again) is type(matched) and again.init.__wrapped__ is matched.init
+
+
+def test_a_jitted_step_is_traced_again_under_another_policy_and_a_keyword_holds_in_every_one():
+  traced = []
+
+  def loss(params, batch):
+    traced.append(execution.current().client_map)
+    return _loss(params, batch)
+
+  params, batches = _problem()
+  plain = fo.algorithms.fedavg(loss, client_optimizer=optax.sgd(0.1))
+  state = plain.init(params, jax.random.key(0))
+  step = jax.jit(plain.step)
+  with fo.execution(client_map="vmap"):
+    step(state, batches)
+    count = len(traced)
+    step(state, batches)
+    assert len(traced) == count  # the cached trace
+  with fo.execution(client_map="sequential"):
+    step(state, batches)
+  assert len(traced) > count and traced[-1] == fo.client_map.sequential()  # traced again, not reused
+  keyword = jax.jit(fo.algorithms.fedavg(loss, client_optimizer=optax.sgd(0.1), client_map="sequential").step)
+  for outer in ("vmap", "chunked:2"):
+    with fo.execution(client_map=outer):
+      keyword(state, batches)
+      assert traced[-1] == fo.client_map.sequential(), outer

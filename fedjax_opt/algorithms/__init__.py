@@ -2,8 +2,11 @@
 
 Every factory follows the convention of docs/algorithms.md ("The factory
 convention"): `name(loss_fn, <the paper's hyper-parameters by symbol>, *,
-num_clients=..., client_optimizer=..., server_optimizer=..., aggregator=...,
-client_map=..., storage_dtype=...)`; tests/test_convention.py checks it.
+num_clients=..., client_optimizer=..., server_optimizer=..., aggregator=...)`,
+plus the execution policy's keywords `client_map=` (and, where it keeps
+per-client tables, `storage_dtype=`), which one decorator,
+`core.execution.accepts_policy_keywords`, gives every factory;
+tests/test_convention.py checks it.
 
 A family's module is imported the first time one of its names is used
 (`fedjax_opt.core.lazy`), so `from fedjax_opt.algorithms import fedavg` loads

@@ -93,6 +93,7 @@ import numpy as np
 import optax
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import LocalResult, masked_mean_loss
@@ -181,7 +182,6 @@ def admm_consensus(
     abs_tol: float = 1e-6,
     rel_tol: float = 1e-4,
     objective: str = "clients",
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Global-variable consensus ADMM (Boyd et al. 2011, §7.1), one iteration per round.
 
@@ -206,7 +206,6 @@ def admm_consensus(
     objective: "clients" (Σ_i f_i, every client one vote) or "examples"
       (Σ_i n_i f_i / n, the pooled empirical risk, n_i = the client's real
       examples of the round); see the module docstring.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `ADMMConsensusState`.
@@ -227,7 +226,7 @@ def admm_consensus(
   num_clients = check_num_clients(num_clients)
   prox_lib.check_solver("admm_consensus", prox, client_optimizer, local_steps)
   by_examples = prox_lib.check_objective(objective) == "examples"
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def client_update(shared, data, mask, x_i, lam_i):
     z, rho_k = shared
@@ -318,3 +317,6 @@ def admm_consensus(
     )
 
   return FederatedAlgorithm(init, step)
+
+
+admm_consensus = execution.accepts_policy_keywords(admm_consensus)

@@ -95,6 +95,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.server import client_is_finite
@@ -210,7 +211,6 @@ def admm_sharing(
     relaxation: Any = 1.0,
     features: str = "x",
     targets: str = "y",
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Sharing ADMM (Boyd et al. 2011, §7.3) for features split by column: lasso / ridge / elastic net / logistic.
 
@@ -241,7 +241,6 @@ def admm_sharing(
     newton_steps: Newton steps per logistic z-update (warm-started).
     relaxation: α ∈ (0, 2), over-relaxation (§3.4.3; 1: plain ADMM; may be traced).
     features, targets: keys of `batches.data`.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)`; `init(params [N, d_max], key)`.
@@ -260,7 +259,7 @@ def admm_sharing(
   check_int(inner_steps, "inner_steps")
   check_int(newton_steps, "newton_steps")
   m_max = check_int(num_samples, "num_samples")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def client_update(shared, client):
     u, rho_k = shared
@@ -361,3 +360,6 @@ def admm_sharing(
         metrics={name: jnp.asarray(values[name]).astype(dt) for name, dt in SHARING_METRICS.items()})
 
   return FederatedAlgorithm(init, step)
+
+
+admm_sharing = execution.accepts_policy_keywords(admm_sharing)

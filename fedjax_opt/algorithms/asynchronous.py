@@ -50,6 +50,7 @@ import optax
 
 from fedjax_opt.core import asynchrony
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.server import apply_server_update
@@ -183,7 +184,6 @@ def fedbuff(
     b: Any = 4,
     schedule: asynchrony.Schedule | None = None,
     history_size: int = DEFAULT_HISTORY_SIZE,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """FedBuff (Nguyen et al. 2022): buffer K client deltas, then one server optax step on their mean.
 
@@ -207,7 +207,6 @@ def fedbuff(
     staleness_weight, a, b: s(t − τ), see `core.asynchrony.staleness_weight`.
     schedule: the arrivals (default `core.asynchrony.wall_clock()`).
     history_size: H, server models kept; staler updates are discarded.
-    client_map: how the arriving clients are mapped (`core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `AsyncState` (`server_opt_state`, `buffer`).
@@ -218,7 +217,7 @@ def fedbuff(
   server_optimizer = optax.sgd(1.0) if server_optimizer is None else check_optimizer(server_optimizer,
                                                                                       "server_optimizer")
   asynchrony.check_staleness_weight(staleness_weight, a, b)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def client_update(start, data, mask):
     return local_train(loss_fn, client_optimizer, start, data, mask)
@@ -243,6 +242,9 @@ def fedbuff(
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, server_fields)
 
 
+fedbuff = execution.accepts_policy_keywords(fedbuff)
+
+
 def fedasync(
     loss_fn: LossFn,
     alpha: Any,
@@ -255,7 +257,6 @@ def fedasync(
     b: Any = 4,
     schedule: asynchrony.Schedule | None = None,
     history_size: int = DEFAULT_HISTORY_SIZE,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """FedAsync (Xie, Koyejo, Gupta 2019): mix each arriving model into the server model by a staleness weight.
 
@@ -281,7 +282,6 @@ def fedasync(
     a, b: the staleness function's parameters (a > 0; b ≥ 0 for hinge).
     schedule: the arrivals (default `core.asynchrony.wall_clock()`).
     history_size: H, server models kept; staler updates are discarded.
-    client_map: how the arriving clients are mapped.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `AsyncState`.
@@ -292,7 +292,7 @@ def fedasync(
   check_positive(rho, "rho", allow_zero=True)
   check_optimizer(client_optimizer, "client_optimizer")
   asynchrony.check_staleness_weight(staleness_weight, a, b)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def client_update(start, data, mask):
     prox = lambda x: jax.tree.map(lambda xi, si: (rho * (xi - si)).astype(xi.dtype), x, start)
@@ -306,6 +306,9 @@ def fedasync(
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, lambda params: {})
 
 
+fedasync = execution.accepts_policy_keywords(fedasync)
+
+
 def co_op(
     loss_fn: LossFn,
     alpha: Any,
@@ -315,7 +318,6 @@ def co_op(
     client_optimizer: optax.GradientTransformation,
     schedule: asynchrony.Schedule | None = None,
     history_size: int = DEFAULT_HISTORY_SIZE,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Co-op (Wang 2017), as reconstructed here: merge each arriving model by its age; discard the too old.
 
@@ -356,7 +358,6 @@ def co_op(
     client_optimizer: ClientOpt, re-initialized at every pull.
     schedule: the arrivals (default `core.asynchrony.wall_clock()`).
     history_size: H, server models kept.
-    client_map: how the arriving clients are mapped.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `AsyncState`.
@@ -365,7 +366,7 @@ def co_op(
   _check_mixing_weight(alpha)
   max_age = check_int(max_age, "max_age", 0)
   check_optimizer(client_optimizer, "client_optimizer")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def client_update(start, data, mask):
     return local_train(loss_fn, client_optimizer, start, data, mask)
@@ -378,6 +379,9 @@ def co_op(
     return asynchrony.Decision(merged, server, young, young)
 
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, lambda params: {})
+
+
+co_op = execution.accepts_policy_keywords(co_op)
 
 
 def _rescale_to(tree: PyTree, length: jax.Array) -> PyTree:
@@ -403,7 +407,6 @@ def zeno_plus_plus(
     rescale: bool = True,
     schedule: asynchrony.Schedule | None = None,
     history_size: int = DEFAULT_HISTORY_SIZE,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Zeno++ (Xie, Koyejo, Gupta 2020): asynchronous SGD that applies a stale gradient only if it passes a test.
 
@@ -454,7 +457,6 @@ def zeno_plus_plus(
       as it arrives.
     schedule: the arrivals (default `core.asynchrony.wall_clock()`).
     history_size: H, server models kept; staler gradients are discarded.
-    client_map: how the arriving clients are mapped.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `AsyncState` (`validation`).
@@ -479,7 +481,7 @@ def zeno_plus_plus(
   if mask.shape != (size,) or mask.dtype != jnp.bool_:
     raise ValueError(f"validation_mask must be a [B_v] = ({size},) bool array; got shape {mask.shape} "
                      f"dtype {mask.dtype}.")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   one_gradient = optax.sgd(1.0)
   grad_fn = jax.grad(lambda p, d, m: masked_mean_loss(loss_fn, p, d, m)[0])
 
@@ -509,3 +511,6 @@ def zeno_plus_plus(
     return state.replace(validation=val._replace(gradient=v))
 
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, server_fields, prepare)
+
+
+zeno_plus_plus = execution.accepts_policy_keywords(zeno_plus_plus)

@@ -85,6 +85,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import clusters
+from fedjax_opt.core import execution
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import local_train
@@ -157,7 +158,6 @@ def clustered_fl(
     client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """CFL (Sattler et al. 2020): FedAvg per cluster; a cluster at a stationary point of its mean splits in two.
 
@@ -172,7 +172,6 @@ def clustered_fl(
     server_optimizer: fed −Δθ̄_c per cluster; default `optax.sgd(1.0)` (FedAvg within the cluster).
     aggregator: the average within a cluster; default `aggregators.weighted_mean()` (the paper's
       |D_i|/|D_c| weights). Run once per cluster slot.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `ClusteredFLState`.
@@ -189,7 +188,7 @@ def clustered_fl(
   refuse_client_stage(aggregator, "clustered_fl", "its split is decided on the clients' exact updates (the "
                       "cosine similarities α_ij and max_i ‖Δθ_i‖ of the separation theorem); compressed updates "
                       "(top-k supports that barely overlap, signs) would split on the compression error.")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   k = max_clusters
 
   def client_update(cluster_params, data, mask, c):
@@ -278,3 +277,6 @@ def clustered_fl(
     )
 
   return FederatedAlgorithm(init, step)
+
+
+clustered_fl = execution.accepts_policy_keywords(clustered_fl)

@@ -98,6 +98,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.rounds import ClientOutput, client_round
@@ -191,7 +192,6 @@ def cocoa(
     num_examples: int,
     local_steps: int | None = None,
     sigma_prime: Any = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """CoCoA+ (Ma et al. 2015; Smith et al. 2018) with local SDCA, for ridge regression and the linear SVM.
 
@@ -204,7 +204,6 @@ def cocoa(
     num_examples: S·B, the example slots of each client (the α table's columns; static).
     local_steps: H, SDCA coordinate steps per round (Python int; default S·B, one pass over the slots).
     sigma_prime: σ′ > 0 of the local subproblem (default γK, the safe value for adding).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `CoCoAState`.
@@ -225,7 +224,7 @@ def cocoa(
   local_steps = m if check_optional_int(local_steps, "local_steps") is None else local_steps
   sigma = gamma * num_clients if sigma_prime is None else sigma_prime
   check_positive(sigma, "sigma_prime (σ′)")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   aggregator = _sum_of_rows()
 
   def features(data, mask, bias):
@@ -326,3 +325,6 @@ def cocoa(
     )
 
   return FederatedAlgorithm(init, step)
+
+
+cocoa = execution.accepts_policy_keywords(cocoa)

@@ -92,6 +92,7 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import newton
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import LocalResult, masked_mean_loss
@@ -106,8 +107,7 @@ __all__ = ["dane", "fadl", "feddane"]
 
 def _dane_family(name: str, loss_fn: LossFn, eta: Any, mu: Any, *, num_clients: int | None, local_steps: int | None,
                  client_optimizer: optax.GradientTransformation | None, cg_iters: int | None, full_batch: bool,
-                 line_search_steps: int | None, armijo: Any,
-                 client_map: client_map_lib.ClientMap | str | None) -> FederatedAlgorithm:
+                 line_search_steps: int | None, armijo: Any) -> FederatedAlgorithm:
   """The round of the module docstring; `num_clients` None: any clients (FedDANE); `line_search_steps` None: α = 1."""
   check_loss_fn(loss_fn)
   check_positive(eta, "eta (η)")
@@ -123,7 +123,7 @@ def _dane_family(name: str, loss_fn: LossFn, eta: Any, mu: Any, *, num_clients: 
                        f"steps instead; give one of them.")
   if line_search_steps is not None:
     newton.check_line_search(line_search_steps, armijo)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   aggregator = aggregators_lib.weighted_mean()
 
   def local_solve(shared, data, mask):
@@ -187,7 +187,6 @@ def dane(
     local_steps: int | None = None,
     client_optimizer: optax.GradientTransformation | None = None,
     cg_iters: int | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """DANE (Shamir, Srebro, Zhang 2014): average of the clients' gradient-corrected local solutions (module docstring).
 
@@ -203,7 +202,6 @@ def dane(
       steps, re-initialized every round.
     cg_iters: the Newton solver's linear systems: None solves them directly from the `[P, P]` Hessian (small
       models); an int runs that many conjugate-gradient iterations with Hessian-vector products.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `core.newton.NewtonState`.
@@ -214,7 +212,10 @@ def dane(
   """
   return _dane_family("dane", loss_fn, eta, mu, num_clients=num_clients, local_steps=local_steps,
                       client_optimizer=client_optimizer, cg_iters=cg_iters, full_batch=True, line_search_steps=None,
-                      armijo=None, client_map=client_map)
+                      armijo=None)
+
+
+dane = execution.accepts_policy_keywords(dane)
 
 
 def feddane(
@@ -224,7 +225,6 @@ def feddane(
     local_steps: int | None = None,
     client_optimizer: optax.GradientTransformation | None = None,
     cg_iters: int | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """FedDANE (Li et al. 2019): DANE with η = 1 on the round's sampled clients (module docstring).
 
@@ -240,7 +240,6 @@ def feddane(
     client_optimizer: None (Newton local solver, exact for quadratics) or any optax optimizer (the paper's local
       SGD is `optax.sgd(lr)`), re-initialized every round.
     cg_iters: the Newton solver's systems: None directly, an int by that many CG iterations.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `core.newton.NewtonState`.
@@ -250,7 +249,10 @@ def feddane(
   """
   return _dane_family("feddane", loss_fn, 1.0, mu, num_clients=None, local_steps=local_steps,
                       client_optimizer=client_optimizer, cg_iters=cg_iters, full_batch=False, line_search_steps=None,
-                      armijo=None, client_map=client_map)
+                      armijo=None)
+
+
+feddane = execution.accepts_policy_keywords(feddane)
 
 
 def fadl(
@@ -263,7 +265,6 @@ def fadl(
     cg_iters: int | None = None,
     line_search_steps: int = 10,
     armijo: Any = 1e-4,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """FADL (Mahajan et al. 2013): DANE's local problem with η = 1, then a line search along the averaged direction.
 
@@ -277,7 +278,6 @@ def fadl(
     local_steps, client_optimizer, cg_iters: the local solver, as in `dane`.
     line_search_steps: J, the candidate steps 2^{−j}, j < J (Python int >= 1).
     armijo: β ∈ (0, 1) of Armijo's condition.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `core.newton.NewtonState` (`metrics["step_size"]` is α).
@@ -287,4 +287,7 @@ def fadl(
   """
   return _dane_family("fadl", loss_fn, 1.0, mu, num_clients=num_clients, local_steps=local_steps,
                       client_optimizer=client_optimizer, cg_iters=cg_iters, full_batch=True,
-                      line_search_steps=line_search_steps, armijo=armijo, client_map=client_map)
+                      line_search_steps=line_search_steps, armijo=armijo)
+
+
+fadl = execution.accepts_policy_keywords(fadl)

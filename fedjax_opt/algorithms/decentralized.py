@@ -93,6 +93,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import cycle_steps, local_train, masked_mean_loss
@@ -186,8 +187,8 @@ def _check_step(name: str, batches: ClientBatches, n: int) -> None:
   check_full_participation(batches, n, ordered=True)
 
 
-def _local_sgd(name: str, loss_fn: LossFn, eta: Any, graph: Any, local_steps: int | None, client_map: Any,
-               adapt_then_combine: bool, allow_zero_eta: bool) -> FederatedAlgorithm:
+def _local_sgd(name: str, loss_fn: LossFn, eta: Any, graph: Any, local_steps: int | None, adapt_then_combine: bool,
+               allow_zero_eta: bool) -> FederatedAlgorithm:
   """`gossip` (adapt, then combine) and `dpsgd` (combine and adapt from x^k)."""
   check_loss_fn(loss_fn)
   check_scalar(eta, "eta (η, the local step size)")
@@ -195,7 +196,7 @@ def _local_sgd(name: str, loss_fn: LossFn, eta: Any, graph: Any, local_steps: in
   local_steps = check_optional_int(local_steps, "local_steps")
   mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   optimizer = optax.sgd(eta)
 
   def node_update(_, node):
@@ -235,7 +236,6 @@ def gossip(
     *,
     graph: Any,
     local_steps: int | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Local SGD, then gossip averaging of the models: x^{k+1} = W^(k) (x^k + Δ^k).
 
@@ -258,7 +258,6 @@ def gossip(
       `fedjax_opt.graphs.random_matchings`).
     local_steps: R, local SGD steps per round (a Python int), step r on the
       round's batch r mod S. None: R = S, one step per batch.
-    client_map: how the nodes' local work is mapped (`fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `DecentralizedState`;
@@ -270,8 +269,10 @@ def gossip(
       stochastic or with spectral gap 0 (`fedjax_opt.graphs.check_mixing_matrix`);
       (at `step`) C != N or client_id != arange(N).
   """
-  return _local_sgd("gossip", loss_fn, eta, graph, local_steps, client_map, adapt_then_combine=True,
-                    allow_zero_eta=True)
+  return _local_sgd("gossip", loss_fn, eta, graph, local_steps, adapt_then_combine=True, allow_zero_eta=True)
+
+
+gossip = execution.accepts_policy_keywords(gossip)
 
 
 def dpsgd(
@@ -280,7 +281,6 @@ def dpsgd(
     *,
     graph: Any,
     local_steps: int | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """D-PSGD (Lian et al., NeurIPS 2017): x_i^{k+1} = Σ_j W_ij^(k) x_j^k − η ∇f_i(x_i^k; ξ_i^k).
 
@@ -296,7 +296,6 @@ def dpsgd(
     graph: a `Graph` or a mixing matrix / sequence, as in `gossip`.
     local_steps: R (a Python int), step r on the round's batch r mod S. None:
       R = S, one step per batch (S = 1: the paper's one stochastic gradient per round).
-    client_map: how the nodes' local work is mapped (`fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `DecentralizedState` (`tracker`, `gradients` None).
@@ -304,8 +303,10 @@ def dpsgd(
   Raises:
     TypeError, ValueError: as `gossip`, and η <= 0.
   """
-  return _local_sgd("dpsgd", loss_fn, eta, graph, local_steps, client_map, adapt_then_combine=False,
-                    allow_zero_eta=False)
+  return _local_sgd("dpsgd", loss_fn, eta, graph, local_steps, adapt_then_combine=False, allow_zero_eta=False)
+
+
+dpsgd = execution.accepts_policy_keywords(dpsgd)
 
 
 def gradient_tracking(
@@ -313,7 +314,6 @@ def gradient_tracking(
     eta: Any,
     *,
     graph: Any,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Gradient tracking, DIGing (Nedić, Olshevsky & Shi, SIAM J. Optim. 2017): exact with a constant step.
 
@@ -334,7 +334,6 @@ def gradient_tracking(
       follows λ² + ηhλ − ηh = 0, stable only for ηh < 1/2; sparse graphs
       need a smaller step still (benchmarks/decentralized.py).
     graph: a `Graph` or a mixing matrix / sequence, as in `gossip`.
-    client_map: how the nodes' gradients are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `DecentralizedState`.
@@ -347,7 +346,7 @@ def gradient_tracking(
   check_positive(eta, "eta (η, the step size)")
   mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   grad_fn = jax.value_and_grad(masked_mean_loss, argnums=1, has_aux=True)
 
   def node_gradient(_, node):
@@ -380,3 +379,6 @@ def gradient_tracking(
                          round=state.round + 1, metrics=metrics)
 
   return FederatedAlgorithm(init, step)
+
+
+gradient_tracking = execution.accepts_policy_keywords(gradient_tracking)

@@ -39,6 +39,7 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import cycle_steps, local_train
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
@@ -86,8 +87,6 @@ def ditto(
     client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
-    storage_dtype: Any = None,
 ) -> FederatedAlgorithm:
   """Ditto (Li et al. 2021): FedAvg for w, proximal local SGD for each client's v_i.
 
@@ -104,8 +103,6 @@ def ditto(
       (the paper's local solver of f_i; any optimizer).
     server_optimizer: fed −Δ; default `optax.sgd(1.0)` (FedAvg).
     aggregator: default `aggregators.weighted_mean()` (FedAvg's n_k weights).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
-    storage_dtype: dtype of the stored v_i (None: the model's).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `DittoState`.
@@ -119,7 +116,7 @@ def ditto(
   server_optimizer = check_optimizer(optax.sgd(1.0) if server_optimizer is None else server_optimizer,
                                      "server_optimizer")
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   personal_optimizer = optax.sgd(eta)
 
   def client_update(w, data, mask, v):
@@ -132,7 +129,7 @@ def ditto(
 
   def init(params: PyTree, key: jax.Array) -> DittoState:
     return DittoState(**initial_fields(params, key, aggregator, ("personal_loss",)),
-                      local_params=per_client.broadcast(params, num_clients, storage_dtype=storage_dtype),
+                      local_params=per_client.broadcast(params, num_clients),
                       server_opt_state=server_optimizer.init(params))
 
   def step(state: DittoState, batches: ClientBatches) -> DittoState:
@@ -154,3 +151,6 @@ def ditto(
     )
 
   return FederatedAlgorithm(init, step)
+
+
+ditto = execution.accepts_policy_keywords(ditto, storage_dtype=True)

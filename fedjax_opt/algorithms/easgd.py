@@ -86,6 +86,7 @@ import numpy as np
 import optax
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
@@ -138,8 +139,6 @@ def easgd(
     num_clients: int,
     client_optimizer: optax.GradientTransformation,
     elastic_order: str = "end",
-    client_map: client_map_lib.ClientMap | str | None = None,
-    storage_dtype: Any = None,
 ) -> FederatedAlgorithm:
   """Synchronous EASGD (Zhang et al. 2015): τ local steps per client, then the elastic update.
 
@@ -155,8 +154,6 @@ def easgd(
       x_i; τ = 1 is the paper's synchronous update) or "start" (before them,
       the local steps running from the moved point: the paper's Algorithm 1).
       Either way d_i = x_i − x̃_t is taken at the round's start.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
-    storage_dtype: dtype of the stored x_i (None: the model's).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `EASGDState`.
@@ -167,7 +164,7 @@ def easgd(
   num_clients = check_num_clients(num_clients)
   check_optimizer(client_optimizer, "client_optimizer")
   check_choice(elastic_order, "elastic_order", ELASTIC_ORDERS)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def client_update(center, data, mask, x):
     diff = jax.tree.map(jnp.subtract, x, center)
@@ -184,7 +181,7 @@ def easgd(
     check_key(key)
     return EASGDState(
         params=params,
-        local_params=per_client.broadcast(params, num_clients, storage_dtype=storage_dtype),
+        local_params=per_client.broadcast(params, num_clients),
         round=jnp.zeros((), jnp.int32),
         key=key,
         metrics={**initial_round_metrics(), "elastic_distance": jnp.zeros((), jnp.float32)},
@@ -209,3 +206,6 @@ def easgd(
     return state.replace(params=center, local_params=out.stored[0].table, round=state.round + 1, metrics=metrics)
 
   return FederatedAlgorithm(init, step)
+
+
+easgd = execution.accepts_policy_keywords(easgd, storage_dtype=True)

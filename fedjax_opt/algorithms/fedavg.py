@@ -33,6 +33,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
 from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.types import FederatedAlgorithm, LossFn
@@ -51,7 +52,6 @@ def fedavg(
     client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
     downlink: compression_lib.Compressor | compression_lib.Downlink | None = None,
 ) -> FederatedAlgorithm:
   """Federated Averaging / FedOpt: S masked local steps per client, then a server optax step on −Δ.
@@ -71,8 +71,6 @@ def fedavg(
       for the uniform 1/|S_t| average of Reddi et al. Compression is a client
       stage chained in front of it: `fo.aggregators.chain(fo.compression.compress(
       fo.compression.top_k(0.01), error_feedback=True, num_clients=N), fo.aggregators.weighted_mean())`.
-    client_map: how clients are mapped ("auto", "vmap", "sequential", "chunked:K",
-      "sequential:unroll" ... or a mode from `fedjax_opt.core.client_map`).
     downlink: None (the server broadcasts its model), or server-to-client
       compression: a compressor (`fo.compression.top_k(0.01)`: with the
       server's error feedback) or `fo.compression.downlink(compressor,
@@ -92,8 +90,12 @@ def fedavg(
     return local_train(loss_fn, client_optimizer, params, data, mask)
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean),
+                             client_map_lib.FromPolicy(),
                              downlink=compression_lib.as_downlink(downlink, "fedavg"))
+
+
+fedavg = execution.accepts_policy_keywords(fedavg)
 
 
 def fedsgd(
@@ -101,7 +103,6 @@ def fedsgd(
     *,
     server_optimizer: optax.GradientTransformation,
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
     downlink: compression_lib.Compressor | compression_lib.Downlink | None = None,
 ) -> FederatedAlgorithm:
   """FedSGD: each client sends the gradient of its mean loss over all its examples in the round.
@@ -116,7 +117,6 @@ def fedsgd(
     server_optimizer: ServerOpt, the optax optimizer fed the mean gradient
       (e.g. `optax.sgd(η)`).
     aggregator: default `aggregators.weighted_mean()`.
-    client_map: how clients are mapped (see `fedavg`).
     downlink: server-to-client compression with error feedback (see `fedavg`).
 
   Returns:
@@ -129,5 +129,9 @@ def fedsgd(
     return local_train(loss_fn, one_gradient, params, *as_single_step(data, mask))
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean),
+                             client_map_lib.FromPolicy(),
                              downlink=compression_lib.as_downlink(downlink, "fedsgd"))
+
+
+fedsgd = execution.accepts_policy_keywords(fedsgd)

@@ -53,6 +53,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt import server_optimizers
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
 from fedjax_opt.core.local import cycle_steps, local_train
 from fedjax_opt.core.server import initial_round_metrics
@@ -99,7 +100,6 @@ def fedavg_finetune(
     finetune_local_steps: int | None = None,
     personalize_optimizer: optax.GradientTransformation | None = None,
     aggregator: Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """FedAvg(M), a fine-tuning stage, and K-step personalization (Jiang et al. 2019).
 
@@ -126,7 +126,6 @@ def fedavg_finetune(
     personalize_optimizer: stage 3's optimizer; default
       `finetune_client_optimizer`.
     aggregator: shared by both stages; default `aggregators.weighted_mean()`.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step, personalize)` with state `FineTuningState`.
@@ -148,7 +147,7 @@ def fedavg_finetune(
       finetune_client_optimizer if personalize_optimizer is None else personalize_optimizer,
       "personalize_optimizer")
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def stage(client_optimizer, server_optimizer):  # FedAvg / FedOpt with these optimizers
     client_update = lambda p, data, mask: local_train(loss_fn, client_optimizer, p, data, mask)
@@ -200,3 +199,6 @@ def fedavg_finetune(
     return jax.tree.map(jnp.add, params, result.delta)
 
   return FederatedAlgorithm(init, step, personalize)
+
+
+fedavg_finetune = execution.accepts_policy_keywords(fedavg_finetune)

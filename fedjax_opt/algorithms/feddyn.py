@@ -57,6 +57,7 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import local_train
@@ -110,8 +111,6 @@ def feddyn(
     num_clients: int,
     client_optimizer: optax.GradientTransformation,
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
-    storage_dtype: Any = None,
 ) -> FederatedAlgorithm:
   """FedDyn (Acar et al. 2021): local objectives with a dynamic linear term, server correction h.
 
@@ -130,9 +129,6 @@ def feddyn(
       and `fo.attacks.corrupt` (`core.server.protecting_piece`): h moves by
       the plain sum of the exact changes of the g_k, outside the aggregator,
       which none of them would cover (the module docstring).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
-    storage_dtype: dtype of the stored g_k (e.g. `jnp.bfloat16`); None keeps the
-      model's dtype.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedDynState`.
@@ -157,7 +153,7 @@ def feddyn(
            "attack": "replaces the θ_k − θ^{t−1} the server receives but not the g_k changes h adds, so its attackers "
                      "would be honest in h"}[piece]
     raise ValueError(f"feddyn: {name} {why}; use fo.algorithms.fedavg or fedprox with {name}.")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def client_update(x, data, mask, g_k):
     result = local_train(loss_fn, client_optimizer, x, data, mask,
@@ -169,7 +165,7 @@ def feddyn(
     return FedDynState(
         **initial_fields(params, key, aggregator, ("h_norm",)),
         h=jax.tree.map(jnp.zeros_like, params),
-        client_gradients=per_client.init(params, num_clients, storage_dtype=storage_dtype),
+        client_gradients=per_client.init(params, num_clients),
     )
 
   def step(state: FedDynState, batches: ClientBatches) -> FedDynState:
@@ -189,3 +185,6 @@ def feddyn(
     )
 
   return FederatedAlgorithm(init, step)
+
+
+feddyn = execution.accepts_policy_keywords(feddyn, storage_dtype=True)

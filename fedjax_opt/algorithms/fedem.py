@@ -80,6 +80,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import clusters
+from fedjax_opt.core import execution
 from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core.averaging import initial_fields
 from fedjax_opt.core.local import LocalResult, local_train
@@ -244,7 +245,6 @@ def fedem(
     em_iterations: int = 10,
     e_step: str = "auto",
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """FedEM (Marfoq et al. 2021): M shared component models, per-client mixture weights, EM rounds.
 
@@ -264,7 +264,6 @@ def fedem(
     e_step: which examples give the new π (module docstring): "local" (all n_t train examples, Algorithm 1;
       needs the round's data deferred), "round" (the round's slots) or "auto" ("local" when the data allows).
     aggregator: default `aggregators.weighted_mean()` (w_t = n_t, the paper's average).
-    client_map: how clients are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step, personalize)` with state `FedEMState`; `personalize(params, data, mask)`
@@ -280,7 +279,7 @@ def fedem(
   server_optimizer = optax.sgd(1.0) if server_optimizer is None else server_optimizer
   check_optimizer(server_optimizer, "server_optimizer")
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def client_update(local, components, data, mask, pi):
     result, new_pi = _client_em(loss_fn, client_optimizer, components, data, mask, pi, local)
@@ -334,6 +333,9 @@ def fedem(
   return FederatedAlgorithm(init, step, personalize)
 
 
+fedem = execution.accepts_policy_keywords(fedem)
+
+
 @flax.struct.dataclass
 class DFedEMState:
   """State of D-FedEM.
@@ -364,7 +366,6 @@ def d_fedem(
     client_optimizer: optax.GradientTransformation,
     init_noise: Any = 1.0,
     e_step: str = "auto",
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """D-FedEM (Marfoq et al. 2021, the fully decentralized variant): FedEM's client step, then gossip.
 
@@ -387,7 +388,6 @@ def d_fedem(
     client_optimizer: every component's local solver (S masked steps).
     init_noise: as in `fedem` (every node starts from the same M components).
     e_step: as in `fedem`: "local" (a node's new π from all its train examples), "round" or "auto".
-    client_map: how the nodes' steps are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `DFedEMState`; `step` takes every node's data
@@ -400,7 +400,7 @@ def d_fedem(
   e_step = check_choice(e_step, "e_step", E_STEPS)
   mix = mixing_lib.prepare(graph)
   n = mix.num_nodes
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def node_update(local, _, node):
     data, mask, comps, pi = node
@@ -455,3 +455,6 @@ def d_fedem(
                        metrics=metrics)
 
   return FederatedAlgorithm(init, step)
+
+
+d_fedem = execution.accepts_policy_keywords(d_fedem)

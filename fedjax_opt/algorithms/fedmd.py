@@ -62,6 +62,7 @@ import numpy as np
 import optax
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core.local import cycle_steps, local_train
 from fedjax_opt.core.server import client_is_finite
 from fedjax_opt.core.tree import select_rows
@@ -140,7 +141,6 @@ def fedmd(
     architecture_of: Any = None,
     digest_loss: str = "l1",
     temperature: Any = 1.0,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """FedMD (Li & Wang 2019): clients of any architectures distil towards the consensus of their public scores.
 
@@ -158,7 +158,6 @@ def fedmd(
     architecture_of: `[N]` ints, client k's architecture (default: all 0).
     digest_loss: "l1" or "kl" (module docstring).
     temperature: T > 0 of "kl".
-    client_map: how the clients of one architecture are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedMDState`; `init(params, key)` takes one initial model
@@ -188,7 +187,7 @@ def fedmd(
   check_optimizer(digest_optimizer, "digest_optimizer")
   check_choice(digest_loss, "digest_loss", DIGEST_LOSSES)
   check_positive(temperature, "temperature")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   labelled = "y" in public_data
   per_batch = public_per_round // digest_batch_size * digest_batch_size  # whole digest batches of X_k
 
@@ -289,3 +288,6 @@ def fedmd(
                       round=state.round + 1, key=key, metrics=metrics)
 
   return FederatedAlgorithm(init, step)
+
+
+fedmd = execution.accepts_policy_keywords(fedmd)

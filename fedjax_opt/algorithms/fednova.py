@@ -50,6 +50,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.aggregators.base import normalized_sum
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core.averaging import averaging_algorithm
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput, Round
@@ -76,7 +77,6 @@ def fednova(
     *,
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """FedNova (Wang et al. 2020): local (momentum) SGD, updates normalized by ‖a_i‖₁ and rescaled by τ_eff.
 
@@ -96,7 +96,6 @@ def fednova(
     aggregator: how the normalized d_i are combined; default
       `aggregators.weighted_mean()` (p_i ∝ n_i). τ_eff always uses p_i ∝ n_i
       over the clients taking part.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState` (`core.averaging.AveragingState`);
@@ -123,5 +122,9 @@ def fednova(
     return delta, {"tau_eff": tau_eff.astype(jnp.float32)}
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean),
+                             client_map_lib.FromPolicy(),
                              server_delta=rescale, extra_metrics=("tau_eff",))
+
+
+fednova = execution.accepts_policy_keywords(fednova)

@@ -35,6 +35,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core.averaging import averaging_algorithm
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.types import FederatedAlgorithm, LossFn, PyTree
@@ -59,7 +60,6 @@ def fedprox(
     client_optimizer: optax.GradientTransformation,
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
     downlink: compression_lib.Compressor | compression_lib.Downlink | None = None,
 ) -> FederatedAlgorithm:
   """FedProx: S masked local steps on f_k(x) + (μ/2)‖x − x_t‖², then FedAvg's aggregation and server step.
@@ -72,7 +72,6 @@ def fedprox(
       `optax.sgd(η)`), re-initialized on every client every round.
     server_optimizer: optax optimizer fed −Δ_t; default `optax.sgd(1.0)`.
     aggregator: default `aggregators.weighted_mean()` (n_k weights).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
     downlink: server-to-client compression with error feedback (see `fedavg`);
       the proximal anchor x_t is then the model the client holds, x̂_t.
 
@@ -90,5 +89,9 @@ def fedprox(
                        gradient_correction=proximal_correction(mu, params))
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean), client_map,
+                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean),
+                             client_map_lib.FromPolicy(),
                              downlink=compression_lib.as_downlink(downlink, "fedprox"))
+
+
+fedprox = execution.accepts_policy_keywords(fedprox)

@@ -69,6 +69,7 @@ import optax
 
 from fedjax_opt import graphs as graphs_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
@@ -166,8 +167,6 @@ def fedu(
     num_clients: int,
     local_steps: int,
     regularizer_at: str = "local",
-    client_map: client_map_lib.ClientMap | str | None = None,
-    storage_dtype: Any = None,
 ) -> FederatedAlgorithm:
   """FedU (Dinh et al. 2021): R local SGD steps per sampled client, then a Laplacian step over the graph.
 
@@ -186,8 +185,6 @@ def fedu(
     regularizer_at: "local" (the paper: the Laplacian at the models after the
       local steps) or "start" (at the round's starting models; see the module
       docstring).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
-    storage_dtype: dtype of the stored x_i (None: the model's).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedUState`.
@@ -204,7 +201,7 @@ def fedu(
   check_choice(regularizer_at, "regularizer_at", REGULARIZER_POINTS)
   weights = _edge_weights(graph)
   edges = np.asarray(graph.edges)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   client_optimizer = optax.sgd(eta)
   laplacian_lr = eta * lam * local_steps
   if all(is_concrete(v) for v in (eta, lam)) and (graph.weights is None or is_concrete(graph.weights)):
@@ -222,7 +219,7 @@ def fedu(
     check_key(key)
     return FedUState(
         params=params,
-        local_params=per_client.broadcast(params, num_clients, storage_dtype=storage_dtype),
+        local_params=per_client.broadcast(params, num_clients),
         round=jnp.zeros((), jnp.int32),
         key=key,
         metrics={**initial_round_metrics(), "laplacian_penalty": jnp.zeros((), jnp.float32)},
@@ -250,3 +247,6 @@ def fedu(
     return state.replace(params=params, local_params=table, round=state.round + 1, metrics=metrics)
 
   return FederatedAlgorithm(init, step)
+
+
+fedu = execution.accepts_policy_keywords(fedu, storage_dtype=True)

@@ -145,6 +145,7 @@ import optax
 
 from fedjax_opt import graphs as graphs_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.differentiation import refuse_derivative
@@ -310,15 +311,15 @@ def _row_norms(tree: PyTree) -> jax.Array:
 
 
 def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, prox: prox_lib.ProxFn | None,
-                client_optimizer: optax.GradientTransformation | None, local_steps: int | None, client_map: Any,
-                objective: str, *, compression: tuple[int | None, Any, Any] | None = None) -> FederatedAlgorithm:
+                client_optimizer: optax.GradientTransformation | None, local_steps: int | None, objective: str,
+                *, compression: tuple[int | None, Any, Any] | None = None) -> FederatedAlgorithm:
   """GADMM on a connected bipartite graph; with `compression` = (b, τ₀, ξ), CQ-GGADMM (module docstring)."""
   check_loss_fn(loss_fn)
   prox_lib.check_rho(rho)
   colour = _check_graph(graph)
   prox_lib.check_solver(name, prox, client_optimizer, local_steps)
   by_examples = prox_lib.check_objective(objective) == "examples"
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   compress = compression is not None
   bits, tau0, xi = compression or (None, None, None)
 
@@ -456,7 +457,6 @@ def gadmm(
     client_optimizer: optax.GradientTransformation | None = None,
     local_steps: int | None = None,
     objective: str = "clients",
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Group ADMM (Elgabli et al., JMLR 2020): heads, then tails, then edge duals, one iteration per step.
 
@@ -486,7 +486,6 @@ def gadmm(
       examples; its update then uses the penalty ρ d_n / c_n, c_n = N n_n / n,
       see the module docstring: with `client_optimizer`, a worker with few
       examples needs a step size small enough for that larger penalty).
-    client_map: how the workers of a group are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `GADMMState` (`transmitted` None);
@@ -499,7 +498,10 @@ def gadmm(
       than 2 nodes; neither `prox` nor `client_optimizer`; `local_steps` < 1;
       an unknown `objective`; (at `step`) C != N or client_id != arange(N).
   """
-  return _group_admm("gadmm", loss_fn, rho, graph, prox, client_optimizer, local_steps, client_map, objective)
+  return _group_admm("gadmm", loss_fn, rho, graph, prox, client_optimizer, local_steps, objective)
+
+
+gadmm = execution.accepts_policy_keywords(gadmm)
 
 
 def cq_ggadmm(
@@ -514,7 +516,6 @@ def cq_ggadmm(
     client_optimizer: optax.GradientTransformation | None = None,
     local_steps: int | None = None,
     objective: str = "clients",
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Censored, quantized, generalized GADMM (Issaid et al. 2020) on a connected bipartite graph.
 
@@ -530,7 +531,7 @@ def cq_ggadmm(
     loss_fn, rho: as in `gadmm`.
     tau0: τ₀ >= 0, the censoring threshold at k = 0 (0: no censoring; may be traced).
     xi: ξ ∈ (0, 1), the threshold's decay per iteration (may be traced).
-    graph, prox, client_optimizer, local_steps, objective, client_map: as in `gadmm`.
+    graph, prox, client_optimizer, local_steps, objective: as in `gadmm`.
     bits: b, bits per quantized coordinate (a Python int in [1, 32]); None: no
       quantization (32-bit floats are sent). Required, to make the choice explicit.
 
@@ -545,5 +546,8 @@ def cq_ggadmm(
   if bits is not None:
     _check_bits(bits)
   _check_censoring(tau0, xi)
-  return _group_admm("cq_ggadmm", loss_fn, rho, graph, prox, client_optimizer, local_steps, client_map, objective,
+  return _group_admm("cq_ggadmm", loss_fn, rho, graph, prox, client_optimizer, local_steps, objective,
                      compression=(bits, tau0, xi))
+
+
+cq_ggadmm = execution.accepts_policy_keywords(cq_ggadmm)

@@ -54,6 +54,7 @@ from jax.flatten_util import ravel_pytree
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import newton
 from fedjax_opt.core.local import LocalResult, masked_mean_loss
 from fedjax_opt.core.rounds import ClientOutput
@@ -88,7 +89,6 @@ def giant(
     cg_iters: int | None = 20,
     line_search_steps: int = 10,
     armijo: Any = 1e-4,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """GIANT (Wang et al. 2018): averaged local Newton directions and a backtracking line search (module docstring).
 
@@ -100,7 +100,6 @@ def giant(
       None to solve it directly from the `[P, P]` Hessian (small models).
     line_search_steps: J, the candidate steps 2^{−j}, j < J (Python int >= 1).
     armijo: β ∈ (0, 1) of Armijo's condition.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `core.newton.NewtonState` (`metrics["step_size"]` is α).
@@ -113,7 +112,7 @@ def giant(
   num_clients = check_num_clients(num_clients)
   check_optional_int(cg_iters, "cg_iters")
   newton.check_line_search(line_search_steps, armijo)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   aggregator = aggregators_lib.weighted_mean()
 
   def direction_update(shared, data, mask):
@@ -146,3 +145,6 @@ def giant(
     )
 
   return FederatedAlgorithm(newton.initial_newton_state, step)
+
+
+giant = execution.accepts_policy_keywords(giant)

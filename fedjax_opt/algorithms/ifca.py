@@ -75,6 +75,7 @@ import optax
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import clusters
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
@@ -139,7 +140,6 @@ def ifca(
     init_noise: Any = 1.0,
     initial_models: PyTree = None,
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """IFCA (Ghosh et al. 2020): K cluster models; each client trains the one with its lowest loss; per-cluster averages.
 
@@ -165,7 +165,6 @@ def ifca(
       `aggregators.mean()` for the paper's uniform 1/|S_j|. Any aggregator is run once per cluster; one
       chained after a client stage (`fo.aggregators.chain(fo.compression.compress(...), rule)`) averages
       the compressed updates (module docstring).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `IFCAState`.
@@ -188,7 +187,7 @@ def ifca(
       raise TypeError("ifca: averaging='gradient' needs server_optimizer (e.g. optax.sgd(γ)).")
   check_optimizer(server_optimizer, "server_optimizer")
   aggregator = check_aggregator(aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean))
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   one_gradient = optax.sgd(1.0)
 
   def client_update(cluster_params, data, mask):
@@ -248,3 +247,6 @@ def ifca(
     )
 
   return FederatedAlgorithm(init, step)
+
+
+ifca = execution.accepts_policy_keywords(ifca)

@@ -98,6 +98,7 @@ import numpy as np
 import optax
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
@@ -367,12 +368,12 @@ def _move(x: PyTree, direction: PyTree, scale: Any) -> PyTree:
 # ----------------------------------------------------------------------------- L2GD and L2SGD
 
 
-def _loopless_local(loss_fn, lam, alpha, p, num_clients, stochastic, smoothness, client_map):
+def _loopless_local(loss_fn, lam, alpha, p, num_clients, stochastic, smoothness):
   n = _check_hyperparameters(loss_fn, lam, alpha, p, num_clients)
   if smoothness is not None:
     check_positive(smoothness, "smoothness")
     _warn_above(alpha, l2gd_max_step_size(lam, smoothness, p, n), "(n/2)·min{(1−p)/L, p/λ} (Theorem 4.4)")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def init(params: PyTree, key: jax.Array) -> L2GDState:
     check_key(key)
@@ -416,8 +417,8 @@ def _loopless_local(loss_fn, lam, alpha, p, num_clients, stochastic, smoothness,
   return FederatedAlgorithm(init, step)
 
 
-def l2gd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int, smoothness: Any = None,
-         client_map: client_map_lib.ClientMap | str | None = None) -> FederatedAlgorithm:
+def l2gd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int,
+         smoothness: Any = None) -> FederatedAlgorithm:
   """L2GD, loopless local gradient descent (Algorithm 1 of Hanzely & Richtárik 2020).
 
   One `step` = one iteration: a coin ξ ~ Bernoulli(p) from `state.key`; ξ = 0:
@@ -436,7 +437,6 @@ def l2gd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int, smo
     num_clients: n, all clients (every step sees all of them, `C = n`).
     smoothness: optional L (each f_i L-smooth); when given and everything is
       concrete, a step size above `l2gd_max_step_size` warns.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `L2GDState`; `state.params` =
@@ -444,11 +444,14 @@ def l2gd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int, smo
     = F(x^k) before the step (f_i averaged over the clients whose loss is
     finite: F itself when every client is).
   """
-  return _loopless_local(loss_fn, lam, alpha, p, num_clients, False, smoothness, client_map)
+  return _loopless_local(loss_fn, lam, alpha, p, num_clients, False, smoothness)
 
 
-def l2sgd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int, smoothness: Any = None,
-          client_map: client_map_lib.ClientMap | str | None = None) -> FederatedAlgorithm:
+l2gd = execution.accepts_policy_keywords(l2gd)
+
+
+def l2sgd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int,
+          smoothness: Any = None) -> FederatedAlgorithm:
   """L2SGD: L2GD with one uniformly sampled example per local step, no variance reduction.
 
   ξ = 0: x_i ← x_i − α/(n(1−p)) ∇f_ij(x_i), j uniform over client i's real
@@ -456,7 +459,10 @@ def l2sgd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int, sm
   (Appendix, local SGD); converges to a neighbourhood of x(λ). Arguments and
   state as `l2gd` (no `objective` metric: use `fedjax_opt.objectives.mixture`).
   """
-  return _loopless_local(loss_fn, lam, alpha, p, num_clients, True, smoothness, client_map)
+  return _loopless_local(loss_fn, lam, alpha, p, num_clients, True, smoothness)
+
+
+l2sgd = execution.accepts_policy_keywords(l2sgd)
 
 
 # ----------------------------------------------------------------------------- L2SGD+
@@ -535,8 +541,7 @@ def _master_knowledge(state: L2SGDPlusState, coin: jax.Array, first: jax.Array, 
 
 
 def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int, num_examples: int,
-               smoothness: Any = None, mu: Any = None, variant: str = "plain",
-               client_map: client_map_lib.ClientMap | str | None = None) -> FederatedAlgorithm:
+               smoothness: Any = None, mu: Any = None, variant: str = "plain") -> FederatedAlgorithm:
   """L2SGD+, loopless local SGD with SAGA control variates (Algorithm 2 of Hanzely & Richtárik 2020).
 
   ξ = 0: g_i = (1/n)[(∇f_ij(x_i) − J_ij)/(1−p) + J̄_i + Ψ_i], J_ij ← ∇f_ij(x_i);
@@ -580,7 +585,7 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
   is not reproduced here.
 
   Args:
-    loss_fn, lam, alpha, p, num_clients, client_map: as `l2gd`.
+    loss_fn, lam, alpha, p, num_clients: as `l2gd`.
     num_examples: m, example slots per client = S·B of the batches (static;
       the size of each client's J_i). Clients with fewer real examples leave
       the padded rows of J_i at 0 and out of J̄_i.
@@ -603,7 +608,7 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
     check_positive(mu, "mu")
     _warn_above(alpha, l2sgd_plus_step_size(lam, smoothness, mu, p, n, m),
                 "min{n(1−p)/(4L+μm), np/(4λ+μ)} (Theorem 5.2)")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
 
   def init(params: PyTree, key: jax.Array) -> L2SGDPlusState:
     check_key(key)
@@ -673,3 +678,6 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
     )
 
   return FederatedAlgorithm(init, step)
+
+
+l2sgd_plus = execution.accepts_policy_keywords(l2sgd_plus)

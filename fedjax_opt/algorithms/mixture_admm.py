@@ -148,6 +148,7 @@ import numpy as np
 import optax
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import masked_mean_loss
@@ -216,7 +217,6 @@ def mixture_admm(
     client_optimizer: optax.GradientTransformation | None = None,
     local_steps: int | None = None,
     variant: str = "jacobi",
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """ADMM on the mixture problem written as a nonconvex sharing problem (experimental; see the module docstring).
 
@@ -242,7 +242,6 @@ def mixture_admm(
     variant: "jacobi" (Hong et al.'s one-aggregate form, parallel x_i; no
       guarantee) or "split" (Boyd's sharing form with copies x_i', which
       decouples the clients; covered by Hong et al. for ρ large enough).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `MixtureADMMState`.
@@ -262,7 +261,7 @@ def mixture_admm(
   _check_variant_rho(variant, lam, rho, n)
   prox_lib.check_solver("mixture_admm", prox, client_optimizer, local_steps)
   kappa = float(n) if variant == "jacobi" else 1.0
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   value_and_grad = jax.value_and_grad(masked_mean_loss, argnums=1, has_aux=True)
 
   def client_update(penalty, client):
@@ -332,3 +331,6 @@ def mixture_admm(
     )
 
   return FederatedAlgorithm(init, step)
+
+
+mixture_admm = execution.accepts_policy_keywords(mixture_admm)

@@ -50,6 +50,7 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import newton
 from fedjax_opt.core.local import LocalResult, cycle_steps, local_train, masked_mean_loss
 from fedjax_opt.core.rounds import ClientOutput, client_round
@@ -87,7 +88,6 @@ def one_shot_average(
     local_steps: int | None = None,
     client_optimizer: optax.GradientTransformation | None = None,
     cg_iters: int | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """One-shot averaging of local solutions (Zhang, Duchi, Wainwright 2013, 2015; module docstring).
 
@@ -98,7 +98,6 @@ def one_shot_average(
     client_optimizer: None (Newton local solver) or any optax optimizer for local training.
     cg_iters: the Newton solver's systems: None directly from the `[P, P]` Hessian, an int by that many CG
       iterations with Hessian-vector products.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `OneShotState`.
@@ -115,7 +114,7 @@ def one_shot_average(
     if cg_iters is not None:
       raise ValueError("one_shot_average: cg_iters sets the Newton solver's CG, but client_optimizer= asks for "
                        "local training instead; give one of them.")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   aggregator = aggregators_lib.weighted_mean()
 
   def local_solve(w, data, mask):
@@ -149,3 +148,6 @@ def one_shot_average(
                         metrics={**metrics, "communicated": exchange})
 
   return FederatedAlgorithm(init, step)
+
+
+one_shot_average = execution.accepts_policy_keywords(one_shot_average)

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_full_participation, check_int, check_key, check_loss_fn,
@@ -152,7 +153,6 @@ def p2p_bayes(
     graph: Any,
     prior: Any = None,
     true_hypothesis: int | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """P2P federated learning on graphs (Lalitha et al. 2019): Bayesian update, then geometric averaging of beliefs.
 
@@ -177,7 +177,6 @@ def p2p_bayes(
     true_hypothesis: None, or t in [0, K): the metrics then hold `true_belief`
       `[N]`, each node's belief b_i(θ_t) after the round (when θ_t is the truth,
       how close each node is to having learnt it). It changes nothing else.
-    client_map: how the nodes' likelihoods are mapped (`fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `P2PBayesState`. `init(params,
@@ -204,7 +203,7 @@ def p2p_bayes(
       raise ValueError(f"p2p_bayes: true_hypothesis must index one of the K = {k} hypotheses, in [0, {k}); got "
                        f"{true_hypothesis}.")
   metric_types = dict(P2P_BAYES_METRICS, **({} if true_hypothesis is None else {"true_belief": jnp.float32}))
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   one = jax.tree.map(lambda h: jax.ShapeDtypeStruct(jnp.shape(h)[1:], jnp.result_type(h)), hypotheses)
 
   def node_log_likelihood(thetas, node):
@@ -276,3 +275,6 @@ def p2p_bayes(
                          metrics={m: jnp.asarray(values[m]).astype(dt) for m, dt in metric_types.items()})
 
   return FederatedAlgorithm(init, step)
+
+
+p2p_bayes = execution.accepts_policy_keywords(p2p_bayes)

@@ -52,6 +52,7 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core.averaging import AveragingState, averaging_algorithm
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
@@ -172,7 +173,6 @@ def per_fedavg(
     hessian: str = "exact",
     server_optimizer: optax.GradientTransformation | None = None,
     aggregator: Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> FederatedAlgorithm:
   """Per-FedAvg (Fallah et al. 2020): K local meta-steps w ← w − β g per client, then averaging.
 
@@ -193,7 +193,6 @@ def per_fedavg(
       the paper's plain average.
     aggregator: how the clients' Δ are averaged; default `aggregators.mean()`
       (the paper's uniform 1/|S|).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
 
   Returns:
     `FederatedAlgorithm(init, step, personalize)` with state `AveragingState`
@@ -229,7 +228,7 @@ def per_fedavg(
     adapted = local_train(loss_fn, adapt_optimizer, params, *as_single_step(data, mask))
     return jax.tree.map(jnp.add, params, adapted.delta)
 
-  inner = averaging_algorithm(client_update, server_optimizer, aggregator, client_map)
+  inner = averaging_algorithm(client_update, server_optimizer, aggregator, client_map_lib.FromPolicy())
 
   def step(state: AveragingState, batches: ClientBatches) -> AveragingState:
     if isinstance(batches, ClientBatches) and batches.mask.ndim == 3 and batches.local_steps != m * local_steps:
@@ -240,3 +239,6 @@ def per_fedavg(
     return inner.step(state, batches)
 
   return FederatedAlgorithm(inner.init, step, personalize)
+
+
+per_fedavg = execution.accepts_policy_keywords(per_fedavg)

@@ -60,6 +60,7 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult, local_train
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
@@ -137,8 +138,6 @@ def pfedme(
     inner_lr: Any,
     personalize_all: bool = False,
     aggregator: Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
-    storage_dtype: Any = None,
 ) -> FederatedAlgorithm:
   """pFedMe (Dinh et al. 2020): proximal personalized models θ_i, local steps on w_i, β-mixed averaging.
 
@@ -161,8 +160,6 @@ def pfedme(
       local step updates its θ_i; only the rows with weight > 0 (the sampled
       S_t) are aggregated (module docstring: how to give the batches).
     aggregator: default `aggregators.mean()`.
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
-    storage_dtype: dtype of the stored θ_i (None: the model's).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `PFedMeState`.
@@ -175,13 +172,13 @@ def pfedme(
   local_steps = check_int(local_steps, "local_steps")
   inner_steps = check_int(inner_steps, "inner_steps")
   aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   server_optimizer = optax.sgd(beta)
   client_update = _client_update(loss_fn, lam, eta, inner_steps, inner_lr)
 
   def init(params: PyTree, key: jax.Array) -> PFedMeState:
     return PFedMeState(**initial_fields(params, key, aggregator),
-                       local_params=per_client.broadcast(params, num_clients, storage_dtype=storage_dtype),
+                       local_params=per_client.broadcast(params, num_clients),
                        server_opt_state=server_optimizer.init(params))
 
   def step(state: PFedMeState, batches: ClientBatches) -> PFedMeState:
@@ -199,3 +196,6 @@ def pfedme(
                        aggregator_state=out.agg.state, round=state.round + 1, key=key, metrics=out.metrics())
 
   return FederatedAlgorithm(init, step)
+
+
+pfedme = execution.accepts_policy_keywords(pfedme, storage_dtype=True)

@@ -87,6 +87,7 @@ import optax
 
 from fedjax_opt import aggregators as aggregators_lib
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import as_single_step, local_train
@@ -173,8 +174,6 @@ def scaffold(
     num_clients: int,
     control_update: str = "II",
     aggregator: aggregators_lib.Aggregator | None = None,
-    client_map: client_map_lib.ClientMap | str | None = None,
-    storage_dtype: Any = None,
 ) -> FederatedAlgorithm:
   """SCAFFOLD (Karimireddy et al. 2020): local SGD corrected by c − c_i, control variates updated per round.
 
@@ -197,9 +196,6 @@ def scaffold(
       (module docstring); one that keeps rows needs N of them. `dp_mean`,
       `secure_aggregation`, robust rules and `corrupt` are refused: c is the
       plain sum of the Δc_i, which they would leave unprotected (module docstring).
-    client_map: how clients are mapped (see `fedjax_opt.core.client_map`).
-    storage_dtype: dtype of the stored c_i (e.g. `jnp.bfloat16` to halve the
-      table's memory); None keeps the model's dtype.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `ScaffoldState`.
@@ -218,7 +214,7 @@ def scaffold(
   if stage is not None and stage.num_clients not in (None, num_clients):
     raise ValueError(f"scaffold: the client stage {stage.name} has a table of num_clients={stage.num_clients} "
                      f"rows but SCAFFOLD has num_clients={num_clients}: give the same N to both.")
-  mode = client_map_lib.resolve(client_map)
+  mode = client_map_lib.FromPolicy()
   client_optimizer = optax.sgd(eta_l)
   server_optimizer = optax.sgd(eta_g)
 
@@ -239,7 +235,7 @@ def scaffold(
     return ScaffoldState(
         **initial_fields(params, key, aggregator, ("control_variate_norm",), messages=2),
         control_variate=jax.tree.map(jnp.zeros_like, params),
-        client_control_variates=per_client.init(params, num_clients, storage_dtype=storage_dtype),
+        client_control_variates=per_client.init(params, num_clients),
         server_opt_state=server_optimizer.init(params),
     )
 
@@ -269,4 +265,7 @@ def scaffold(
     )
 
   return FederatedAlgorithm(init, step)
+
+
+scaffold = execution.accepts_policy_keywords(scaffold, storage_dtype=True)
 

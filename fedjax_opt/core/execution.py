@@ -26,9 +26,12 @@ The policy is read when a function is traced. It is part of jit's cache key
 (a JAX configuration state, as `jax.default_matmul_precision` is), so a step
 traced under one policy is traced again, not reused, under another.
 
-The factory keywords `client_map=` and `storage_dtype=` still work: a value
-given there overrides the policy for that algorithm (as `with_execution`
-would), and None, their default, means the policy's.
+Every algorithm factory also takes the policy's keywords itself, through one
+decorator, `accepts_policy_keywords`: `client_map=` (every factory) and
+`storage_dtype=` (the factories that keep per-client tables). A value given
+there is `with_execution(factory(...), client_map=..., storage_dtype=...)`:
+it overrides the surrounding policy for that algorithm, field by field; None,
+their default, leaves the policy's. No factory declares them itself.
 """
 
 from __future__ import annotations
@@ -37,12 +40,14 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 from typing import Any, Callable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["PRECISIONS", "Policy", "compute_dtype", "current", "execution", "with_execution"]
+__all__ = ["POLICY_KEYWORDS", "PRECISIONS", "Policy", "accepts_policy_keywords", "compute_dtype", "current",
+           "execution", "with_execution"]
 
 PRECISIONS = ("float32", "bfloat16")
 """The client compute precisions `execution(precision=...)` accepts."""
@@ -146,9 +151,8 @@ def compute_dtype() -> Any:
   return jnp.bfloat16 if current().precision == "bfloat16" else None
 
 
-def _under(policy: Policy, fn: Callable | None) -> Callable | None:
-  if fn is None:
-    return None
+def _under(policy: Policy, fn: Callable) -> Callable:
+  """`fn` run under `policy` (its fields where set, the caller's elsewhere)."""
 
   @functools.wraps(fn)
   def run(*args, **kwargs):
@@ -160,20 +164,87 @@ def _under(policy: Policy, fn: Callable | None) -> Callable | None:
 
 def with_execution(algorithm: Any, *, client_map: Any = None, precision: str | None = None,
                    storage_dtype: Any = None) -> Any:
-  """`algorithm` whose `init`, `step` and `personalize` run under this policy (fields left None: the caller's).
+  """`algorithm` whose functions (`init`, `step`, `personalize` ...) run under this policy (fields left None:
+  the caller's).
 
   Args:
-    algorithm: a `FederatedAlgorithm` (or any NamedTuple of functions, e.g. a sweep's).
+    algorithm: a `FederatedAlgorithm`, or another NamedTuple of an algorithm's functions (a sweep's, FedMA's
+      `MatchedAveraging(init, run, match)`).
     client_map, precision, storage_dtype: as in `execution`.
 
   Returns:
-    The same kind of object, each function field wrapped; calling it enters the policy, so a `jax.jit` of
-    the wrapped step traces under it.
+    The same kind of object, each function field wrapped (other fields kept); calling one enters the policy,
+    so a `jax.jit` of the wrapped step traces under it, and `init` builds per-client tables in its storage dtype.
   """
-  policy = _check(client_map, precision, storage_dtype)
-  if not hasattr(algorithm, "_replace") or not hasattr(algorithm, "step"):
-    raise TypeError(f"with_execution: algorithm must be a FederatedAlgorithm (fo.algorithms.fedavg(...)); "
-                    f"got {type(algorithm).__name__}.")
-  fields = {name: _under(policy, getattr(algorithm, name)) for name in algorithm._fields
-            if callable(getattr(algorithm, name)) or getattr(algorithm, name) is None}
-  return algorithm._replace(**fields)
+  return _wrapped(algorithm, _check(client_map, precision, storage_dtype))
+
+
+def _wrapped(algorithm: Any, policy: Policy) -> Any:
+  """`algorithm` (a NamedTuple) with every function field run under `policy`; its other fields as they are."""
+  fields = getattr(algorithm, "_fields", ())
+  if not hasattr(algorithm, "_replace") or not any(callable(getattr(algorithm, name)) for name in fields):
+    raise TypeError(f"with_execution: algorithm must be a FederatedAlgorithm (fo.algorithms.fedavg(...)) or "
+                    f"another NamedTuple of an algorithm's functions; got {type(algorithm).__name__}.")
+  return algorithm._replace(**{name: _under(policy, getattr(algorithm, name)) for name in fields
+                               if callable(getattr(algorithm, name))})
+
+
+POLICY_KEYWORDS = ("client_map", "storage_dtype")
+"""The policy fields an algorithm factory takes as keywords (`accepts_policy_keywords`). `precision` is not
+one: it is set by `execution` / `with_execution` only."""
+
+_KEYWORD_ANNOTATIONS = {"client_map": "ClientMap | str | None", "storage_dtype": "Any"}
+
+_KEYWORD_DOCS = {
+    "client_map": ("client_map: how this algorithm's clients are mapped (\"vmap\", \"chunked:K\", \"sharded\" ...,\n"
+                   "      a mode of `fedjax_opt.core.client_map`); None: the policy's (\"auto\" unless one sets it)."),
+    "storage_dtype": ("storage_dtype: the dtype of this algorithm's per-client tables (e.g. `jnp.bfloat16`); None:\n"
+                      "      the policy's (the model's dtype unless one sets it)."),
+}
+"""The paragraph each keyword gets in a decorated factory's docstring."""
+
+
+def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False) -> Callable:
+  """`factory` that also takes the execution policy's keywords: `client_map=` (and, with `storage_dtype=True`,
+  `storage_dtype=`), keyword-only, default None.
+
+  The rule: `factory(..., client_map=m, storage_dtype=d)` is `with_execution(factory(...), client_map=m,
+  storage_dtype=d)`. A keyword given (not None) overrides the surrounding policy (`execution`) for this
+  algorithm, field by field, exactly as `with_execution` does: its `init`, `step` and any other function
+  field run under it, so `init` builds per-client tables in `d` and a step is traced with client map `m`
+  whatever context it is traced in; a keyword left None is the policy in force at trace (or init) time. With
+  no keyword given the factory's algorithm is returned as it is. A bad value is refused when the factory is
+  called, in one line (the checks of `execution`). The factory itself declares neither keyword and reads the
+  policy (`client_map.FromPolicy()`, `per_client.init`); `inspect.signature` of the result shows the
+  factory's own parameters with the keywords appended, and its docstring gains a paragraph on them.
+
+  Applied by a call after the definition, `fedavg = execution.accepts_policy_keywords(fedavg)` (with
+  `storage_dtype=True` for factories that keep per-client tables), not as `@` syntax: mutmut 3 leaves decorated
+  functions unmutated, and a factory's body is where its update rule is (tools/mutation.py).
+  """
+  names = POLICY_KEYWORDS if storage_dtype else POLICY_KEYWORDS[:1]
+  own = inspect.signature(factory)
+  declared = [name for name in names if name in own.parameters]
+  if declared or any(p.kind == p.VAR_KEYWORD for p in own.parameters.values()):
+    raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} must not declare {declared or '**kwargs'} "
+                    f"itself; the decorator supplies {', '.join(names)} (module docstring).")
+
+  @functools.wraps(factory)
+  def build(*args, **kwargs):
+    given = {name: kwargs.pop(name, None) for name in names}
+    if given["client_map"] is not None:
+      from fedjax_opt.core.client_map import modes  # pylint: disable=import-outside-toplevel  (modes reads the policy)
+      if isinstance(modes.resolve(given["client_map"]), modes.FromPolicy):
+        given["client_map"] = None  # the policy's, as None is
+    if all(value is None for value in given.values()):
+      return factory(*args, **kwargs)
+    policy = _check(given["client_map"], None, given.get("storage_dtype"))  # refused before the factory runs
+    return _wrapped(factory(*args, **kwargs), policy)
+
+  build.__signature__ = own.replace(parameters=[*own.parameters.values(), *(
+      inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_KEYWORD_ANNOTATIONS[name])
+      for name in names)])
+  build.__doc__ = ((factory.__doc__ or "").rstrip() + "\n\n  Execution policy keywords "
+                   "(`core.execution.accepts_policy_keywords`), each overriding the policy for this algorithm:\n"
+                   + "".join(f"    {_KEYWORD_DOCS[name]}\n" for name in names))
+  return build

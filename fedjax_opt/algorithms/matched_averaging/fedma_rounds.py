@@ -60,6 +60,7 @@ from fedjax_opt.algorithms.matched_averaging.layerwise import match_layers
 from fedjax_opt.algorithms.matched_averaging.matching import LayerPrior
 from fedjax_opt.algorithms.matched_averaging.neurons import check_layers, select_units
 from fedjax_opt.core import client_map as client_map_lib
+from fedjax_opt.core import execution
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.types import ClientBatches, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import check_client_batches, check_int, check_loss_fn, check_optimizer
@@ -178,7 +179,6 @@ def fedma(
     prior_scale: str = "layer",
     client_start: str = "assigned",
     class_weighted: bool = True,
-    client_map: client_map_lib.ClientMap | str | None = None,
 ) -> MatchedAveraging:
   """Federated Matched Averaging (FedMA, Algorithm 1), with communication rounds.
 
@@ -223,7 +223,6 @@ def fedma(
     client_start: "assigned" (default, the authors' code): each client restarts from the global model cut back
       to its last assignment, at its own width; "global": every client starts from the whole global model
       (the layers only grow).
-    client_map: how clients are mapped in local training (see `fo.algorithms.fedavg`).
 
   Returns:
     `MatchedAveraging(init, run, match)`; state `FedMAState`.
@@ -250,7 +249,7 @@ def fedma(
       result = local_train(loss_fn, optimizer, p, d, m)
       return jax.tree.map(jnp.add, p, result.delta), result.loss
 
-    return client_map_lib.map_clients(client_map, one, None, (params, data, mask))
+    return client_map_lib.map_clients(client_map_lib.FromPolicy(), one, None, (params, data, mask))
 
   def init(params: PyTree, key: jax.Array) -> FedMAState:
     check_layers(params, layers)
@@ -356,3 +355,6 @@ def fedma(
                          assigned_round=jnp.asarray(assigned_round, jnp.int32))
 
   return MatchedAveraging(init=init, run=run, match=match)
+
+
+fedma = execution.accepts_policy_keywords(fedma)
