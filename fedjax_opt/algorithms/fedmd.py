@@ -223,7 +223,8 @@ def fedmd(
     return one
 
   def scores_of(a: int, table, x_pub):
-    return jax.vmap(lambda p: applies[a](p, x_pub))(table)
+    """Each client's scores on the public batch: a forward pass per client, mapped as the clients' training is."""
+    return client_map_lib.map_clients(mode, lambda x, params: applies[a](params, x), x_pub, table)
 
   def init(params: PyTree, key: jax.Array) -> FedMDState:
     check_key(key)
