@@ -215,3 +215,13 @@ def test_poisson_sampling_arguments_are_checked():
   with pytest.raises(ValueError, match="exceeds the 10 clients"):
     data.sample_round(jax.random.key(0), ds, 11, 1, 2, client_sampling="poisson", sampling_probability=0.2)
 
+
+def test_a_sampling_with_more_clients_per_round_than_clients_names_its_own_arguments():
+  """`Sampling.fixed(100, 200)` said "sampling_probability q must be in (0, 1]; got 2.0", a q it was never given."""
+  for build, message in (
+      (lambda: P.Sampling.fixed(100, 200), "Sampling.fixed: clients_per_round=200 exceeds num_clients=100"),
+      (lambda: P.Sampling.poisson(100, 0.1, cap=200), "Sampling.poisson: cap=200 exceeds num_clients=100"),
+      (lambda: P.Sampling("fixed", 100, 200, 2.0), "Sampling: clients_per_round=200 exceeds num_clients=100")):
+    with pytest.raises(ValueError) as raised:
+      build()
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value), str(raised.value)

@@ -320,3 +320,30 @@ def test_an_objective_is_recorded_at_every_evaluation_without_metric_fns(setup):
   assert seen_tables and all(t is None for t in seen_tables)
   with pytest.raises(TypeError, match="objective must be callable"):
     Evaluation(objective=3.0)
+
+
+def test_an_error_feedback_table_smaller_than_the_dataset_is_refused(setup):
+  """A client stage's residual table of fewer rows than the dataset's clients (30) would drop the clients past its
+  end from every round (they only showed in num_nonfinite): refused in one line, before anything is compiled."""
+  from fedjax_opt.train import driver
+
+  dataset, model, _, params = setup
+
+  def algo(rows):
+    stage = fo.compression.compress(fo.compression.top_k(k=1), error_feedback=True, num_clients=rows)
+    return fo.algorithms.fedavg(model.loss_fn, client_optimizer=optax.sgd(0.05),
+                                aggregator=fo.aggregators.chain(stage, fo.aggregators.mean()))
+
+  small = algo(29)
+  with pytest.raises(ValueError) as raised:
+    train(small, small.init(params, jax.random.key(1)), dataset, 3, SAMPLING, progress=False)
+  message = str(raised.value)
+  assert "\n" not in message and message.startswith(
+      "train: the aggregator's client stage keeps a table of 29 rows"), message
+  assert ("but the dataset has 30 clients: client 29 would be dropped from every round they are drawn in; build it "
+          "with num_clients=30") in message
+  for rows in (30, 31):  # one row per client, or more: accepted (checked without training)
+    driver._check_client_tables(algo(rows).init(params, jax.random.key(1)), dataset, swept=False)
+  members = jax.vmap(lambda k: small.init(params, k))(jax.random.split(jax.random.key(1), 2))  # a sweep: [K, N, ...]
+  with pytest.raises(ValueError, match="keeps a table of 29 rows"):
+    driver._check_client_tables(members, dataset, swept=True)

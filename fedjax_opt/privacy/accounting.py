@@ -51,7 +51,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 __all__ = ["ACCOUNTANTS", "Sampling", "SamplingMismatchError", "UnsupportedAccountingError", "check_sampling",
-           "epsilons", "noise_multiplier_for", "poisson_cap", "round_event"]
+           "composed_epsilons", "epsilons", "noise_multiplier_for", "poisson_cap", "round_event"]
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("fixed", "poisson")
@@ -126,9 +126,10 @@ class Sampling:
       raise ValueError(f"Sampling.kind must be one of {SAMPLINGS}; got {self.kind!r}.")
     _check_count(self.num_clients, "num_clients")
     _check_count(self.clients_per_round, "clients_per_round")
+    if self.clients_per_round > self.num_clients:  # before q: a fixed draw's q = m / N would be the symptom
+      raise ValueError(f"Sampling: clients_per_round={self.clients_per_round} exceeds "
+                       f"num_clients={self.num_clients}.")
     _check_probability(self.sampling_probability)
-    if self.clients_per_round > self.num_clients:
-      raise ValueError(f"clients_per_round={self.clients_per_round} exceeds num_clients={self.num_clients}.")
     if self.kind == "fixed" and not math.isclose(self.sampling_probability,
                                                  self.clients_per_round / self.num_clients):
       raise ValueError("Sampling.fixed: sampling_probability must be clients_per_round / num_clients; "
@@ -139,6 +140,9 @@ class Sampling:
     """m = `clients_per_round` distinct clients out of N, uniformly (fo.Sampling's "uniform"; m = N: "all")."""
     _check_count(num_clients, "num_clients")
     _check_count(clients_per_round, "clients_per_round")
+    if clients_per_round > num_clients:
+      raise ValueError(f"Sampling.fixed: clients_per_round={clients_per_round} exceeds num_clients={num_clients} "
+                       f"(m distinct clients out of N).")
     return cls("fixed", int(num_clients), int(clients_per_round), clients_per_round / num_clients)
 
   @classmethod
@@ -146,6 +150,11 @@ class Sampling:
     """Each of N clients with probability q, in `cap` slots (None: `poisson_cap(N, q)`; N: never truncated)."""
     if cap is None:
       cap = poisson_cap(num_clients, sampling_probability)
+    _check_count(num_clients, "num_clients")
+    _check_count(cap, "cap")
+    if cap > num_clients:
+      raise ValueError(f"Sampling.poisson: cap={cap} exceeds num_clients={num_clients} (a round has at most N "
+                       f"slots).")
     return cls("poisson", int(num_clients), int(cap), float(sampling_probability))
 
   @property
@@ -283,29 +292,103 @@ def epsilons(noise_multiplier: float, rounds: int | None = None, *, delta: float
   Returns:
     float64 `[len(at) or R]`: ε after those rounds (inf when σ = 0).
   """
-  dpa = _dp()
   _check_delta(delta)
   ks = _rounds(at, rounds)
-  event, relation = round_event(noise_multiplier, sampling, accountant)
+  return composed_epsilons([(noise_multiplier, sampling, int(ks[-1]))], delta=delta, accountant=accountant, at=ks)
+
+
+def composed_epsilons(segments: Sequence[tuple[float, Sampling, int]], *, delta: float, accountant: str = "rdp",
+                      at: Sequence[int]) -> np.ndarray:
+  """ε(δ) after each round in `at` of a run whose rounds are `segments`, in order: the first k₁ rounds with
+  noise multiplier σ₁ and sampling S₁, the next k₂ with σ₂ and S₂, and so on.
+
+  The rounds' events are composed in one accountant, as dp-accounting composes
+  `ComposedDpEvent([SelfComposedDpEvent(e₁, k₁), SelfComposedDpEvent(e₂, k₂), ...])`
+  (RDP: the per-round Rényi divergences, k₁·rdp₁ + k₂·rdp₂ + ..., converted
+  once; PLD: the segments' loss distributions composed in order), so a run
+  resumed with another σ or sampling is accounted on top of its earlier rounds.
+  With one segment this is `epsilons`.
+
+  Args:
+    segments: (σ, `Sampling`, rounds ≥ 1) per segment of the run.
+    delta: δ ∈ (0, 1).
+    accountant: "rdp" or "pld"; it must support every segment's event (`round_event`).
+    at: increasing round numbers ≥ 1, at most the segments' total.
+
+  Returns:
+    float64 `[len(at)]`: ε after those rounds (inf from the first round with σ = 0 on).
+
+  Raises:
+    UnsupportedAccountingError: an event the accountant does not support, or segments whose events have different
+      neighbouring relations (fixed-size sampling is accounted under replace-one, Poisson under add/remove: one
+      accountant composes events of one relation).
+  """
+  dpa = _dp()
+  _check_delta(delta)
+  _check_accountant(accountant)
+  if not segments:
+    raise ValueError("composed_epsilons: give at least one segment (σ, sampling, rounds).")
+  events, ends, done = [], [], 0
+  for sigma, sampling, count in segments:
+    _check_count(count, "a segment's rounds")
+    event, relation = round_event(sigma, sampling, accountant)
+    if events and relation != events[0][1]:
+      first = segments[0][1]
+      raise UnsupportedAccountingError(
+          f"rounds 1–{ends[0]} draw {first.describe()} ({events[0][1].name}) and "
+          f"rounds {done + 1}–{done + int(count)} draw {sampling.describe()} ({relation.name}): dp-accounting's "
+          f"accountants compose events of one neighbouring relation only.")
+    events.append((event, relation, float(sigma)))
+    done += int(count)
+    ends.append(done)
+  ks = _rounds(at, None)
+  if ks[-1] > done:
+    raise ValueError(f"composed_epsilons: at asks for round {int(ks[-1])}, but the segments hold {done} rounds.")
+  starts = [end - int(seg[2]) for end, seg in zip(ends, segments)]
   out = np.empty(len(ks))
+  zero = next((starts[j] + 1 for j, (_, _, sigma) in enumerate(events) if sigma == 0), None)
   with _quiet():
-    if float(noise_multiplier) == 0:
-      return np.full(len(ks), np.inf)
-    one = _make_accountant(accountant, relation)
     if accountant == "rdp":
-      one.compose(event, 1)
-      orders, rdp = one.orders, one.rdp
+      per_round, orders = [], None
+      for event, relation, sigma in events:
+        if sigma == 0:  # ε is inf from its first round on (`zero`): nothing to compose
+          per_round.append(None)
+          continue
+        one = _make_accountant(accountant, relation)
+        one.compose(event, 1)
+        per_round.append(np.asarray(one.rdp))
+        orders = one.orders
       for i, k in enumerate(ks):
-        out[i] = dpa.rdp.compute_epsilon(orders, k * rdp, delta)[0]
+        if zero is not None and k >= zero:
+          out[i] = np.inf
+          continue
+        total = None
+        for j, start in enumerate(starts):
+          n = min(int(k), ends[j]) - start
+          if n <= 0:
+            break
+          total = n * per_round[j] if total is None else total + n * per_round[j]
+        out[i] = dpa.rdp.compute_epsilon(orders, total, delta)[0]
       return out
-    if not one.supports(event):
-      raise UnsupportedAccountingError(f"the PLD accountant does not support {event}.")
-    per_round, done, total = _pld_of(event, relation), 0, None
+    plds = []
+    for event, relation, sigma in events:
+      if sigma == 0:
+        plds.append(None)
+        continue
+      if not _make_accountant(accountant, relation).supports(event):
+        raise UnsupportedAccountingError(f"the PLD accountant does not support {event}.")
+      plds.append(_pld_of(event, relation))
+    done, total = 0, None
     for i, k in enumerate(ks):
-      gap = int(k) - done
-      piece = per_round if gap == 1 else per_round.self_compose(gap)
-      total = piece if total is None else total.compose(piece)
-      done = int(k)
+      if zero is not None and k >= zero:
+        out[i:] = np.inf
+        break
+      while done < k:
+        j = next(j for j, end in enumerate(ends) if end > done)
+        gap = min(int(k), ends[j]) - done
+        piece = plds[j] if gap == 1 else plds[j].self_compose(gap)
+        total = piece if total is None else total.compose(piece)
+        done += gap
       out[i] = total.get_epsilon_for_delta(delta)
   return out
 

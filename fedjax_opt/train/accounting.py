@@ -31,6 +31,21 @@ two together:
   sampling, the event). ε is a function of (σ, δ, the sampling, the rounds)
   only, so it is computed on the host once, for every point at a time.
 
+* The accounting is part of the history, checkpointed and carried with it:
+  `History.privacy["segments"]` lists every stretch of rounds run alike
+  (`Segment`: its rounds, σ and draw), noted after every chunk (ε itself is
+  computed at the end). `plan` is built from the state that runs (restored,
+  if resumed) and the history it continues, and accounts this run's rounds on
+  top of the earlier segments (`fo.privacy.accounting.composed_epsilons`: the
+  segments' events composed in one accountant); the ε already recorded at
+  earlier points is kept. A draw whose neighbouring relation differs from
+  the earlier rounds' (fixed-size vs Poisson), another δ or accountant, and a
+  state at round > 0 whose rounds come without their accounting (no
+  checkpoint, no `history=`) are refused in one line.
+* A resumed or continued state's σ and m are those of the `dp_mean` that
+  runs now: restored from a checkpoint, the template's
+  (`with_aggregator_constants`); continued from an earlier call, the
+  algorithm's own (`with_algorithm_constants`, from `algorithm.init`).
 * σ is the `dp_mean`'s own: its state keeps σ and m (`DPMeanState.noise_multiplier`,
   `.expected_clients`; one per member of a sweep). `Accounting.noise_multiplier`
   may be left out (None: the state's σ is accounted); when given it must be
@@ -46,6 +61,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt.privacy import accounting as accounting_lib
@@ -53,7 +69,8 @@ from fedjax_opt.privacy.dp import DPMeanState
 from fedjax_opt.train.config import Accounting, Sampling
 from fedjax_opt.train.history import History
 
-__all__ = ["Plan", "holds_dp_mean", "plan", "run_sampling"]
+__all__ = ["Plan", "Segment", "holds_dp_mean", "plan", "run_sampling", "with_aggregator_constants",
+           "with_algorithm_constants"]
 
 
 def dp_mean_states(state: Any) -> list[DPMeanState]:
@@ -95,67 +112,271 @@ def run_sampling(sampling: Sampling, num_clients: int) -> accounting_lib.Samplin
                    f"proportion to the clients' sizes): a dp_mean run samples 'uniform', 'all' or 'poisson'.")
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """Rounds `first`–`last` of a run, accounted alike: the draw (`sampling`) and σ (one, or one per sweep member)."""
+
+  first: int
+  last: int
+  sampling: accounting_lib.Sampling
+  noise_multipliers: tuple[float, ...]
+
+  @property
+  def rounds(self) -> int:
+    return self.last - self.first + 1
+
+  def continues(self, other: "Segment") -> bool:
+    """`other` starts where this one ends, with the same draw and σ (one segment then)."""
+    return (other.first == self.last + 1 and other.sampling == self.sampling
+            and other.noise_multipliers == self.noise_multipliers)
+
+  def sigma(self, member: int) -> float:
+    return self.noise_multipliers[member if len(self.noise_multipliers) > 1 else 0]
+
+  def to_dict(self, accountant: str) -> dict[str, Any]:
+    """JSON: what `History.privacy["segments"]` holds (read back by `from_dict`)."""
+    s = self.sampling
+    event, relation = accounting_lib.round_event(self.noise_multipliers[0], s, accountant)
+    sigma = list(self.noise_multipliers) if len(self.noise_multipliers) > 1 else self.noise_multipliers[0]
+    return {"rounds": [self.first, self.last], "noise_multiplier": sigma, "kind": s.kind,
+            "num_clients": s.num_clients, "clients_per_round": s.clients_per_round,
+            "sampling_probability": s.sampling_probability, "sampling": s.describe(),
+            "event": repr(event), "neighboring_relation": relation.name}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "Segment":
+    sigma = d["noise_multiplier"]
+    sampling = accounting_lib.Sampling(d["kind"], int(d["num_clients"]), int(d["clients_per_round"]),
+                                       float(d["sampling_probability"]))
+    return cls(int(d["rounds"][0]), int(d["rounds"][1]), sampling,
+               tuple(float(v) for v in sigma) if isinstance(sigma, list) else (float(sigma),))
+
+
 @functools.lru_cache(maxsize=16)
-def _epsilons(sigma: float, delta: float, sampling: accounting_lib.Sampling, accountant: str,
+def _epsilons(segments: tuple[tuple[float, accounting_lib.Sampling, int], ...], delta: float, accountant: str,
               rounds: tuple[int, ...]) -> tuple[float, ...]:
-  """ε after `rounds`, computed once per process for runs accounted alike (the algorithms of one command line run,
-  a run and its resumption)."""
+  """ε after `rounds` of a run made of `segments` (σ, sampling, rounds), computed once per process for runs
+  accounted alike (the algorithms of one command line run, a run and its resumption)."""
   if not rounds:
     return ()
-  return tuple(float(e) for e in accounting_lib.epsilons(sigma, at=list(rounds), delta=delta, sampling=sampling,
-                                                         accountant=accountant))
+  return tuple(float(e) for e in accounting_lib.composed_epsilons(list(segments), delta=delta, accountant=accountant,
+                                                                  at=list(rounds)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """What a run is accounted as: `accounting`, and the accountant's view of the run's own draw."""
+  """What a run is accounted as: `accounting` (δ, the accountant, this run's σ), the accountant's view of the
+  run's own draw, and the rounds accounted before this run (`earlier`, from the history it continues), on top of
+  which this run's rounds, from `start + 1` on, are composed."""
 
   accounting: Accounting
   sampling: accounting_lib.Sampling
   sweep_size: int | None
+  earlier: tuple[Segment, ...] = ()
+  start: int = 0
 
-  def info(self) -> dict[str, Any]:
-    """`History.privacy`: what the recorded ε are the ε of."""
+  def segments(self, through: int) -> tuple[Segment, ...]:
+    """Every segment of the run up to round `through` (this run's rounds merged into the last earlier segment when
+    they continue it)."""
+    if through <= self.start:
+      return self.earlier
+    own = Segment(self.start + 1, through, self.sampling, tuple(float(v) for v in self.accounting.noise_multipliers))
+    if self.earlier and self.earlier[-1].continues(own):
+      return self.earlier[:-1] + (dataclasses.replace(self.earlier[-1], last=through),)
+    return self.earlier + (own,)
+
+  def info(self, through: int | None = None) -> dict[str, Any]:
+    """`History.privacy` after round `through`: what the recorded ε are the ε of. σ, the sampling and the event are
+    the last segment's (this run's, once it has run a round); `segments` lists every one, with its rounds."""
     a = self.accounting
-    event, relation = accounting_lib.round_event(a.noise_multipliers[0], self.sampling, a.accountant)
-    sigma = list(a.noise_multipliers) if len(a.noise_multipliers) > 1 else a.noise_multipliers[0]
+    segments = self.segments(self.start if through is None else through)
+    last = segments[-1] if segments else Segment(self.start + 1, self.start, self.sampling, a.noise_multipliers)
+    event, relation = accounting_lib.round_event(last.noise_multipliers[0], last.sampling, a.accountant)
+    sigma = list(last.noise_multipliers) if len(last.noise_multipliers) > 1 else last.noise_multipliers[0]
     return {"noise_multiplier": sigma, "delta": a.delta, "accountant": a.accountant,
-            "sampling": self.sampling.describe(), "expected_clients": self.sampling.expected_clients,
-            "event": repr(event), "neighboring_relation": relation.name}
+            "sampling": last.sampling.describe(), "expected_clients": last.sampling.expected_clients,
+            "event": repr(event), "neighboring_relation": relation.name,
+            "segments": [segment.to_dict(a.accountant) for segment in segments]}
 
-  def recorded(self, history: History) -> History:
-    """`history` with `dp_epsilon` at every evaluation point and `privacy` set (unchanged if already so)."""
-    info = self.info()
-    rounds = sorted({int(e["round"]) for e in history.evals if int(e["round"]) >= 1})
-    if history.privacy == info and all("dp_epsilon" in e for e in history.evals if int(e["round"]) >= 1):
+  def noted(self, history: History, through: int) -> History:
+    """`history` with `privacy` saying how rounds 1 … `through` are accounted (no ε computed: what a checkpoint
+    between chunks keeps, so that a resumed run composes its rounds on top of these)."""
+    info = self.info(through)
+    return history if history.privacy == info else dataclasses.replace(history, privacy=info)
+
+  def recorded(self, history: History, through: int | None = None) -> History:
+    """`history` with `dp_epsilon` at every evaluation point that has none, and `privacy` set (`noted`).
+
+    A point that already records ε (restored from a checkpoint, or carried by a continued history) keeps it: ε
+    after a round does not change when later rounds are accounted otherwise.
+    """
+    rounds = sorted({int(e["round"]) for e in history.evals if int(e["round"]) >= 1 and "dp_epsilon" not in e})
+    if through is None:
+      through = max([self.start, *rounds])
+    history = self.noted(history, through)
+    if not rounds:
       return history
-    a = self.accounting
-    by_sigma = {sigma: dict(zip(rounds, _epsilons(float(sigma), a.delta, self.sampling, a.accountant,
-                                                  tuple(rounds))))
-                for sigma in set(a.noise_multipliers)}
-    sigmas = a.noise_multipliers
-    if self.sweep_size is not None and len(sigmas) == 1:
-      sigmas = sigmas * self.sweep_size
+    if rounds[-1] > through:
+      raise ValueError(f"train: the history has an evaluation point at round {rounds[-1]}, but its accounting "
+                       f"covers rounds 1–{through}.")
+    segments = self.segments(through)
+    members = self.sweep_size if self.sweep_size is not None else 1
+    eps = [_epsilons(tuple((seg.sigma(k), seg.sampling, seg.rounds) for seg in segments), self.accounting.delta,
+                     self.accounting.accountant, tuple(rounds)) for k in range(members)]
+    at = {r: [member[i] for member in eps] for i, r in enumerate(rounds)}
     evals = []
     for e in history.evals:
-      e = dict(e)
       r = int(e["round"])
-      if r >= 1:
-        values = [by_sigma[s][r] for s in sigmas]
-        e["dp_epsilon"] = values if self.sweep_size is not None else values[0]
+      if r in at and "dp_epsilon" not in e:
+        e = dict(e, dp_epsilon=at[r] if self.sweep_size is not None else at[r][0])
       evals.append(e)
-    return dataclasses.replace(history, evals=evals, privacy=info)
+    return dataclasses.replace(history, evals=evals)
+
+
+def with_aggregator_constants(restored: Any, template: Any) -> Any:
+  """`restored` (a state read back from a checkpoint) with the σ and m of `template`'s `dp_mean` states.
+
+  `DPMeanState.noise_multiplier` and `.expected_clients` are constants of the aggregator: the noise is drawn with
+  the σ the `dp_mean` was built with, and the sum divided by its m. A checkpoint restores the values of the run
+  that wrote it; the resumed run's aggregator is the template's, so its σ and m are the template's (and so is
+  what this run's rounds are accounted with).
+  """
+  if not holds_dp_mean(template):
+    return restored
+  is_dp = lambda x: isinstance(x, DPMeanState)
+
+  def refresh(r, t):
+    if is_dp(r) and is_dp(t):
+      return r.replace(noise_multiplier=t.noise_multiplier, expected_clients=t.expected_clients)
+    return r
+
+  try:
+    return jax.tree.map(refresh, restored, template, is_leaf=is_dp)
+  except (ValueError, TypeError):  # a state restored in its saved shapes (FedMA's): left as saved
+    return restored
+
+
+def with_algorithm_constants(state: Any, algorithm: Any, swept: bool) -> Any:
+  """`state` (continued from an earlier `train` call) with the σ and m of `algorithm`'s own `dp_mean`.
+
+  The state keeps the σ and m of the `dp_mean` it was made with; the noise of the rounds this call runs is drawn with
+  the σ of `algorithm`'s. They are read from `algorithm.init(state.params, key)` (only the `DPMeanState` constants
+  of it are computed: one small compiled program). An `init` that cannot be called so, or whose `dp_mean` pieces
+  do not match the state's, is refused in one line: the rounds' σ would be unknown to the accountant.
+  """
+  is_dp = lambda x: isinstance(x, DPMeanState)
+
+  def constants(params, key):
+    fresh = algorithm.init(params, key, params_axis=0) if swept else algorithm.init(params, key)
+    return [(s.noise_multiplier, s.expected_clients) for s in dp_mean_states(fresh)]
+
+  try:
+    found = jax.jit(constants)(state.params, jax.random.key(0))
+  except Exception as e:  # pylint: disable=broad-except  (any failure: σ unknown, so refused, never guessed)
+    raise ValueError(f"train: the state continues a DP run, and this call's σ could not be read from "
+                     f"algorithm.init(params, key) ({type(e).__name__}): resume from a checkpoint instead.") from e
+  if len(found) != len(dp_mean_states(state)):
+    raise ValueError(f"train: the state holds {len(dp_mean_states(state))} dp_mean piece(s) and this call's algorithm "
+                     f"{len(found)}: continue a state with the algorithm it was made by.")
+  found = iter(found)
+
+  def refresh(x):
+    if not is_dp(x):
+      return x
+    sigma, m = next(found)
+    return x.replace(noise_multiplier=jnp.asarray(sigma, x.noise_multiplier.dtype).reshape(x.noise_multiplier.shape),
+                     expected_clients=jnp.asarray(m, x.expected_clients.dtype).reshape(x.expected_clients.shape))
+
+  return jax.tree.map(refresh, state, is_leaf=is_dp)
+
+
+def _earlier(history: History | None, start: int, current: Segment, accounting: Accounting,
+             restored: bool) -> tuple[Segment, ...]:
+  """The segments that account rounds 1 … `start` of the state this run continues, read from `history`.
+
+  Refuses (one line) a state at round > 0 whose rounds have no accounting (nothing says under what they ran, and
+  this run's rounds alone would under-report ε), and one accounted with another δ or accountant (its earlier ε
+  would change).
+  """
+  if start <= 0:
+    return ()
+  privacy = history.privacy if history is not None else None
+  if not privacy and restored:
+    raise ValueError(f"train: the checkpoint restored is at round {start} and holds a dp_mean, but its history holds "
+                     f"no accounting of those rounds (a checkpoint written between chunks before fo.train recorded "
+                     f"accounting segments): ε of this run's rounds alone would under-report it; start from round 0.")
+  if not privacy:
+    where = ("pass history= (the History the fo.train call that made this state returned)" if history is None
+             else "the history given holds none: pass the History the fo.train call that made this state returned")
+    raise ValueError(f"train: the state is at round {start} and holds a dp_mean, but no accounting of its {start} "
+                     f"round(s) comes with it: {where}, or resume from the run's checkpoint, so that ε composes those "
+                     f"rounds with this run's (this run's rounds alone would under-report ε).")
+  if privacy.get("delta") != accounting.delta or privacy.get("accountant") != accounting.accountant:
+    was = privacy.get("delta")
+    was = f"{was:g}" if isinstance(was, (int, float)) else repr(was)
+    raise ValueError(f"train: rounds 1–{start} were accounted with δ={was} by the "
+                     f"{str(privacy.get('accountant')).upper()} accountant, and this run asks "
+                     f"δ={accounting.delta:g} by the {accounting.accountant.upper()} accountant: one run is accounted "
+                     f"with one δ and one accountant (its earlier ε would change).")
+  if "segments" not in privacy:  # a history written before segments were recorded: one sampling and σ throughout
+    sigma = privacy.get("noise_multiplier")
+    sigmas = tuple(float(v) for v in sigma) if isinstance(sigma, list) else (float(sigma),)
+    if privacy.get("sampling") != current.sampling.describe() or sigmas != current.noise_multipliers:
+      raise ValueError(f"train: rounds 1–{start} were accounted as {privacy.get('sampling')}, σ={sigma} (a history "
+                       f"without accounting segments), and this run is {current.sampling.describe()}, "
+                       f"σ={_values(np.asarray(current.noise_multipliers))}: continue it as it was run.")
+    return (dataclasses.replace(current, first=1, last=start),)
+  segments = tuple(Segment.from_dict(d) for d in privacy["segments"])
+  covered = segments[-1].last if segments else 0
+  if covered != start:
+    raise ValueError(f"train: the history accounts rounds 1–{covered}, but the state is at round {start}: give "
+                     f"the History that came with this state.")
+  return segments
+
+
+def _check_continues(earlier: tuple[Segment, ...], current: Segment, accounting: Accounting,
+                     size: int | None) -> None:
+  """Refuses (one line) this run's rounds when they cannot be composed with the earlier ones in one accountant."""
+  if not earlier:
+    return
+  last = earlier[-1]
+  if len(last.noise_multipliers) > 1 and len(last.noise_multipliers) != (size or 1):
+    raise ValueError(f"train: rounds 1–{last.last} were accounted for a sweep of {len(last.noise_multipliers)} "
+                     f"members, and this run has {size or 1}: continue it with the same members.")
+  _, was = accounting_lib.round_event(last.noise_multipliers[0], last.sampling, accounting.accountant)
+  _, now = accounting_lib.round_event(current.noise_multipliers[0], current.sampling, accounting.accountant)
+  if was != now:
+    name = lambda r: "replace-one" if r.name == "REPLACE_ONE" else "add/remove-one"
+    raise accounting_lib.UnsupportedAccountingError(
+        f"train: rounds {last.first}–{last.last} drew {last.sampling.describe()} ({name(was)} neighbours) and this "
+        f"run draws {current.sampling.describe()} ({name(now)} neighbours): no dp-accounting accountant composes "
+        f"the two, so the whole run's ε cannot be computed; continue with fo.Sampling(..., "
+        f"**{last.sampling.train_kwargs()}), or another draw of the same kind.")
 
 
 def plan(accounting: Accounting | None, state: Any, sampling: Sampling, num_clients: int,
-         sweep_size: int | None) -> Plan | None:
+         sweep_size: int | None, *, history: History | None = None, start: int = 0,
+         until: int | None = None, restored: bool = False) -> Plan | None:
   """The run's `Plan` (None: no `dp_mean`, nothing to account), or one line saying why the run is refused.
+
+  Args:
+    accounting, state, sampling, num_clients, sweep_size: the run's (`state` as it will run: restored, if resumed).
+    history: the history the run continues (restored from its checkpoint, or given to `train`): its
+      `privacy["segments"]` account rounds 1 … `start`, and this run's rounds are composed on top of them.
+    start: the state's round (0: a new run; no history needed).
+    until: the round the run stops at (this run's draw is checked against the earlier rounds' only when it runs
+      a round; None: always).
+    restored: `history` comes from a checkpoint (for the message of a refusal).
 
   Raises:
     TypeError: `accounting` is not an `Accounting`.
     ValueError: a `dp_mean` without `accounting`, `accounting` without a `dp_mean`, a draw with no accountant
-      event, an accountant that does not support the draw, or σ for a different number of sweep members.
+      event, an accountant that does not support the draw, σ for a different number of sweep members, a state at
+      round > 0 whose rounds have no accounting (no history with it), or a history accounted with another δ or
+      accountant.
     SamplingMismatchError: `accounting.sampling` is not the run's draw.
+    UnsupportedAccountingError: this run's draw cannot be composed with the earlier rounds' (fixed-size and Poisson
+      sampling have different neighbouring relations).
   """
   if accounting is not None and not isinstance(accounting, Accounting):
     raise TypeError(f"accounting must be None or a fedjax_opt.Accounting(delta=δ); "
@@ -207,7 +428,11 @@ def plan(accounting: Accounting | None, state: Any, sampling: Sampling, num_clie
     accounting_lib.round_event(sigmas[0], drawn, accounting.accountant)
   except accounting_lib.UnsupportedAccountingError as e:
     raise accounting_lib.UnsupportedAccountingError(f"train: {e}") from None
-  return Plan(accounting, drawn, sweep_size)
+  current = Segment(start + 1, start, drawn, tuple(float(v) for v in accounting.noise_multipliers))
+  earlier = _earlier(history, start, current, accounting, restored)
+  if until is None or until > start:
+    _check_continues(earlier, current, accounting, sweep_size)
+  return Plan(accounting, drawn, sweep_size, earlier, start)
 
 
 def _values(values: np.ndarray) -> str:

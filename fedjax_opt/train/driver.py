@@ -49,6 +49,10 @@
   sampling it declares must be the run's own draw (refused otherwise, before
   anything is compiled), and every evaluation point records `dp_epsilon`, the
   ε(δ) of the clients the run drew, computed on the host at the end of the run.
+  The accounting is part of the history (`History.privacy["segments"]`: the
+  draw and σ of every stretch of rounds), checkpointed with it and carried by
+  it: a resumed or continued run composes its rounds on top of the earlier
+  ones, whose ε never change (docs/privacy.md, "The run and its accounting").
 * Host-driven algorithms (`is_host_driven`: `init` and `run`, FedMA) run
   under the same driver, their rounds a Python loop
   (`fedjax_opt.algorithms.matched_averaging.host_loop`, which says what differs).
@@ -61,6 +65,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import warnings
@@ -71,7 +76,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt.core import per_client
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, materialize
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, StagedState, materialize
 from fedjax_opt.core.validation import check_int
 from fedjax_opt.data.dataset import FederatedDataset
 from fedjax_opt.data.sampling import sample_round
@@ -219,6 +224,44 @@ def _check_args(algorithm: Any, dataset: Any, rounds: Any, sampling: Any, evalua
                      "with test_fraction > 0, or pass metric_fns=None.")
 
 
+def _check_client_tables(state: PyTree, dataset: FederatedDataset, swept: bool) -> None:
+  """Refuses a client stage's per-client table (error feedback's residuals, `StagedState.rows`) with fewer rows
+  than the dataset has clients: the clients past its end would be dropped from every round they are drawn in (and
+  only counted in `num_nonfinite`)."""
+  is_staged = lambda x: isinstance(x, StagedState)
+  for staged in (x for x in jax.tree.leaves(state, is_leaf=is_staged) if is_staged(x)):
+    for table in staged.rows:
+      leaves = jax.tree.leaves(table)
+      if not leaves:
+        continue
+      shape = jnp.shape(leaves[0])
+      rows = shape[1 if swept else 0] if len(shape) > (1 if swept else 0) else None
+      if rows is not None and rows < dataset.num_clients:
+        n = dataset.num_clients
+        dropped = f"client {rows}" if rows == n - 1 else f"clients {rows}–{n - 1}"
+        raise ValueError(f"train: the aggregator's client stage keeps a table of {rows} rows (one per client, e.g. "
+                         f"compress(..., error_feedback=True, num_clients={rows})) but the dataset has {n} clients: "
+                         f"{dropped} would be dropped from every round they are drawn in; build it with "
+                         f"num_clients={n}.")
+
+
+def _check_history(history: Any, state: PyTree, swept_size: int | None) -> History:
+  """A copy of the `history=` a continued run extends (the run mutates its own), or one line saying why not."""
+  if not isinstance(history, History):
+    raise TypeError(f"history must be None or the fedjax_opt.History of the run the state comes from; "
+                    f"got {type(history).__name__}.")
+  if history.sweep_size != swept_size:
+    kind = lambda k: f"a sweep of {k} members" if k else "a single run"
+    raise ValueError(f"train: history= is the history of {kind(history.sweep_size)}, and this run is "
+                     f"{kind(swept_size)}.")
+  start = current_round(state)
+  last_eval = max((int(e["round"]) for e in history.evals), default=0)
+  if history.num_rounds not in (0, start) or last_eval > start:
+    raise ValueError(f"train: history= records {max(history.num_rounds, last_eval)} rounds, but the state is at round "
+                     f"{start}: give the History that came with this state.")
+  return dataclasses.replace(history, round_metrics=dict(history.round_metrics), evals=list(history.evals))
+
+
 def _check_seed(seed: Any, algorithm: Any) -> Seed:
   """One int seed, or K int seeds for a sweep of K members."""
   if isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
@@ -260,6 +303,7 @@ def train(
     divergence_factor: float | None = 1e3,
     check_memory: bool = True,
     accounting: Accounting | None = None,
+    history: History | None = None,
 ) -> tuple[PyTree, History]:
   """Runs `algorithm` from `state` until `state.round == rounds` (or until it diverges).
 
@@ -301,7 +345,19 @@ def train(
       be the run's own draw (`fo.privacy.SamplingMismatchError` otherwise).
       Every evaluation point then records `dp_epsilon`, the ε(δ) of the
       clients this run draws after that round, and `History.privacy` what
-      was accounted (`fedjax_opt.train.accounting`).
+      was accounted (`fedjax_opt.train.accounting`). A run resumed from its
+      checkpoint, or continued with `history=`, accounts its rounds on top of
+      the earlier ones (recorded in the history: `privacy["segments"]`), also
+      when σ or the draw changed; the earlier points' ε are kept. A draw that
+      cannot be composed with the earlier one (fixed-size after Poisson or the
+      converse) is refused, and so is a state at round > 0 holding a
+      `dp_mean` with no history of its rounds' accounting.
+    history: the `History` of the run `state` comes from (the one returned
+      with it by an earlier `train` call), to continue that run without a
+      checkpoint: its rounds, evaluation points and privacy accounting are
+      carried on. It must record `state`'s rounds; a state at round > 0 that
+      holds a `dp_mean` needs it (or a checkpoint to resume from). Not with
+      a checkpoint that `checkpointing.resume` restores (that holds its own).
 
   A `sampling.batch_size` above every client's train examples warns once
   (`BatchSizeWarning`, before the first chunk runs): every step would be
@@ -310,22 +366,45 @@ def train(
   A KeyboardInterrupt (Ctrl-C) checkpoints the last completed chunk (when
   checkpointing) and is raised again.
 
+  A client stage's per-client table (error feedback's residuals) with fewer
+  rows than `dataset.num_clients` is refused: the clients past its end would
+  be dropped from every round.
+
   Returns:
     (final state, `History`).
   """
   _check_args(algorithm, dataset, rounds, sampling, evaluation, checkpointing)
   seed = _check_seed(seed, algorithm)
   swept = isinstance(algorithm, SweptAlgorithm)
-  privacy = accounting_lib.plan(accounting, state, sampling, dataset.num_clients, algorithm.size if swept else None)
+  size = algorithm.size if swept else None
+  given_history = history
+  if given_history is not None:
+    history = _check_history(given_history, state, size)
+  if current_round(state) == 0:  # what a fresh template alone refuses, refused before a checkpoint directory is
+    accounting_lib.plan(accounting, state, sampling, dataset.num_clients, size)  # made; the plan is built below
   host = is_host_driven(algorithm)
   checkpointing = checkpointing or Checkpointing()
   checkpointer = (Checkpointer(checkpointing.directory, saved_shapes=host)
                   if checkpointing.directory is not None else None)
-  history = History(sweep_size=algorithm.size if swept else None)
+  if history is None:
+    history = History(sweep_size=size)
+  resumed = False
   if checkpointing.resume:
     restored = checkpointer.restore(state)
     if restored is not None:
-      state, history = restored
+      resumed = True
+      if given_history is not None:
+        raise ValueError(f"train: history= continues the given state, but resume=True restored round "
+                         f"{current_round(restored[0])} from {checkpointer.directory}, with its own history: give "
+                         f"one of them.")
+      state, history = accounting_lib.with_aggregator_constants(restored[0], state), restored[1]
+  if (not resumed and not is_host_driven(algorithm) and current_round(state) > 0
+      and accounting_lib.holds_dp_mean(state)):  # continued: the σ and m of this call's dp_mean, not the state's
+    state = accounting_lib.with_algorithm_constants(state, algorithm, swept)
+  _check_client_tables(state, dataset, swept)
+  privacy = accounting_lib.plan(accounting, state, sampling, dataset.num_clients, size,
+                                history=history if resumed or given_history is not None else None,
+                                start=current_round(state), until=rounds, restored=resumed)
   eval_params = evaluation.eval_params or _default_eval_params
   table_fn = evaluation.personalized_params or _no_table
   metric_fns = evaluation.metric_fns
@@ -355,7 +434,8 @@ def train(
   padding = padded_batch(sampling.batch_size, dataset.max_train)
   bar = Progress(progress, rounds, start_round, label)
   if start_round > 0:
-    bar.note(f"resuming from round {start_round} of {rounds} (checkpoint in {checkpointing.directory})"
+    source = f"checkpoint in {checkpointing.directory}" if resumed else "the state given"
+    bar.note(f"resuming from round {start_round} of {rounds} ({source})"
              if start_round < rounds else f"restored at round {start_round}: no round left to train")
   if start_round < rounds and history.diverged_at_round is None:  # compiled (or loaded from the cache) first
     first = min(rounds, (start_round // evaluation.every + 1) * evaluation.every)
@@ -400,8 +480,9 @@ def train(
         if reason is not None:
           new_history.diverged_at_round, new_history.diverged_reason = current_round(new_state), reason
       finished = current_round(new_state) >= rounds or new_history.diverged_at_round is not None
-      if finished and privacy is not None:
-        new_history = privacy.recorded(new_history)
+      if privacy is not None:  # every history kept says how its rounds are accounted; ε is computed at the end
+        new_history = (privacy.recorded(new_history, current_round(new_state)) if finished
+                       else privacy.noted(new_history, current_round(new_state)))
       committed = (new_state, new_history)
       state, history = committed
       bar.update(current_round(state), format_point(point, length / max(elapsed, 1e-9)))
@@ -419,5 +500,5 @@ def train(
     warnings.warn(f"{label} diverged at round {history.diverged_at_round}: {history.diverged_reason}; training "
                   f"stopped there (History.diverged_at_round)", DivergenceWarning, stacklevel=2)
   if privacy is not None:  # a resumed run with no round left to train: its restored points
-    history = privacy.recorded(history)
+    history = privacy.recorded(history, current_round(state))
   return state, history

@@ -31,7 +31,11 @@ class History:
       baseline of the divergence rule; None when not evaluated.
     privacy: for a run with a `fo.privacy.dp_mean` aggregator, what its
       evaluation points' `dp_epsilon` are the ε(δ) of: noise multiplier, δ,
-      accountant, the clients the run drew, the accountant's event
+      accountant, the clients the run drew, the accountant's event (those of
+      its last rounds), and `segments`: one dict per stretch of rounds
+      accounted alike (`rounds` [first, last], `noise_multiplier`, the draw:
+      `kind`, `num_clients`, `clients_per_round`, `sampling_probability`),
+      which a resumed or continued run composes its own rounds on top of
       (`fedjax_opt.train.accounting`); None otherwise.
   """
 
