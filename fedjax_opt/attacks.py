@@ -67,7 +67,7 @@ from jax import lax
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.ordering import row_positions, sort_rows
 from fedjax_opt.core.server import Received, check_aggregator, refuse_client_stage, zero_nonfinite
-from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, FederatedAlgorithm
+from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, FederatedAlgorithm, Traits
 
 PyTree = Any
 
@@ -452,7 +452,10 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
     per_round: draw the attacker rows afresh every round from the round's key.
 
   Returns:
-    An `Aggregator` with state `CorruptState`.
+    An `Aggregator` with state `CorruptState`, whose traits are an attack
+    around the inner rule's (`Traits.wrap`; None when the inner rule's are
+    unknown). Called directly, its `aggregate` checks at trace time that
+    `weights` is `[C]` and every leaf of the updates `[C, ...]`, naming the leaf.
   """
   check_aggregator(aggregator)
   refuse_client_stage(aggregator, "corrupt", "the attack acts on what the server receives, after the client "
@@ -490,7 +493,8 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
     update, inner = rule(updates, weights, state.aggregator, inner_key)
     return update, state._replace(aggregator=inner)
 
-  return Aggregator(init, Received(receive, aggregate, name="corrupt"), always_releases=aggregator.always_releases)
+  return Aggregator(init, Received(receive, aggregate, name="corrupt"), always_releases=aggregator.always_releases,
+                    traits=Traits.wrap(aggregator.traits, name="corrupt", attack=True, linear=False))
 
 
 # ---- data poisoning ----------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ def _recording():
     mean, _ = fo.aggregators.mean().aggregate(updates, weights, (), key)
     return mean, updates
 
-  return fo.aggregators.Aggregator(init, aggregate)
+  # Declared a plain mean: SCAFFOLD refuses an aggregator without traits (its c is a plain sum beside it).
+  return fo.aggregators.Aggregator(init, aggregate, traits=fo.aggregators.Traits(name="recording_mean", linear=True))
 
 
 def _leaves(state):

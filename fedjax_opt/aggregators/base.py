@@ -14,6 +14,10 @@ clients the round's rules exclude (docs/architecture.md, "The round");
 the aggregator sees them. Robust rules and differential-privacy noise are further
 aggregators behind the same seam; compression with error feedback is its
 client stage, put in front of any of them with `fedjax_opt.aggregators.chain`.
+
+Every factory declares what its piece does as data, `Aggregator.traits` (a
+`Traits`: linear, private, secure, robust, an attack, its client stage); an
+aggregator built by hand has none (unknown) unless it declares them.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from fedjax_opt.core.server import check_aggregator
-from fedjax_opt.core.types import Aggregator, StreamingSum
+from fedjax_opt.core.server import check_aggregator, check_stacked_updates
+from fedjax_opt.core.types import Aggregator, StreamingSum, Traits
 
 __all__ = ["mean", "normalized_sum", "resolve", "weighted_mean", "weighted_sum"]
 
@@ -89,9 +93,11 @@ def weighted_mean() -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
+    check_stacked_updates(updates, weights, "weighted_mean")
     return normalized_sum(updates, weights), state
 
-  return Aggregator(stateless_init, aggregate, _normalized_streaming(lambda w: w.astype(jnp.float32)))
+  return Aggregator(stateless_init, aggregate, _normalized_streaming(lambda w: w.astype(jnp.float32)),
+                    traits=Traits(name="weighted_mean", linear=True))
 
 
 def mean() -> Aggregator:
@@ -104,10 +110,12 @@ def mean() -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
+    check_stacked_updates(updates, weights, "mean")
     taking_part = (weights > 0).astype(weights.dtype)
     return normalized_sum(updates, taking_part), state
 
-  return Aggregator(stateless_init, aggregate, _normalized_streaming(lambda w: (w > 0).astype(jnp.float32)))
+  return Aggregator(stateless_init, aggregate, _normalized_streaming(lambda w: (w > 0).astype(jnp.float32)),
+                    traits=Traits(name="mean", linear=True))
 
 
 def resolve(aggregator: Aggregator | None, default: Callable[[], Aggregator]) -> Aggregator:

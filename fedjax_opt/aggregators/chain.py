@@ -28,20 +28,21 @@ stage around the wrapper instead.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from fedjax_opt.core.server import check_aggregator
+from fedjax_opt.core.server import aggregator_name, check_aggregator
 from fedjax_opt.core.types import Aggregator, ClientStage
 
 __all__ = ["chain"]
 
 
 def _name(piece: Any) -> str:
-  """A label for a piece in an error message: a stage's name, or the factory that built an aggregator."""
+  """A label for a piece in an error message: a stage's name, or the factory that built an aggregator (its traits)."""
   if isinstance(piece, ClientStage):
     return piece.name
   if isinstance(piece, Aggregator):
-    return getattr(piece.aggregate, "__qualname__", "aggregator").split(".")[0]
+    return aggregator_name(piece)
   return getattr(piece, "name", type(piece).__name__)
 
 
@@ -65,7 +66,9 @@ def chain(*pieces: ClientStage | Aggregator) -> Aggregator:
 
   Returns:
     The aggregator with `client` set to the stage: its `init`, `aggregate`,
-    `streaming` and `always_releases` are the aggregator's own.
+    `streaming` and `always_releases` are the aggregator's own, and its
+    `traits` the aggregator's with `client_stage` the stage's name (None,
+    unknown, when the aggregator declares none).
 
   Raises:
     TypeError: a piece that is neither a client stage nor an aggregator, or no aggregator.
@@ -96,4 +99,5 @@ def chain(*pieces: ClientStage | Aggregator) -> Aggregator:
   if aggregator.client is not None:
     raise ValueError(f"chain: {_name(stage)} and {aggregator.client.name} are both client stages: a client sends "
                      f"one message per upload; compose them into one stage.")
-  return aggregator._replace(client=stage)
+  traits = None if aggregator.traits is None else dataclasses.replace(aggregator.traits, client_stage=stage.name)
+  return aggregator._replace(client=stage, traits=traits)

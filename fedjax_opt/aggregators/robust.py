@@ -64,8 +64,8 @@ from jax import lax
 from fedjax_opt.aggregators.base import stateless_init
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.ordering import row_positions, sort_rows
-from fedjax_opt.core.server import client_is_finite
-from fedjax_opt.core.types import Aggregator
+from fedjax_opt.core.server import check_stacked_updates, client_is_finite
+from fedjax_opt.core.types import Aggregator, Traits
 from fedjax_opt.core.validation import check_int
 
 PyTree = Any
@@ -77,18 +77,6 @@ __all__ = [
 
 
 # ---- shared pieces -----------------------------------------------------------------------------------------
-
-
-def _num_rows(updates: PyTree, weights: jax.Array) -> int:
-  """C, the static number of rows, after checking that every leaf is stacked `[C, ...]` like `weights`."""
-  if jnp.ndim(weights) != 1:
-    raise ValueError(f"weights must have shape [C]; got shape {tuple(jnp.shape(weights))}.")
-  c = jnp.shape(weights)[0]
-  for leaf in jax.tree.leaves(updates):
-    if jnp.ndim(leaf) < 1 or jnp.shape(leaf)[0] != c:
-      raise ValueError(f"every leaf of updates must be stacked [C, ...] with C = {c} (the length of weights); "
-                       f"got a leaf of shape {tuple(jnp.shape(leaf))}.")
-  return c
 
 
 def _voters(updates: PyTree, weights: jax.Array) -> jax.Array:
@@ -208,13 +196,13 @@ def marginal_median() -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
-    _num_rows(updates, weights)
+    check_stacked_updates(updates, weights, "marginal_median")
     mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     out = jax.tree.map(lambda u: _median_of_sorted(_sorted(u, mask), n), updates)
     return _zeros_if_none(n, out), state
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, traits=Traits(name="marginal_median", robust=True))
 
 
 def mean_around_median(num_byzantine: int) -> Aggregator:
@@ -247,7 +235,7 @@ def mean_around_median(num_byzantine: int) -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
-    c = _num_rows(updates, weights)
+    c = check_stacked_updates(updates, weights, "mean_around_median")
     if q >= c:
       raise ValueError(f"mean_around_median: num_byzantine = {q} must be smaller than the number of clients in the "
                        f"round, C = {c}; lower num_byzantine or aggregate more clients.")
@@ -261,7 +249,7 @@ def mean_around_median(num_byzantine: int) -> Aggregator:
 
     return _zeros_if_none(n, jax.tree.map(leaf, updates)), state
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, traits=Traits(name="mean_around_median", robust=True))
 
 
 def _trim_counts(beta: float, c: int) -> jax.Array:
@@ -290,7 +278,7 @@ def trimmed_mean(beta: float) -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
-    c = _num_rows(updates, weights)
+    c = check_stacked_updates(updates, weights, "trimmed_mean")
     mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     b = _trim_counts(beta, c)[n]
@@ -303,7 +291,7 @@ def trimmed_mean(beta: float) -> Aggregator:
 
     return _zeros_if_none(n, jax.tree.map(leaf, updates)), state
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, traits=Traits(name="trimmed_mean", robust=True))
 
 
 # ---- the geometric median ----------------------------------------------------------------------------------
@@ -357,7 +345,7 @@ def geometric_median(tol: float = 1e-6, max_iterations: int = 100, smoothing: fl
 
   def aggregate(updates, weights, state, key):
     del key
-    _num_rows(updates, weights)
+    check_stacked_updates(updates, weights, "geometric_median")
     mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
@@ -391,7 +379,7 @@ def geometric_median(tol: float = 1e-6, max_iterations: int = 100, smoothing: fl
     v, *_ = lax.while_loop(cond, body, start)
     return _zeros_if_none(n, v), state
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, traits=Traits(name="geometric_median", robust=True))
 
 
 # ---- Krum, Multi-Krum, Bulyan ------------------------------------------------------------------------------
@@ -453,7 +441,7 @@ def krum(num_byzantine: int) -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
-    c = _num_rows(updates, weights)
+    c = check_stacked_updates(updates, weights, "krum")
     _check_krum_rows("krum", f, c, 2 * f + 3, "n > 2·num_byzantine + 2")
     mask = _voters(updates, weights)
     x = _present(updates, mask)
@@ -461,7 +449,7 @@ def krum(num_byzantine: int) -> Aggregator:
     out = jax.tree.map(lambda u: _index(u, best), x)
     return _zeros_if_none(jnp.sum(mask), out), state
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, traits=Traits(name="krum", robust=True))
 
 
 def multi_krum(num_byzantine: int, m: int | None = None) -> Aggregator:
@@ -486,7 +474,7 @@ def multi_krum(num_byzantine: int, m: int | None = None) -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
-    c = _num_rows(updates, weights)
+    c = check_stacked_updates(updates, weights, "multi_krum")
     _check_krum_rows("multi_krum", f, c, 2 * f + 3, "n > 2·num_byzantine + 2")
     if m is not None and m > c:
       raise ValueError(f"multi_krum: m = {m} must be at most the number of clients in the round, C = {c}.")
@@ -501,7 +489,7 @@ def multi_krum(num_byzantine: int, m: int | None = None) -> Aggregator:
     out = jax.tree.map(lambda u: jnp.tensordot(coefficients.astype(u.dtype), u, axes=1), x)
     return _zeros_if_none(n, out), state
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, traits=Traits(name="multi_krum", robust=True))
 
 
 def bulyan(num_byzantine: int) -> Aggregator:
@@ -531,7 +519,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
 
   def aggregate(updates, weights, state, key):
     del key
-    c = _num_rows(updates, weights)
+    c = check_stacked_updates(updates, weights, "bulyan")
     _check_krum_rows("bulyan", f, c, 4 * f + 3, "n ≥ 4·num_byzantine + 3")
     mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
@@ -554,7 +542,7 @@ def bulyan(num_byzantine: int) -> Aggregator:
 
     return _zeros_if_none(n, jax.tree.map(leaf, x)), state
 
-  return Aggregator(stateless_init, aggregate)
+  return Aggregator(stateless_init, aggregate, traits=Traits(name="bulyan", robust=True))
 
 
 # ---- centered clipping -------------------------------------------------------------------------------------
@@ -604,7 +592,7 @@ def centered_clipping(tau: float, iterations: int = 1, momentum: float = 0.0) ->
 
   def aggregate(updates, weights, state, key):
     del key
-    _num_rows(updates, weights)
+    check_stacked_updates(updates, weights, "centered_clipping")
     mask = _voters(updates, weights)
     n = jnp.sum(mask, dtype=jnp.int32)
     x = _present(updates, mask)
@@ -621,4 +609,4 @@ def centered_clipping(tau: float, iterations: int = 1, momentum: float = 0.0) ->
     center = jax.tree.map(lambda c, a: (momentum * c + (1 - momentum) * a).astype(c.dtype), state.center, v)
     return _zeros_if_none(n, v), CenteredClippingState(center=center)
 
-  return Aggregator(init, aggregate)
+  return Aggregator(init, aggregate, traits=Traits(name="centered_clipping", robust=True))

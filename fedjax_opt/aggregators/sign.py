@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjax_opt.core.types import Aggregator, StreamingSum
+from fedjax_opt.core.server import check_stacked_updates
+from fedjax_opt.core.types import Aggregator, StreamingSum, Traits
 
 PyTree = Any
 
@@ -61,9 +62,12 @@ def majority_vote() -> Aggregator:
     return jax.tree.map(jnp.sign, total), state
 
   def aggregate(updates: PyTree, weights: jax.Array, state: tuple, key: jax.Array) -> tuple[PyTree, tuple]:
+    check_stacked_updates(updates, weights, "majority_vote")
     terms, counts = jax.vmap(term, in_axes=(0, 0, None))(updates, weights, state)
     total = jax.tree.map(lambda t: jnp.sum(t, axis=0), terms)
     out, state = finalize(total, jnp.sum(counts), state, key)
     return jax.tree.map(lambda o, u: o.astype(u.dtype), out, updates), state
 
-  return Aggregator(init, aggregate, StreamingSum(term, finalize))
+  # A sum of the clients' votes, not of their updates: not linear. Not declared robust: its fault tolerance (the
+  # paper's, against adversaries that flip their votes) is not a Byzantine rule's bound; SCAFFOLD and FedDyn take it.
+  return Aggregator(init, aggregate, StreamingSum(term, finalize), traits=Traits(name="majority_vote"))

@@ -103,7 +103,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.rounds import ClientOutput, client_round
 from fedjax_opt.core.tree import global_norm, tree_bits
-from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, PyTree
+from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, PyTree, Traits
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key,
                                         check_num_clients, check_optional_int, check_positive)
 
@@ -180,7 +180,7 @@ def _sum_of_rows() -> Aggregator:
     return jax.tree.map(lambda u: jnp.sum(jnp.where(used.reshape((-1,) + (1,) * (u.ndim - 1)), u, 0), axis=0),
                         updates), state
 
-  return Aggregator(lambda params: (), aggregate)
+  return Aggregator(lambda params: (), aggregate, traits=Traits(name="cocoa_sum_of_rows", linear=True))
 
 
 def cocoa(

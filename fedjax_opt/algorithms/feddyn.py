@@ -43,7 +43,9 @@ of the g_k, outside the aggregator, so `dp_mean` would leave that sum
 un-noised (not differentially private), `secure_aggregation` would need it
 in the clear, a robust rule would leave it to one attacker, and
 `fo.attacks.corrupt` would leave the attackers honest in it. `feddyn`
-refuses them in one line.
+refuses them in one line, recognised by their declared traits
+(`Aggregator.traits`), and refuses an aggregator without traits (unknown)
+the same way, saying how to declare them.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import protecting_piece, refuse_client_stage
+from fedjax_opt.core.server import protecting_piece, refuse_client_stage, refuse_unknown_traits
 from fedjax_opt.core.tree import global_norm, select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_loss_fn, check_num_clients, check_optimizer, check_positive, check_scalar
@@ -126,9 +128,10 @@ def feddyn(
       `aggregators.mean()`, the paper's (1/|P_t|) Σ. One with a client stage
       (compression) is refused: h needs the exact θ_k − θ^{t−1}. So are
       `fo.privacy.dp_mean`, `fo.privacy.secure_aggregation`, the robust rules
-      and `fo.attacks.corrupt` (`core.server.protecting_piece`): h moves by
-      the plain sum of the exact changes of the g_k, outside the aggregator,
-      which none of them would cover (the module docstring).
+      and `fo.attacks.corrupt` (their declared `Aggregator.traits`, read by
+      `core.server.protecting_piece`): h moves by the plain sum of the exact
+      changes of the g_k, outside the aggregator, which none of them would
+      cover (the module docstring); so is an aggregator without declared traits.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedDynState`.
@@ -142,9 +145,10 @@ def feddyn(
   refuse_client_stage(aggregator, "feddyn", "its h must move by the exact θ_k − θ^{t−1} that moves each g_k = "
                       "∇L_k(θ_k), so that h = (1/m) Σ_k g_k (what makes the fixed point stationary); a server that "
                       "receives compressed messages drifts from it every round. Use FedAvg or SCAFFOLD to compress.")
+  refuse_unknown_traits(aggregator, "feddyn", "its correction h")
   piece = protecting_piece(aggregator)
   if piece is not None:
-    name = getattr(aggregator.aggregate, "__qualname__", "aggregator").split(".")[0]
+    name = aggregator.traits.name
     why = {"dp_mean": "clips and noises the θ_k − θ^{t−1} for the model, but h adds their exact, un-noised sum, so "
                       "the run would not be differentially private",
            "secure_aggregation": "hides each θ_k − θ^{t−1}, but h needs their exact sum from the clients' g_k tables",

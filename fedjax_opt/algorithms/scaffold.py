@@ -70,9 +70,13 @@ that protects the Δy_i would leave the Δc_i unprotected:
   Δc_i, so the simulated attackers would send honest control variates; attack
   the clients' data with `fo.attacks.poison` instead.
 
-The pieces are recognised by `core.server.protecting_piece` (by the module
-that defines their `aggregate`: a wrapper keeps the outermost piece's, a
-chain its aggregator's); FedDyn refuses the same pieces for its h.
+The pieces are recognised by the traits they declare (`Aggregator.traits`,
+read by `core.server.protecting_piece`: a wrapper's traits combine its own with the
+inner piece's, a chain's are its aggregator's), never by where their code
+lives. An aggregator without traits (one built by hand, or a library piece
+wrapped in a lambda or a `functools.partial`) is unknown and refused too,
+in one line saying how to declare them: it could clip, noise or filter the
+Δy_i and nothing would say so. FedDyn refuses the same pieces for its h.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import apply_server_update, client_is_finite, protecting_piece
+from fedjax_opt.core.server import apply_server_update, client_is_finite, protecting_piece, refuse_unknown_traits
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_loss_fn, check_num_clients, check_positive
@@ -143,8 +147,10 @@ def _option_ii(c_i: PyTree, c: PyTree, delta: PyTree, num_steps: jax.Array, eta_
 
 
 def _refuse_uncovered_control_variates(aggregator: aggregators_lib.Aggregator) -> None:
-  """Raises ValueError when `aggregator` protects the Δy_i and would leave the plain sum of the Δc_i unprotected."""
-  name = getattr(aggregator.aggregate, "__qualname__", "aggregator").split(".")[0]
+  """Raises ValueError when `aggregator` protects the Δy_i and would leave the plain sum of the Δc_i unprotected, or
+  when it does not declare what it does (`traits` None)."""
+  refuse_unknown_traits(aggregator, "scaffold", "the control variate c")
+  name = aggregator.traits.name
   why = {
       "dp_mean": (
           f"{name} clips and noises the Δy_i, but c adds each Δc_i unclipped and un-noised (under option II "
@@ -195,7 +201,8 @@ def scaffold(
       A client stage chained in front of it (compression) acts on both uploads
       (module docstring); one that keeps rows needs N of them. `dp_mean`,
       `secure_aggregation`, robust rules and `corrupt` are refused: c is the
-      plain sum of the Δc_i, which they would leave unprotected (module docstring).
+      plain sum of the Δc_i, which they would leave unprotected (module
+      docstring); so is an aggregator without declared traits (`Aggregator.traits`).
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `ScaffoldState`.

@@ -12,6 +12,11 @@
 * `apply_server_update`: feeds the pseudo-gradient −Δ to an optax server
   optimizer, x ← x + u with u = ServerOpt(−Δ); a rejected round leaves both
   the model and the optimizer state unchanged.
+* `protecting_piece`: what an aggregator does beyond a plain sum, read from
+  its declared `Aggregator.traits` (None: unknown), for the algorithms whose
+  server moves state by a plain sum outside the aggregator.
+* `check_stacked_updates`: the trace-time shape check every aggregator runs
+  (`weights` `[C]`, every leaf of `updates` `[C, ...]`), naming the leaf.
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
-from fedjax_opt.core.types import Aggregator, ClientStage
+from fedjax_opt.core.types import Aggregator, ClientStage, Traits
 
-__all__ = ["Aggregated", "ROUND_METRICS", "Received", "aggregate_updates", "apply_server_update", "check_aggregator",
-           "client_is_finite", "finish_aggregation", "guarded_aggregate", "initial_round_metrics", "protecting_piece",
-           "round_metrics", "zero_nonfinite"]
+__all__ = ["Aggregated", "ROUND_METRICS", "Received", "aggregate_updates", "aggregator_name", "apply_server_update",
+           "check_aggregator", "check_stacked_updates", "client_is_finite", "finish_aggregation", "guarded_aggregate",
+           "initial_round_metrics", "protecting_piece", "refuse_unknown_traits", "round_metrics", "zero_nonfinite"]
 
 PyTree = Any
 
@@ -69,6 +74,9 @@ def check_aggregator(aggregator: Any) -> Aggregator:
   if not isinstance(aggregator, Aggregator):
     raise TypeError(f"aggregator must be a fedjax_opt.aggregators.Aggregator (e.g. fo.aggregators.mean()); "
                     f"got {type(aggregator).__name__}.")
+  if aggregator.traits is not None and not isinstance(aggregator.traits, Traits):
+    raise TypeError(f"aggregator.traits must be a fedjax_opt.aggregators.Traits or None; got "
+                    f"{type(aggregator.traits).__name__}.")
   return aggregator
 
 
@@ -78,24 +86,66 @@ def refuse_client_stage(aggregator: Aggregator, who: str, why: str) -> None:
     raise ValueError(f"{who} cannot compose with the aggregator's client stage {aggregator.client.name}: {why}")
 
 
-# The pieces that act on the round's updates beyond summing them, by the module that defines their `aggregate`
-# (named, not imported: core sits below them). A wrapper keeps its outermost piece's; a chain, its aggregator's.
-_PIECES = {"fedjax_opt.privacy.dp": "dp_mean", "fedjax_opt.privacy.secure": "secure_aggregation",
-           "fedjax_opt.aggregators.robust": "robust", "fedjax_opt.attacks": "attack"}
+def aggregator_name(aggregator: Aggregator) -> str:
+  """A label for `aggregator` in a message: its declared `traits.name`, or, for a piece without traits, what its
+  `aggregate` is called (text only: nothing is recognised by it)."""
+  if aggregator.traits is not None:
+    return aggregator.traits.name
+  fn = aggregator.aggregate
+  label = getattr(fn, "__qualname__", None) or type(fn).__name__
+  return f"an aggregator without traits ({label})"
 
 
 def protecting_piece(aggregator: Aggregator) -> str | None:
-  """What `aggregator` does to the updates beyond a sum: "dp_mean" (clip and noise), "secure_aggregation" (hide
-  them), "robust" (a robust rule), "attack" (`fo.attacks.corrupt`), or None.
+  """What `aggregator` does to the updates beyond a plain sum, read from its declared `traits`:
+
+  "unknown" when `aggregator.traits` is None (a piece the library did not make: its `aggregate` may clip, noise,
+  hide or filter the updates, and nothing says); else "attack" (`fo.attacks.corrupt`), "secure_aggregation" (the
+  server sees only a sum), "dp_mean" (private: clipped and noised), "robust" (a robust rule), the first that holds
+  in this order (the outermost piece of the library's compositions); None for a piece that does none of these
+  (the mean, the weighted mean, a majority vote, a client stage in front of one).
 
   For algorithms whose server also moves state by a plain sum of the clients' exact messages outside the
   aggregator (SCAFFOLD's c, FedDyn's h): such a piece would protect the update and leave that side channel
-  unprotected, so they refuse it.
+  unprotected, so they refuse it, and refuse an unknown one (`refuse_unknown_traits`).
   """
-  fn = aggregator.aggregate
-  if isinstance(fn, Received):
-    fn = fn.receive
-  return _PIECES.get(getattr(fn, "__module__", None))
+  traits = aggregator.traits
+  if traits is None:
+    return "unknown"
+  for flag, piece in (("attack", "attack"), ("secure", "secure_aggregation"), ("private", "dp_mean"),
+                      ("robust", "robust")):
+    if getattr(traits, flag):
+      return piece
+  return None
+
+
+def refuse_unknown_traits(aggregator: Aggregator, who: str, side_channel: str) -> None:
+  """Raises ValueError, in one line naming `who` and how to declare traits, when `aggregator.traits` is None.
+
+  `side_channel` says what the algorithm's server moves by a plain sum outside the aggregator.
+  """
+  if aggregator.traits is None:
+    raise ValueError(
+        f"{who}: {aggregator_name(aggregator)} declares no traits, so nothing says whether it clips, noises, hides "
+        f"or filters the updates while {side_channel} moves by a plain sum outside it; declare them, e.g. "
+        f"Aggregator(init, aggregate, streaming, traits=fo.aggregators.Traits(name=\"my_mean\", linear=True)) for a "
+        f"plain weighted mean ({who} refuses private, secure, robust and attack pieces).")
+
+
+def check_stacked_updates(updates: PyTree, weights: Any, who: str) -> int:
+  """C, the static number of rows, after checking at trace time that `weights` is `[C]` and every leaf of `updates`
+  is stacked `[C, ...]` on axis 0; a ValueError otherwise, in one line naming `who`, the leaf and the axis."""
+  shape = tuple(jnp.shape(weights))
+  if len(shape) != 1:
+    raise ValueError(f"{who}: weights must have shape [C] (one weight per client, on axis 0); got shape {shape}.")
+  c = shape[0]
+  for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+    leaf_shape = tuple(jnp.shape(leaf))
+    if not leaf_shape or leaf_shape[0] != c:
+      found = "no axis 0" if not leaf_shape else f"{leaf_shape[0]} rows on axis 0"
+      raise ValueError(f"{who}: every leaf of updates must be stacked [C, ...] with C = {c} (the length of weights) "
+                       f"on axis 0; updates{jax.tree_util.keystr(path)} has {found} (shape {leaf_shape}).")
+  return c
 
 
 def zero_nonfinite(updates: PyTree, weights: jax.Array) -> tuple[PyTree, jax.Array, jax.Array]:
@@ -157,6 +207,7 @@ class Received:
     object.__setattr__(self, "__qualname__", self.name)
 
   def __call__(self, updates: PyTree, weights: jax.Array, state: Any, key: jax.Array) -> tuple[PyTree, Any]:
+    check_stacked_updates(updates, weights, self.name)
     update, new_state, _, _ = guarded_aggregate(self, updates, weights, state, key)
     return update, new_state
 
@@ -180,6 +231,7 @@ def guarded_aggregate(aggregate: Callable[..., tuple[PyTree, Any]], updates: PyT
 
 def aggregate_updates(aggregator: Aggregator, updates: PyTree, weights: jax.Array, state: Any, key: jax.Array) -> Aggregated:
   """Aggregates stacked client updates `[C, ...]` with the non-finite guard (of the rows as received: `Received`)."""
+  check_stacked_updates(updates, weights, aggregator_name(aggregator))
   update, new_state, w, finite = guarded_aggregate(aggregator.aggregate, updates, weights, state, key)
   return finish_aggregation(update, new_state, state, w, weights, finite, aggregator.always_releases)
 

@@ -36,7 +36,9 @@ the server step (`fedjax_opt.aggregators` builds them); it is a contract of
 the core, so the core never imports the aggregators. Its optional
 `ClientStage` is the part of the seam that runs on each client before the
 upload (compression with error feedback, `fedjax_opt.compression.compress`),
-with its per-client rows in the aggregator's state (`StagedState`).
+with its per-client rows in the aggregator's state (`StagedState`). What a
+piece does to the updates is declared on it as data (`Traits`), never
+guessed from where its functions were defined.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import flax.struct
 import jax
 
 __all__ = ["Aggregator", "ClientBatches", "ClientStage", "DeferredData", "FederatedAlgorithm", "LossFn", "PyTree",
-           "ServerState", "StagedState", "StreamingSum", "has_local_split", "materialize", "with_local_split"]
+           "ServerState", "StagedState", "StreamingSum", "Traits", "has_local_split", "materialize", "with_local_split"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -395,6 +397,115 @@ class StagedState(NamedTuple):
   server: Any
 
 
+def _static_number(value: Any, name: str) -> float | None:
+  """`value` as a Python float when it is one concrete number; None for None, a traced value (a swept σ) or a grid."""
+  if value is None or isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, bool):
+    raise TypeError(f"Traits: {name} must be a number or None; got {value!r}.")
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Traits:
+  """What an aggregator does to the clients' updates, declared as data on the piece (`Aggregator.traits`).
+
+      Aggregator(init, aggregate, traits=fo.aggregators.Traits(name="my_mean", linear=True))
+
+  Every factory of the library declares its pieces' traits, and code that
+  must know what a piece does reads them instead of guessing from where its
+  functions were defined: SCAFFOLD and FedDyn, whose servers move state by a
+  plain sum outside the aggregator, refuse a piece that is private, secure,
+  robust or an attack (`core.server.protecting_piece`). An `Aggregator` whose
+  `traits` is None is *unknown* (built by hand, or wrapped in a lambda or a
+  `functools.partial`): such code refuses it rather than assume a plain sum.
+
+  Traits combine: a wrapper (`fo.privacy.secure_aggregation(inner)`,
+  `fo.attacks.corrupt(inner, ...)`) has its own flags or'd with the inner
+  piece's (`Traits.wrap`: a wrapped `dp_mean` stays private), and
+  `fo.aggregators.chain(stage, aggregator)` has the aggregator's with
+  `client_stage` set. Unknown stays unknown: a wrapper or a chain around a
+  piece without traits has none.
+
+  Attributes:
+    name: the factory that built the piece ("mean", "krum", "dp_mean",
+      "secure_aggregation", "corrupt", ...), for messages.
+    linear: the update is a weighted sum or mean of the updates as sent,
+      Σ_c a_c Δ_c / Σ_c a_c with a_c from the weights alone (`mean`,
+      `weighted_mean`; a secure sum of one): a rule that can be summed
+      client by client. Clipping, noise, votes and robust rules are not.
+    private: differentially private: the updates are clipped and noised
+      (`dp_mean`), on its own or inside a wrapper.
+    noise_multiplier: σ of a private piece (the accountant's), when it was
+      known where the piece was built; None otherwise (a traced σ in a sweep).
+    clip_norm: its clip norm C (the initial C_0 under adaptive clipping), when known.
+    secure: the server sees only a sum, not the individual updates (`secure_aggregation`).
+    robust: a Byzantine-robust rule (medians, trimmed mean, Krum, Bulyan, centered clipping).
+    attack: a simulated attack replaces rows the server receives (`fo.attacks.corrupt`).
+    client_stage: the name of the client stage every message passes before it
+      is sent (compression, attached by `fo.aggregators.chain`); None without one.
+    inner: the traits of the piece this one wraps; None for a piece that wraps none.
+  """
+
+  name: str
+  linear: bool = False
+  private: bool = False
+  noise_multiplier: float | None = None
+  clip_norm: float | None = None
+  secure: bool = False
+  robust: bool = False
+  attack: bool = False
+  client_stage: str | None = None
+  inner: Traits | None = None
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not self.name:
+      raise TypeError(f"Traits: name must be a non-empty string (the factory that built the piece); got {self.name!r}.")
+    for field in ("linear", "private", "secure", "robust", "attack"):
+      if not isinstance(getattr(self, field), bool):
+        raise TypeError(f"Traits({self.name!r}): {field} must be a bool; got {getattr(self, field)!r}.")
+    for field in ("noise_multiplier", "clip_norm"):
+      object.__setattr__(self, field, _static_number(getattr(self, field), field))
+    if not self.private and (self.noise_multiplier is not None or self.clip_norm is not None):
+      raise ValueError(f"Traits({self.name!r}): noise_multiplier and clip_norm describe a private piece; set "
+                       f"private=True.")
+    if self.client_stage is not None and not isinstance(self.client_stage, str):
+      raise TypeError(f"Traits({self.name!r}): client_stage must be the stage's name or None; got "
+                      f"{type(self.client_stage).__name__}.")
+    if self.inner is not None and not isinstance(self.inner, Traits):
+      raise TypeError(f"Traits({self.name!r}): inner must be the wrapped piece's Traits or None; got "
+                      f"{type(self.inner).__name__}.")
+
+  @classmethod
+  def wrap(cls, inner: Traits | None, *, name: str, linear: bool | None = None, private: bool = False,
+           secure: bool = False, robust: bool = False, attack: bool = False) -> Traits | None:
+    """The traits of a piece `name` wrapped around a piece with traits `inner`; None when `inner` is None.
+
+    Each flag is the wrapper's own or the inner piece's; `linear` is the
+    inner's when not given (a secure sum of a mean is that mean); the inner's
+    σ, clip norm and client stage carry over.
+    """
+    if inner is None:
+      return None
+    return cls(name=name, linear=inner.linear if linear is None else linear, private=private or inner.private,
+               noise_multiplier=inner.noise_multiplier, clip_norm=inner.clip_norm, secure=secure or inner.secure,
+               robust=robust or inner.robust, attack=attack or inner.attack, client_stage=inner.client_stage,
+               inner=inner)
+
+  def describe(self) -> str:
+    """The pieces: the client stage, then the outermost to the innermost,
+    "compress(top_k(k=1)) → secure_aggregation(dp_mean)"."""
+    names, inner = [self.name], self.inner
+    while inner is not None:
+      names.append(inner.name)
+      inner = inner.inner
+    pieces = "(".join(names) + ")" * (len(names) - 1)
+    return pieces if self.client_stage is None else f"{self.client_stage} → {pieces}"
+
+
 class Aggregator(NamedTuple):
   """`init(params) -> state`; `aggregate(updates [C, ...], weights [C], state, key) -> (update, state)`.
 
@@ -422,6 +533,12 @@ class Aggregator(NamedTuple):
   and the server side's state), made by `core.rounds.init_aggregator_state`
   and updated by `core.rounds.client_round`. Without a client stage the
   state is `init(params)` itself.
+
+  `traits` (optional) declares what the piece does to the updates
+  (`Traits`: linear, private, secure, robust, an attack, its client stage).
+  Every factory of the library declares them; None means unknown (a piece
+  the library did not make), which code that must know refuses (SCAFFOLD,
+  FedDyn).
   """
 
   init: Callable[[PyTree], Any]
@@ -429,3 +546,4 @@ class Aggregator(NamedTuple):
   streaming: StreamingSum | None = None
   always_releases: bool = False
   client: ClientStage | None = None
+  traits: Traits | None = None

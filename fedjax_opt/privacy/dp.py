@@ -52,8 +52,11 @@ clipped, and clipping after decompression keeps the sensitivity at C. A
 secure-summation stage replaces the plain Σ_k of the terms (what the server
 learns is then only the sum, not each Δ̃_k); the noise is added once, after
 the sum, by `finalize` — or split across clients (distributed noise) by a
-secure-sum stage that owns it. The server optimizer then sees only the noised
-mean, so it is post-processing and costs no privacy.
+secure-sum stage that owns it (`fo.privacy.secure_aggregation` reads C_t
+from this state every round and refines its fixed-point grid as C_t shrinks,
+so that a small adaptive clip norm is not rounded away: its module
+docstring, "DP through the ring"). The server optimizer then sees only the
+noised mean, so it is post-processing and costs no privacy.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_opt.core.types import Aggregator, PyTree, StreamingSum
+from fedjax_opt.core.server import check_stacked_updates
+from fedjax_opt.core.types import Aggregator, PyTree, StreamingSum, Traits
 from fedjax_opt.core.validation import is_concrete
 
 __all__ = ["AdaptiveClipping", "DPMeanState", "clip_by_global_norm", "dp_mean", "update_noise_multiplier"]
@@ -207,6 +211,8 @@ def dp_mean(
   Raises:
     TypeError, ValueError: a non-numeric or out-of-range argument (checked
       when concrete), or adaptive clipping whose count noise would use up σ.
+    ValueError: from `aggregate`, weights that are not 1-D `[C]` or an update
+      leaf not stacked `[C, ...]` on axis 0 (one line naming the leaf and the axis).
   """
   _check_nonnegative(clip_norm, "clip_norm", positive=True)
   _check_nonnegative(noise_multiplier, "noise_multiplier")
@@ -261,9 +267,12 @@ def dp_mean(
 
   def aggregate(updates: PyTree, weights: jax.Array, state: DPMeanState,
                 key: jax.Array) -> tuple[PyTree, DPMeanState]:
+    check_stacked_updates(updates, weights, "dp_mean")
     terms, counts = jax.vmap(term, in_axes=(0, 0, None))(updates, weights, state)
     total = jax.tree.map(lambda t: jnp.sum(t, axis=0), terms)
     out, new_state = finalize(total, jnp.sum(counts), state, key)
     return jax.tree.map(lambda o, u: o.astype(u.dtype), out, updates), new_state
 
-  return Aggregator(init, aggregate, StreamingSum(term, finalize), always_releases=True)
+  return Aggregator(init, aggregate, StreamingSum(term, finalize), always_releases=True,
+                    traits=Traits(name="dp_mean", private=True, noise_multiplier=noise_multiplier,
+                                             clip_norm=clip_norm))

@@ -65,8 +65,9 @@ is calibrated for sensitivity C, so when `inner` is a `dp_mean` (its state a
 
     C' = max(C − √P·2^−f, 0)                      (`rounding_room`; C = C_t with adaptive clipping)
 
-so that for every draw of the rounding, ‖q·2^−f‖₂ ≤ ‖x̄‖₂ + ‖q·2^−f − x̄‖₂ <
-C' + √P·2^−f = C (clipping coordinates to [−B, B] only shortens x̄). The noise
+(f is the round's grid: f + k_t under adaptive clipping, "The grid follows
+C_t" below) so that for every draw of the rounding, ‖q·2^−f‖₂ ≤ ‖x̄‖₂ +
+‖q·2^−f − x̄‖₂ < C' + √P·2^−f = C (clipping coordinates to [−B, B] only shortens x̄). The noise
 stays N(0, (σ_Δ C)²), so the accountant's σ holds as given, and the adaptive
 clipping bit is `dp_mean`'s own, 1[‖Δ_k‖ ≤ C]. The cost is a clip norm
 smaller by √P·2^−f: 0.5% of C = 1 at P = 10⁵ and f = 16. (The bound holds in
@@ -82,6 +83,31 @@ norm of a vector at norm C, so a draw within C itself gets rare once P·2^−f i
 several times C (about 3·10⁻⁷ per draw at P = 10⁵, f = 12), and that paper
 accepts an inflated bound and calibrates the noise to it instead; clipping to
 C' bounds every draw, without a loop, at the σ that was given.
+
+The grid follows C_t. Adaptive clipping's C_t has no floor (the quantile rule
+shrinks it geometrically while most updates fit), and on a fixed grid C' = 0
+once C_t ≤ √P·2^−f: every update would be zeroed and the round accepted, so
+training would stop silently (C_t ≈ 6.8·10⁻³ for P = 2·10⁵, f = 16). So each
+round encodes the update coordinates with f_t = f + k_t fractional bits,
+k_t = `grid_extra_bits(C_t, C_0, P, f)`, the largest k ≥ 0 with
+
+    C_t·2^k ≤ T = max(C_0, 2√P·2^−f)              (C_0: the clip norm at `init`, kept in the state)
+
+capped at 126 − f, and clips to C'_t = C_t − √P·2^−f_t: the coordinates are
+multiplied by 2^k_t (exactly) and encoded as on round 0's grid, with the same
+B and the same integers (so the ring check holds as it is), and the decoded
+sum is multiplied by 2^−k_t; the scalar (±½) is encoded as before. Then
+C_t·2^k_t > T/2 ≥ √P·2^−f, so C'_t > 0 in every round, and the room is
+relative: the rounding takes under 2√P·2^−f / C_0 of C_t (under 1.4% at
+P = 2·10⁵, f = 16 and C_0 = 1, however small C_t gets). A scaled coordinate
+stays below max(C_0 − √P·2^−f, √P·2^−f) < C_0, so B ≥ C_0 still clips
+nothing. While C_t > T/2 — always for a fixed clip norm; for an adaptive one
+until C_t falls to T/2, which is C_0/2 unless √P·2^−f > C_0/2 — k_t = 0 and
+the round is bit for bit what it was on the fixed grid. `state.frac_bits`
+records each round's f_t. Should the room still be 0 (C_t = 0, NaN, or below
+T·2^−(126 − f), past the cap), the round is not accepted: its aggregate is
+NaN, so the non-finite guard rejects it (`metrics["round_accepted"]` False,
+model and states unchanged), never a silent zero update.
 
 What is simulated and what is not. The arithmetic is the protocol's: the ring,
 the masks, their cancellation, the Shamir sharing and the reconstruction of
@@ -133,14 +159,15 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry_2x32
 
-from fedjax_opt.core.server import refuse_client_stage
+from fedjax_opt.core.server import check_stacked_updates, refuse_client_stage
 from fedjax_opt.core.tree import select_tree
-from fedjax_opt.core.types import Aggregator, PyTree
+from fedjax_opt.core.types import Aggregator, PyTree, Traits
 from fedjax_opt.core.validation import is_concrete
 from fedjax_opt.privacy.dp import DPMeanState, clip_by_global_norm
 
 __all__ = ["PRIME", "GENERATOR", "SecureAggregationState", "SecureSum", "fixed_point_decode", "fixed_point_encode",
-           "rounding_room", "secure_aggregation", "secure_sum", "shamir_reconstruct", "shamir_share", "upload_bits"]
+           "grid_extra_bits", "rounding_room", "secure_aggregation", "secure_sum", "shamir_reconstruct", "shamir_share",
+           "upload_bits"]
 
 PRIME = 2**31 - 1
 """p, the Mersenne prime of the field F_p (Shamir shares) and the group Z_p^* (key agreement)."""
@@ -498,6 +525,11 @@ class SecureAggregationState:
     num_clipped: int32, coordinates outside [−B, B] clipped by the encoding (all members).
     upload_bits: float32, bits uploaded by one member (`upload_bits`).
     threshold: int32, the round's Shamir threshold t (survivors needed).
+    frac_bits: int32, f_t = f + k_t, the fractional bits the last round's update coordinates were encoded with:
+      f, refined by k_t = `grid_extra_bits(...)` ≥ 0 bits as a `dp_mean`'s adaptive clip norm C_t shrinks (module
+      docstring, "DP through the ring"); f without a `dp_mean` and before the first round.
+    initial_clip_norm: float32, C_0, the `dp_mean`'s clip norm when the state was initialised (the grid of f bits
+      was checked against it; constant); 0 without a `dp_mean`.
   """
 
   inner: Any
@@ -507,12 +539,44 @@ class SecureAggregationState:
   num_clipped: jax.Array
   upload_bits: jax.Array
   threshold: jax.Array
+  frac_bits: jax.Array
+  initial_clip_norm: jax.Array
 
 
-def rounding_room(clip_norm: Any, num_coordinates: int, frac_bits: int) -> Any:
+def _pow2(exponent: Any, dtype: Any = jnp.float32) -> jax.Array:
+  """2^e exactly, for int32 e in [−126, 127] (possibly traced), built from its float32 bits; in `dtype`."""
+  e = jnp.asarray(exponent, jnp.int32)
+  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32).astype(dtype)
+
+
+def rounding_room(clip_norm: Any, num_coordinates: int, frac_bits: Any) -> Any:
   """C' = max(C − √P·2^−f, 0): the norm to clip a client's update to so that its fixed-point encoding decodes
-  within C (module docstring, "DP through the ring")."""
-  return jnp.maximum(clip_norm - math.sqrt(num_coordinates) * 2.0**-frac_bits, 0.0)
+  within C (module docstring, "DP through the ring"). `frac_bits` may be a traced int32 f_t = f + k_t (at most
+  126): the same float32 value as for a Python int."""
+  if isinstance(frac_bits, (int, np.integer)):
+    return jnp.maximum(clip_norm - math.sqrt(num_coordinates) * 2.0**-frac_bits, 0.0)
+  return jnp.maximum(clip_norm - jnp.float32(math.sqrt(num_coordinates)) * _pow2(-jnp.asarray(frac_bits)), 0.0)
+
+
+def grid_extra_bits(clip_norm: Any, initial_clip_norm: Any, num_coordinates: int, frac_bits: int) -> jax.Array:
+  """k_t, the bits by which a round with clip norm C_t refines the grid of f bits: int32, the largest k ≥ 0 with
+
+      C_t·2^k ≤ T = max(C_0, 2·√P·2^−f),      capped at 126 − f (float32's normal range)
+
+  so 0 while C_t > T/2 (always for a fixed clip norm C_t = C_0), and otherwise C_t·2^k ∈ (T/2, T]: the round's
+  rounding room √P·2^−(f + k) stays under 2·(√P·2^−f / C_0)·C_t and under C_t (module docstring, "DP through the
+  ring"). Exact: the float32 estimate ⌊log₂(T / C_t)⌋ is corrected by comparing C_t·2^k with T, both exact
+  products. A C_t of 0 gives the cap, a NaN gives 0.
+  """
+  cap = 126 - frac_bits
+  c = jnp.asarray(clip_norm, jnp.float32)
+  reference = jnp.maximum(jnp.asarray(initial_clip_norm, jnp.float32),
+                          jnp.float32(2 * math.sqrt(num_coordinates) * 2.0**-frac_bits))
+  guess = jnp.floor(jnp.log2(reference / c))
+  k = jnp.where(jnp.isnan(guess), 0.0, jnp.clip(guess, 0, cap)).astype(jnp.int32)
+  k = jnp.where(c * _pow2(k) > reference, k - 1, k)
+  k = jnp.where(c * _pow2(k + 1) <= reference, k + 1, k)
+  return jnp.clip(k, 0, cap)
 
 
 def _check_dp_grid(clip_norm: Any, num_coordinates: int, frac_bits: int) -> None:
@@ -569,8 +633,14 @@ def secure_aggregation(
       Its `term` gives each client's contribution, its `finalize` the result;
       `always_releases` is inherited. A `dp_mean`'s clipped terms are clipped
       again to C − √P·2^−f, so that each decoded term stays within C
-      (module docstring, "DP through the ring").
-    frac_bits: f, fractional bits of the fixed-point encoding (resolution 2^−f).
+      (module docstring, "DP through the ring"). With adaptive clipping the
+      grid follows the round's C_t: once C_t ≤ C_0/2 (or ≤ √P·2^−f, if
+      that is larger) its update coordinates
+      are encoded with f + k_t bits (`grid_extra_bits`, `state.frac_bits`),
+      so the room C_t − √P·2^−(f + k_t) stays a fraction of C_t and never
+      reaches 0 (a round where it would, past float32's range, is rejected).
+    frac_bits: f, fractional bits of the fixed-point encoding (resolution 2^−f;
+      the grid of round 0, refined per round under adaptive clipping).
     bound: B > 0 (required: no default fits every inner rule): every
       coordinate of a contribution is clipped to [−B, B] (counted in
       `state.num_clipped`). Its scalar (1 for `mean`, n_k for
@@ -579,7 +649,9 @@ def secure_aggregation(
       member's scalar exceeds B (`weighted_mean` with n_k > B) is rejected
       (NaN: the guard keeps the model) rather than divided by a wrong count.
       Needs C·(⌈B 2^f⌉ + 1) < 2³¹ (checked at trace time). For `weighted_mean`,
-      B must cover n_k and n_k·|Δ_k|; for `dp_mean`, B ≥ its clip norm loses nothing.
+      B must cover n_k and n_k·|Δ_k|; for `dp_mean`, B ≥ its clip norm loses nothing
+      (B applies to the coordinates times 2^k_t in a round with a refined grid,
+      which then stay below C_0).
     threshold: t, the Shamir threshold: shares needed to reconstruct a secret,
       so a round needs t survivors. None: ⌊m/2⌋ + 1 for the round's m members
       (weight > 0; padding slots do not count), a majority of the users who
@@ -598,7 +670,9 @@ def secure_aggregation(
       secure aggregator instead).
     ValueError: an out-of-range argument; at trace time, a ring too small for
       C clients (see `bound`) or t > C; from `init(params)` with a `dp_mean`,
-      f = 0 or a grid with √P·2^−f ≥ C.
+      f = 0 or a grid with √P·2^−f ≥ C; from `aggregate`, weights that are
+      not 1-D `[C]` or an update leaf not stacked `[C, ...]` on axis 0 (one
+      line naming the leaf and the axis).
   """
   if not isinstance(inner, Aggregator) or inner.streaming is None:
     raise TypeError("secure_aggregation: inner must be an Aggregator that is a sum over clients (with a "
@@ -621,13 +695,16 @@ def secure_aggregation(
       raise ValueError(f"secure_aggregation: bound B = {bound:g} would clip the scalar each client adds to the sum "
                        f"({float(probe):g} for a client of weight 1: the count or weight the inner rule divides by); "
                        f"use bound >= {abs(float(probe)):g}.")
+    initial = (jnp.asarray(inner_state.clip_norm, jnp.float32) if isinstance(inner_state, DPMeanState)
+               else jnp.zeros((), jnp.float32))
     return SecureAggregationState(inner=inner_state, num_dropped=zero, num_survivors=zero,
                                   recovered=jnp.zeros((), bool), num_clipped=zero,
-                                  upload_bits=jnp.zeros((), jnp.float32), threshold=zero)
+                                  upload_bits=jnp.zeros((), jnp.float32), threshold=zero,
+                                  frac_bits=jnp.asarray(frac_bits, jnp.int32), initial_clip_norm=initial)
 
   def aggregate(updates: PyTree, weights: jax.Array, state: SecureAggregationState,
                 key: jax.Array) -> tuple[PyTree, SecureAggregationState]:
-    c = weights.shape[0]
+    c = check_stacked_updates(updates, weights, "secure_aggregation")
     if threshold is not None and threshold > c:
       raise ValueError(f"secure_aggregation: threshold t = {threshold} exceeds the round's C = {c} client slots.")
     largest = math.ceil(bound * 2**frac_bits) + 1
@@ -642,13 +719,20 @@ def secure_aggregation(
     used = jnp.where(dropped, jnp.zeros_like(weights), weights)
 
     terms, scalars = jax.vmap(term, in_axes=(0, 0, None))(updates, used, state.inner)
-    if isinstance(state.inner, DPMeanState):  # room for the rounding: the decoded update stays within C
-      room = rounding_room(state.inner.clip_norm, sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(terms)),
-                           frac_bits)
+    dp = isinstance(state.inner, DPMeanState)
+    extra, room_ok = jnp.zeros((), jnp.int32), jnp.ones((), bool)
+    if dp:  # room for the rounding, on a grid refined by k_t bits as C_t shrinks: the decoded update stays within C_t
+      num_coordinates = sum(math.prod(x.shape[1:]) for x in jax.tree.leaves(terms))
+      extra = grid_extra_bits(state.inner.clip_norm, state.initial_clip_norm, num_coordinates, frac_bits)
+      room = rounding_room(state.inner.clip_norm, num_coordinates, frac_bits + extra)
+      room_ok = room > 0  # False only past the cap of k_t, or for C_t = 0 or NaN: the round is then rejected
       terms = jax.vmap(lambda t: clip_by_global_norm(t, room)[0])(terms)
     leaves, treedef = jax.tree.flatten(terms)
     columns = [leaf.reshape(c, -1) for leaf in leaves] + [scalars.reshape(c, 1)]
     flat = jnp.concatenate([col.astype(jnp.result_type(*columns)) for col in columns], axis=1)
+    if dp:  # the update coordinates times 2^k_t (exact), the scalar as is: the same integers as on round 0's grid
+      is_update = jnp.arange(flat.shape[1]) < flat.shape[1] - 1
+      flat = flat * jnp.where(is_update, _pow2(extra, flat.dtype), jnp.ones((), flat.dtype))
     encoded, num_clipped = fixed_point_encode(jnp.where(member[:, None], flat, 0), k_round, frac_bits=frac_bits,
                                               bound=bound)
     # A member whose scalar (its weight for weighted_mean) lies outside [−B, B] would shift the denominator: the
@@ -657,11 +741,13 @@ def secure_aggregation(
     result = secure_sum(encoded, member, dropped, k_protocol, threshold=threshold)
 
     total_flat = fixed_point_decode(result.total, frac_bits=frac_bits, dtype=flat.dtype)
+    if dp:  # back from the grid of f + k_t bits: times 2^−k_t (exact)
+      total_flat = total_flat * jnp.where(is_update, _pow2(-extra, flat.dtype), jnp.ones((), flat.dtype))
     parts = jnp.split(total_flat, np.cumsum([col.shape[1] for col in columns])[:-1])
     decoded = [part.astype(col.dtype) for part, col in zip(parts, columns)]
     total = jax.tree.unflatten(treedef, [d.reshape(leaf.shape[1:]) for d, leaf in zip(decoded[:-1], leaves)])
     out, inner_state = finalize(total, decoded[-1][0], state.inner, key)
-    ok = result.ok & scalar_ok
+    ok = result.ok & scalar_ok & room_ok
     out = jax.tree.map(lambda o, u: jnp.where(ok, o, jnp.nan).astype(u.dtype), out, updates)
     new_state = SecureAggregationState(
         inner=select_tree(ok, inner_state, state.inner),
@@ -671,7 +757,10 @@ def secure_aggregation(
         num_clipped=num_clipped,
         upload_bits=upload_bits(int(sum(col.shape[1] for col in columns[:-1])), jnp.sum(member)),
         threshold=result.threshold,
+        frac_bits=jnp.int32(frac_bits) + extra,
+        initial_clip_norm=state.initial_clip_norm,
     )
     return out, new_state
 
-  return Aggregator(init, aggregate, None, always_releases=inner.always_releases)
+  return Aggregator(init, aggregate, None, always_releases=inner.always_releases,
+                    traits=Traits.wrap(inner.traits, name="secure_aggregation", secure=True))
