@@ -159,7 +159,7 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry_2x32
 
-from fedjax_opt.core.server import check_stacked_updates, refuse_client_stage
+from fedjax_opt.core.server import aggregator_name, check_stacked_updates, refuse_client_stage
 from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, PyTree, Traits
 from fedjax_opt.core.validation import is_concrete
@@ -677,8 +677,9 @@ def secure_aggregation(
   if not isinstance(inner, Aggregator) or inner.streaming is None:
     raise TypeError("secure_aggregation: inner must be an Aggregator that is a sum over clients (with a "
                     "StreamingSum: mean, weighted_mean, dp_mean); rules that need every update cannot be "
-                    f"computed from a secure sum. Got {type(inner).__name__}"
-                    f"{' without a streaming form' if isinstance(inner, Aggregator) else ''}.")
+                    f"computed from a secure sum. Got "
+                    + (f"{aggregator_name(inner)}, which has no streaming form." if isinstance(inner, Aggregator)
+                       else f"{type(inner).__name__}."))
   refuse_client_stage(inner, "secure_aggregation", "the stage runs on the clients, before the secure sum; chain "
                       "it in front of the wrapper: fo.aggregators.chain(stage, fo.privacy.secure_aggregation(...)).")
   _check(frac_bits, bound, threshold, dropout)
