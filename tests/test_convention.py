@@ -11,12 +11,17 @@ structure and dtypes (so it drops into `lax.scan`), and that
 that keep them. The execution policy's keywords (`client_map=`, and
 `storage_dtype=` where a factory keeps per-client tables) come to every
 factory from one decorator, `core.execution.accepts_policy_keywords`, never
-from the factory's own signature, and give the step the policy gives.
+from the factory's own signature, and give the step the policy gives. The
+same decorator holds each factory's declaration of how it treats
+`aggregator=` (`factory.aggregation`): every factory either takes one, its
+documented default giving the same round as no keyword, or names why it
+takes none and refuses any in one line that says so.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +31,7 @@ import pytest
 
 import fedjax_opt as fo
 from algorithm_examples import EXAMPLES, N, example_inputs
+from conftest import fedavg_lsq_np, make_clients, pack
 
 SHARED_KEYWORDS = {
     "num_clients", "local_steps", "client_optimizer", "server_optimizer", "aggregator", "client_map",
@@ -235,3 +241,83 @@ def test_a_float32_model_keeps_a_float32_state_under_x64(name):
               if jnp.result_type(leaf) in (jnp.float64, jnp.int64, jnp.complex128)
               and not any(part in jax.tree_util.keystr(path) + "." for part in DEFAULT_FLOAT_STATE)]
       assert not wide, f"{name} {label}: 64-bit leaves {wide}"
+
+
+TAKES_AGGREGATOR = {"fedavg", "fedsgd", "fedprox", "fednova", "scaffold", "feddyn", "ditto", "pfedme", "per_fedavg",
+                    "fedavg_finetune", "fedem", "ifca", "clustered_fl", "one_shot_average"}
+"""The factories that take `aggregator=`; every other one declares why it takes none (`refuses_aggregator=`)."""
+
+
+def _documented_default(factory) -> str:
+  """The default aggregator a factory's docstring names ("aggregator: ... default `aggregators.X()`")."""
+  found = re.search(r"\n\s*aggregator:.*?[Dd]efault\s+`aggregators\.(\w+)\(\)`", inspect.getdoc(factory), flags=re.S)
+  assert found, "the aggregator's paragraph must name its default, `aggregators.X()`"
+  return found.group(1)
+
+
+def _same_round(built, plain, name):
+  """`built` and `plain` give the same initial state and trace the same step program (so bit-identical rounds)."""
+  params, batches = example_inputs(name)
+  key = jax.random.key(0)
+  state, want = built.init(params, key), plain.init(params, key)
+  assert jax.tree.structure(state) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(want)):
+    if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key):
+      a, b = jax.random.key_data(a), jax.random.key_data(b)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert str(jax.make_jaxpr(built.step)(state, batches)) == str(jax.make_jaxpr(plain.step)(want, batches))
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_factory_takes_an_aggregator_or_declares_why_it_takes_none(name):
+  """All factories: `factory.aggregation` is `TAKES_AGGREGATOR` exactly when the signature has `aggregator` (keyword-
+  only, default None, and the documented default given explicitly is the same algorithm), or else a one-line
+  reason, in the docstring, with which `aggregator=fo.aggregators.mean()` is refused in one line naming the
+  factory (and `aggregator=None` is the factory as it is)."""
+  factory = getattr(fo.algorithms, name)
+  params = inspect.signature(factory).parameters
+  if name in TAKES_AGGREGATOR:
+    assert factory.aggregation == fo.core.execution.TAKES_AGGREGATOR
+    assert params["aggregator"].kind == inspect.Parameter.KEYWORD_ONLY and params["aggregator"].default is None
+    default = getattr(fo.aggregators, _documented_default(factory))()
+    _same_round(EXAMPLES[name](aggregator=default), EXAMPLES[name](), name)
+    return
+  reason = factory.aggregation
+  assert isinstance(reason, str) and reason.strip() and "\n" not in reason
+  assert reason != fo.core.execution.TAKES_AGGREGATOR and "aggregator" not in params
+  assert reason in factory.__doc__
+  with pytest.raises(ValueError) as caught:
+    EXAMPLES[name](aggregator=fo.aggregators.mean())
+  message = str(caught.value)
+  assert "\n" not in message and message == f"{name} takes no aggregator= (got mean): {reason}"
+  _same_round(EXAMPLES[name](aggregator=None), EXAMPLES[name](), name)
+
+
+def test_the_aggregation_of_every_factory_is_declared():
+  """The 39 factories of EXAMPLES and the host-driven ones: each declares, as data, how it treats `aggregator=`."""
+  declared = {name: getattr(fo.algorithms, name).aggregation for name in sorted(set(EXAMPLES) | HOST_DRIVEN)}
+  takes = {name for name, value in declared.items() if value == fo.core.execution.TAKES_AGGREGATOR}
+  assert takes == TAKES_AGGREGATOR
+  assert all(isinstance(value, str) and value for value in declared.values())
+  with pytest.raises(ValueError, match="^fedma takes no aggregator= \\(got weighted_mean\\): FedMA matches"):
+    fo.algorithms.fedma(lambda p, b: b, layers=("hidden_0", "output"), client_optimizer=optax.sgd(0.1),
+                        num_clients=2, aggregator=fo.aggregators.weighted_mean())
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedsgd"])
+def test_an_explicit_weighted_mean_is_the_float64_fedavg_round(name):
+  """`aggregator=fo.aggregators.weighted_mean()` given explicitly: the first round is the float64 NumPy FedAvg round
+  (FedSGD: one full-batch step of size η), on clients of unequal sizes (so the weights matter)."""
+  rng = np.random.default_rng(7)
+  steps, batch = 2, 3
+  clients = make_clients(rng, [3, 5, 6, 2], 3)
+  batches = pack(clients, steps, batch)
+  params = {"w": jnp.asarray(rng.normal(size=3), jnp.float32), "b": jnp.asarray(0.5, jnp.float32)}
+  algorithm = EXAMPLES[name](aggregator=fo.aggregators.weighted_mean())
+  state = jax.jit(algorithm.step)(algorithm.init(params, jax.random.key(0)), batches)
+  x, y, mask = (np.asarray(batches.data["x"]), np.asarray(batches.data["y"]), np.asarray(batches.mask))
+  if name == "fedsgd":  # every example of the round in one step
+    x, y, mask = x.reshape(4, 1, -1, 3), y.reshape(4, 1, -1), mask.reshape(4, 1, -1)
+  w, b = fedavg_lsq_np(params["w"], params["b"], x, y, mask, np.asarray(batches.weight), 0.01)
+  np.testing.assert_allclose(np.asarray(state.params["w"]), w, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(state.params["b"]), b, rtol=1e-5, atol=1e-6)

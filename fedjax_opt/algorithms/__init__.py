@@ -5,8 +5,11 @@ convention"): `name(loss_fn, <the paper's hyper-parameters by symbol>, *,
 num_clients=..., client_optimizer=..., server_optimizer=..., aggregator=...)`,
 plus the execution policy's keywords `client_map=` (and, where it keeps
 per-client tables, `storage_dtype=`), which one decorator,
-`core.execution.accepts_policy_keywords`, gives every factory;
-tests/test_convention.py checks it.
+`core.execution.accepts_policy_keywords`, gives every factory. The same
+decorator holds each factory's declaration, as data, of how it treats
+`aggregator=` (`factory.aggregation`: `core.execution.TAKES_AGGREGATOR`, or
+the reason it takes none, with which it refuses any aggregator in one line);
+tests/test_convention.py checks both.
 
 A family's module is imported the first time one of its names is used
 (`fedjax_opt.core.lazy`), so `from fedjax_opt.algorithms import fedavg` loads

@@ -319,4 +319,7 @@ def admm_consensus(
   return FederatedAlgorithm(init, step)
 
 
-admm_consensus = execution.accepts_policy_keywords(admm_consensus)
+admm_consensus = execution.accepts_policy_keywords(admm_consensus, refuses_aggregator=(
+    "consensus ADMM's z-update is the exact minimiser of its augmented Lagrangian, the weighted mean of the "
+    "x̂_i + λ_i/ρ, and its duals move by x̂_i − z; another rule breaks Σ_i w_i λ_i = 0 and with it the fixed "
+    "point"))

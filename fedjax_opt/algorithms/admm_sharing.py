@@ -362,4 +362,6 @@ def admm_sharing(
   return FederatedAlgorithm(init, step)
 
 
-admm_sharing = execution.accepts_policy_keywords(admm_sharing)
+admm_sharing = execution.accepts_policy_keywords(admm_sharing, refuses_aggregator=(
+    "sharing ADMM (vertical FL) averages no updates: the server solves its loss's prox at the mean of the "
+    "clients' predictions A_i x_i, and the dual and the offsets follow from that exact mean"))

@@ -242,7 +242,9 @@ def fedbuff(
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, server_fields)
 
 
-fedbuff = execution.accepts_policy_keywords(fedbuff)
+fedbuff = execution.accepts_policy_keywords(fedbuff, refuses_aggregator=(
+    "FedBuff adds each arriving delta, weighted by its staleness, to a running buffer sum as it arrives, "
+    "across events; the K buffered deltas are never held together for a rule to combine"))
 
 
 def fedasync(
@@ -306,7 +308,9 @@ def fedasync(
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, lambda params: {})
 
 
-fedasync = execution.accepts_policy_keywords(fedasync)
+fedasync = execution.accepts_policy_keywords(fedasync, refuses_aggregator=(
+    "FedAsync combines no clients: the server mixes each arriving model into its own, one arrival at a time, "
+    "by a staleness weight"))
 
 
 def co_op(
@@ -381,7 +385,9 @@ def co_op(
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, lambda params: {})
 
 
-co_op = execution.accepts_policy_keywords(co_op)
+co_op = execution.accepts_policy_keywords(co_op, refuses_aggregator=(
+    "Co-op combines no clients: the server merges each arriving model into its own, one arrival at a time, by "
+    "its age"))
 
 
 def _rescale_to(tree: PyTree, length: jax.Array) -> PyTree:
@@ -513,4 +519,6 @@ def zeno_plus_plus(
   return _algorithm(schedule, num_clients, history_size, mode, client_update, rule, server_fields, prepare)
 
 
-zeno_plus_plus = execution.accepts_policy_keywords(zeno_plus_plus)
+zeno_plus_plus = execution.accepts_policy_keywords(zeno_plus_plus, refuses_aggregator=(
+    "Zeno++ combines no clients: the server tests each arriving gradient alone against its validation "
+    "gradient and applies it alone (that test is its robustness)"))

@@ -89,7 +89,7 @@ from fedjax_opt.core import execution
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import local_train
-from fedjax_opt.core.rounds import ClientOutput, client_round
+from fedjax_opt.core.rounds import ClientOutput, client_round, init_aggregator_state
 from fedjax_opt.core.server import check_aggregator, initial_round_metrics, refuse_client_stage, round_metrics
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
@@ -204,7 +204,7 @@ def clustered_fl(
         cluster_of=jnp.zeros((num_clients,), jnp.int32),
         num_clusters=jnp.ones((), jnp.int32),
         server_opt_state=jax.vmap(server_optimizer.init)(cluster_params),
-        aggregator_state=jax.vmap(aggregator.init)(cluster_params),
+        aggregator_state=init_aggregator_state(aggregator, cluster_params, slots=True),
         round=jnp.zeros((), jnp.int32),
         key=key,
         metrics={**initial_round_metrics(),

@@ -327,4 +327,6 @@ def cocoa(
   return FederatedAlgorithm(init, step)
 
 
-cocoa = execution.accepts_policy_keywords(cocoa)
+cocoa = execution.accepts_policy_keywords(cocoa, refuses_aggregator=(
+    "CoCoA+ adds the clients' exact Δw_k = A_[k]Δα_[k]/(λn), so that w stays the image w = Aα/(λn) of the "
+    "dual variables on which its local subproblems and its duality-gap certificate rest"))

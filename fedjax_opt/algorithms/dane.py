@@ -215,7 +215,9 @@ def dane(
                       armijo=None)
 
 
-dane = execution.accepts_policy_keywords(dane)
+dane = execution.accepts_policy_keywords(dane, refuses_aggregator=(
+    "DANE's Newton-type step needs the exact n_k-weighted means of the clients' gradients and of their local "
+    "solutions (a robust, compressed or noised mean is another method)"))
 
 
 def feddane(
@@ -252,7 +254,9 @@ def feddane(
                       armijo=None)
 
 
-feddane = execution.accepts_policy_keywords(feddane)
+feddane = execution.accepts_policy_keywords(feddane, refuses_aggregator=(
+    "FedDANE's Newton-type step needs the exact n_k-weighted means of the round's gradients and of its "
+    "clients' local solutions (a robust, compressed or noised mean is another method)"))
 
 
 def fadl(
@@ -290,4 +294,6 @@ def fadl(
                       line_search_steps=line_search_steps, armijo=armijo)
 
 
-fadl = execution.accepts_policy_keywords(fadl)
+fadl = execution.accepts_policy_keywords(fadl, refuses_aggregator=(
+    "FADL's local problems and its Armijo line search need the exact n_k-weighted means of the clients' "
+    "gradients, local solutions and losses (a robust, compressed or noised mean is another method)"))

@@ -272,7 +272,9 @@ def gossip(
   return _local_sgd("gossip", loss_fn, eta, graph, local_steps, adapt_then_combine=True, allow_zero_eta=True)
 
 
-gossip = execution.accepts_policy_keywords(gossip)
+gossip = execution.accepts_policy_keywords(gossip, refuses_aggregator=(
+    "gossip has no server: every node combines its neighbours' models by the graph's mixing matrix, x ← W(x + "
+    "Δ), which is its aggregation"))
 
 
 def dpsgd(
@@ -306,7 +308,9 @@ def dpsgd(
   return _local_sgd("dpsgd", loss_fn, eta, graph, local_steps, adapt_then_combine=False, allow_zero_eta=False)
 
 
-dpsgd = execution.accepts_policy_keywords(dpsgd)
+dpsgd = execution.accepts_policy_keywords(dpsgd, refuses_aggregator=(
+    "D-PSGD has no server: every node combines its neighbours' models by the graph's mixing matrix, x_i ← Σ_j "
+    "W_ij x_j + Δ_i, which is its aggregation"))
 
 
 def gradient_tracking(
@@ -381,4 +385,7 @@ def gradient_tracking(
   return FederatedAlgorithm(init, step)
 
 
-gradient_tracking = execution.accepts_policy_keywords(gradient_tracking)
+gradient_tracking = execution.accepts_policy_keywords(gradient_tracking, refuses_aggregator=(
+    "gradient tracking has no server: every node combines its neighbours' models and gradient trackers by the "
+    "graph's mixing matrix, and the trackers follow the network's mean gradient only under that exact linear "
+    "mixing"))

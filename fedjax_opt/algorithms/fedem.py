@@ -457,4 +457,6 @@ def d_fedem(
   return FederatedAlgorithm(init, step)
 
 
-d_fedem = execution.accepts_policy_keywords(d_fedem)
+d_fedem = execution.accepts_policy_keywords(d_fedem, refuses_aggregator=(
+    "D-FedEM has no server: every node combines its neighbours' components and mixture weights by the graph's "
+    "mixing matrix, which is its aggregation"))

@@ -291,4 +291,6 @@ def fedmd(
   return FederatedAlgorithm(init, step)
 
 
-fedmd = execution.accepts_policy_keywords(fedmd)
+fedmd = execution.accepts_policy_keywords(fedmd, refuses_aggregator=(
+    "FedMD's clients send class scores on the public data, not model updates, and its consensus is their "
+    "plain mean over every architecture, taken in its own loop over the architectures"))

@@ -249,4 +249,6 @@ def fedu(
   return FederatedAlgorithm(init, step)
 
 
-fedu = execution.accepts_policy_keywords(fedu, storage_dtype=True)
+fedu = execution.accepts_policy_keywords(fedu, storage_dtype=True, refuses_aggregator=(
+    "FedU's server combines no updates: each client's model moves by the graph Laplacian, ηλR Σ_j a_ij (z_i − "
+    "z_j) over its neighbours, of the exact models"))

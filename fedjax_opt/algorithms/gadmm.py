@@ -501,7 +501,9 @@ def gadmm(
   return _group_admm("gadmm", loss_fn, rho, graph, prox, client_optimizer, local_steps, objective)
 
 
-gadmm = execution.accepts_policy_keywords(gadmm)
+gadmm = execution.accepts_policy_keywords(gadmm, refuses_aggregator=(
+    "GADMM has no server: each worker exchanges its model with its graph neighbours only, and their duals "
+    "move by the exact differences of neighbouring models"))
 
 
 def cq_ggadmm(
@@ -550,4 +552,6 @@ def cq_ggadmm(
                      compression=(bits, tau0, xi))
 
 
-cq_ggadmm = execution.accepts_policy_keywords(cq_ggadmm)
+cq_ggadmm = execution.accepts_policy_keywords(cq_ggadmm, refuses_aggregator=(
+    "CQ-GGADMM has no server: each worker exchanges its censored, quantized model with its graph neighbours "
+    "only, and their duals move by the differences of the models the neighbours hold"))

@@ -147,4 +147,6 @@ def giant(
   return FederatedAlgorithm(newton.initial_newton_state, step)
 
 
-giant = execution.accepts_policy_keywords(giant)
+giant = execution.accepts_policy_keywords(giant, refuses_aggregator=(
+    "GIANT's step needs the exact n_k-weighted means of the clients' gradients, Newton directions and "
+    "line-search losses (a robust, compressed or noised mean is another method)"))

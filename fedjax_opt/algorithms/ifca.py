@@ -52,8 +52,9 @@ client before the average of its cluster; the server applies
 choice ĵ_i needs no exact upload: the client makes it itself, on the K
 models it receives. ĵ_i is sent as it is (⌈log₂ K⌉ bits, not counted in
 `bits_up`, with or without compression). With error feedback a client keeps
-one residual per cluster (`core.clusters.init_aggregator_state`, a table
-`[N, K, ...]`): e_ij ← Δ_i + e_ij − C(Δ_i + e_ij) for its chosen j only, so
+one residual per cluster (`core.rounds.init_aggregator_state(...,
+slots=True)`, a table `[N, K, ...]`): e_ij ← Δ_i + e_ij − C(Δ_i + e_ij) for
+its chosen j only, so
 what it did not send to cluster j reaches cluster j later, never another
 cluster's model.
 
@@ -78,7 +79,7 @@ from fedjax_opt.core import clusters
 from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import as_single_step, local_train
-from fedjax_opt.core.rounds import ClientOutput, client_round
+from fedjax_opt.core.rounds import ClientOutput, client_round, init_aggregator_state
 from fedjax_opt.core.server import check_aggregator, initial_round_metrics, round_metrics
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_int, check_key, check_loss_fn,
@@ -208,7 +209,7 @@ def ifca(
         cluster_params=cluster_params,
         cluster_of=jnp.full((num_clients,), -1, jnp.int32),
         server_opt_state=jax.vmap(server_optimizer.init)(cluster_params),
-        aggregator_state=clusters.init_aggregator_state(aggregator, cluster_params),
+        aggregator_state=init_aggregator_state(aggregator, cluster_params, slots=True),
         round=jnp.zeros((), jnp.int32),
         key=key,
         metrics={**initial_round_metrics(), "cluster_counts": jnp.zeros((num_clusters,), jnp.int32)},

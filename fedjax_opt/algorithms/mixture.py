@@ -447,7 +447,9 @@ def l2gd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int,
   return _loopless_local(loss_fn, lam, alpha, p, num_clients, False, smoothness)
 
 
-l2gd = execution.accepts_policy_keywords(l2gd)
+l2gd = execution.accepts_policy_keywords(l2gd, refuses_aggregator=(
+    "L2GD's aggregation step pulls each x_i towards the exact average x̄ of the local models (the gradient of "
+    "the mixture penalty λ/(2n) Σ_i ‖x_i − x̄‖²); another rule minimises another objective"))
 
 
 def l2sgd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int,
@@ -462,7 +464,9 @@ def l2sgd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int,
   return _loopless_local(loss_fn, lam, alpha, p, num_clients, True, smoothness)
 
 
-l2sgd = execution.accepts_policy_keywords(l2sgd)
+l2sgd = execution.accepts_policy_keywords(l2sgd, refuses_aggregator=(
+    "L2SGD's aggregation step pulls each x_i towards the exact average x̄ of the local models (the gradient "
+    "of the mixture penalty λ/(2n) Σ_i ‖x_i − x̄‖²); another rule minimises another objective"))
 
 
 # ----------------------------------------------------------------------------- L2SGD+
@@ -680,4 +684,7 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
   return FederatedAlgorithm(init, step)
 
 
-l2sgd_plus = execution.accepts_policy_keywords(l2sgd_plus)
+l2sgd_plus = execution.accepts_policy_keywords(l2sgd_plus, refuses_aggregator=(
+    "L2SGD+'s aggregation step pulls each x_i towards the exact average x̄ of the local models and its "
+    "control variates Ψ_i = λ(x_i − x̄) are built on it (the mixture penalty's gradient); another rule "
+    "minimises another objective"))

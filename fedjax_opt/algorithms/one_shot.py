@@ -34,6 +34,15 @@ round (no finite client) leaves the exchange to the next one. The round runs
 `core.rounds.client_round` with the n_k-weighted mean, under its rules for
 taking part and for non-finite clients (docs/architecture.md, "The round").
 
+Aggregator. The average is `aggregator=` (default `aggregators.weighted_mean()`,
+the estimator above): what a client sends, its solution as the difference
+ŵ_k − w_0 from the model w_0 it received, passes the library's seam as
+FedAvg's Δ_k does (a client stage, DP, secure summation, a robust rule such
+as `aggregators.trimmed_mean(β)`), and w̄ = w_0 + Aggregate(ŵ_k − w_0).
+Nothing else leaves a client, so every piece composes. The aggregator's
+state (`state.aggregator_state`, with a client stage its tables) moves in
+the exchange only: later steps send nothing and leave it as it is.
+
 Communication (`metrics["bits_up"]`, `["bits_down"]`, per client, float32):
 in the exchange a client receives the initial model (32 P) and sends ŵ_k
 (32 P); afterwards nothing.
@@ -53,8 +62,9 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core import newton
 from fedjax_opt.core.local import LocalResult, cycle_steps, local_train, masked_mean_loss
-from fedjax_opt.core.rounds import ClientOutput, client_round
+from fedjax_opt.core.rounds import ClientOutput, client_round, init_aggregator_state
 from fedjax_opt.core.server import initial_round_metrics
+from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_client_batches, check_key, check_loss_fn, check_optimizer,
                                         check_optional_int)
@@ -68,6 +78,8 @@ class OneShotState:
 
   Attributes:
     params: the model: the initial one until the exchange, w̄ after it.
+    aggregator_state: the aggregator's state (`core.rounds.init_aggregator_state`; with a client stage, its
+      per-client tables too); changed by the exchange only.
     communicated: scalar bool, True once the exchange has been accepted.
     round: t, steps applied, int32.
     key: PRNG key, carried for the `FederatedAlgorithm` contract (nothing is drawn).
@@ -76,6 +88,7 @@ class OneShotState:
   """
 
   params: PyTree
+  aggregator_state: Any
   communicated: jax.Array
   round: jax.Array
   key: jax.Array
@@ -88,6 +101,7 @@ def one_shot_average(
     local_steps: int | None = None,
     client_optimizer: optax.GradientTransformation | None = None,
     cg_iters: int | None = None,
+    aggregator: aggregators_lib.Aggregator | None = None,
 ) -> FederatedAlgorithm:
   """One-shot averaging of local solutions (Zhang, Duchi, Wainwright 2013, 2015; module docstring).
 
@@ -98,12 +112,16 @@ def one_shot_average(
     client_optimizer: None (Newton local solver) or any optax optimizer for local training.
     cg_iters: the Newton solver's systems: None directly from the `[P, P]` Hessian, an int by that many CG
       iterations with Hessian-vector products.
+    aggregator: how the clients' ŵ_k − w_0 are combined; default `aggregators.weighted_mean()` (by n_k, the
+      estimator of the module docstring); `aggregators.mean()` for the paper's uniform 1/m, a robust rule for a
+      robust one-shot estimate, any piece of the seam (module docstring, "Aggregator").
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `OneShotState`.
 
   Raises:
-    TypeError: `local_steps` or `cg_iters` not a Python int, `client_optimizer` not an optax optimizer.
+    TypeError: `local_steps` or `cg_iters` not a Python int, `client_optimizer` not an optax optimizer,
+      `aggregator` not an `Aggregator`.
     ValueError: both `client_optimizer` and `cg_iters`.
   """
   check_loss_fn(loss_fn)
@@ -115,7 +133,7 @@ def one_shot_average(
       raise ValueError("one_shot_average: cg_iters sets the Newton solver's CG, but client_optimizer= asks for "
                        "local training instead; give one of them.")
   mode = client_map_lib.FromPolicy()
-  aggregator = aggregators_lib.weighted_mean()
+  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
 
   def local_solve(w, data, mask):
     if client_optimizer is None:
@@ -130,7 +148,8 @@ def one_shot_average(
 
   def init(params: PyTree, key: jax.Array) -> OneShotState:
     check_key(key)
-    return OneShotState(params=params, communicated=jnp.zeros((), bool), round=jnp.zeros((), jnp.int32), key=key,
+    return OneShotState(params=params, aggregator_state=init_aggregator_state(aggregator, params),
+                        communicated=jnp.zeros((), bool), round=jnp.zeros((), jnp.int32), key=key,
                         metrics={**initial_round_metrics(), "communicated": jnp.zeros((), bool)})
 
   def step(state: OneShotState, batches: ClientBatches) -> OneShotState:
@@ -138,13 +157,14 @@ def one_shot_average(
     key, round_key = jax.random.split(state.key)
     w = state.params
     out = client_round(mode, lambda s, d, m: ClientOutput(local_solve(s, d, m)), w, batches, aggregator=aggregator,
-                       aggregator_state=(), key=round_key)
+                       aggregator_state=state.aggregator_state, key=round_key)
     exchange = ~state.communicated
     accepted = exchange & out.agg.accepted
     params = jax.tree.map(lambda p, d: jnp.where(accepted, p + d, p).astype(p.dtype), w, out.agg.update)
     metrics = out.metrics()
     metrics = {name: jnp.where(exchange, value, jnp.zeros_like(value)) for name, value in metrics.items()}
-    return OneShotState(params=params, communicated=state.communicated | accepted, round=state.round + 1, key=key,
+    return OneShotState(params=params, aggregator_state=select_tree(exchange, out.agg.state, state.aggregator_state),
+                        communicated=state.communicated | accepted, round=state.round + 1, key=key,
                         metrics={**metrics, "communicated": exchange})
 
   return FederatedAlgorithm(init, step)

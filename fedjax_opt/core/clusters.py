@@ -22,12 +22,14 @@ not stream.
 
 A client stage (compression, `fo.aggregators.chain`) runs on each client
 inside the round, before the per-cluster average
-(`core.rounds.client_round(..., aggregate=...)`); its table keeps a row per
-client *and cluster* (`init_aggregator_state`, leaves `[N, K, ...]`), and a
-client's message touches the entry of the cluster it is sent to
-(`ClientOutput.slot`): error feedback delays what a client did not send to
-cluster j into its next update to cluster j, never into another cluster's
-model.
+(`core.rounds.client_round(..., aggregate=...)`). The aggregator's state is
+`core.rounds.init_aggregator_state(aggregator, cluster_params, slots=True)`,
+the one every algorithm uses: `aggregator.init` per cluster (leaves
+`[K, ...]`), and a stage table with a row per client *and cluster* (leaves
+`[N, K, ...]`). A client's message touches the entry of the cluster it is
+sent to (`ClientOutput.slot`): error feedback delays what a client did not
+send to cluster j into its next update to cluster j, never into another
+cluster's model.
 
 Also here: the loss of every cluster model on a client's data (IFCA's cluster
 choice), the cosine-similarity matrix of the clients' updates and the exact
@@ -46,13 +48,13 @@ import optax
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, masked_mean_loss
 from fedjax_opt.core.server import Aggregated, aggregate_updates, apply_server_update
-from fedjax_opt.core.types import Aggregator, LossFn, PyTree, StagedState
+from fedjax_opt.core.types import Aggregator, LossFn, PyTree
 
 __all__ = [
     "adjusted_rand_index", "assignment",
     "ClusterAggregated", "Bipartition", "select", "stack", "perturbed", "cluster_losses", "lowest_loss",
     "aggregate_per_cluster", "apply_per_cluster", "cluster_counts", "most_populated", "client_models",
-    "cosine_similarity", "minimax_bipartition", "round_aggregated", "init_aggregator_state",
+    "cosine_similarity", "minimax_bipartition", "round_aggregated",
 ]
 
 
@@ -153,16 +155,6 @@ def aggregate_per_cluster(aggregator: Aggregator, updates: PyTree, weights: jax.
   return ClusterAggregated(update=agg.update, state=agg.state, finite=finite,
                            num_nonfinite=jnp.sum(agg.num_nonfinite, dtype=jnp.int32), accepted=agg.accepted,
                            used=used, counts=counts, share=share)
-
-
-def init_aggregator_state(aggregator: Aggregator, cluster_params: PyTree) -> Any:
-  """The aggregator state of a clustered algorithm: `aggregator.init` per cluster (leaves `[K, ...]`), or, with
-  a client stage, `StagedState(rows=(stage.init(cluster_params),), server=...)`: one stage row per client and
-  cluster (leaves `[N, K, ...]`; module docstring)."""
-  server = jax.vmap(aggregator.init)(cluster_params)
-  if aggregator.client is None:
-    return server
-  return StagedState(rows=(aggregator.client.init(cluster_params),), server=server)
 
 
 def apply_per_cluster(server_optimizer: optax.GradientTransformation, cluster_params: PyTree, opt_states: Any,

@@ -32,6 +32,13 @@ decorator, `accepts_policy_keywords`: `client_map=` (every factory) and
 there is `with_execution(factory(...), client_map=..., storage_dtype=...)`:
 it overrides the surrounding policy for that algorithm, field by field; None,
 their default, leaves the policy's. No factory declares them itself.
+
+The same decorator carries each factory's declaration, as data, of how it
+treats `aggregator=` (`factory.aggregation`): `TAKES_AGGREGATOR` when the
+factory's own signature has `aggregator`, otherwise the reason it takes none
+(`refuses_aggregator=`: an exact mean the method needs, no server ...), for
+which `factory(..., aggregator=a)` is refused in one line; None there is the
+factory's only aggregation and changes nothing.
 """
 
 from __future__ import annotations
@@ -46,8 +53,8 @@ from typing import Any, Callable, Iterator
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["POLICY_KEYWORDS", "PRECISIONS", "Policy", "accepts_policy_keywords", "compute_dtype", "current",
-           "execution", "with_execution"]
+__all__ = ["POLICY_KEYWORDS", "PRECISIONS", "Policy", "TAKES_AGGREGATOR", "accepts_policy_keywords", "compute_dtype",
+           "current", "execution", "with_execution"]
 
 PRECISIONS = ("float32", "bfloat16")
 """The client compute precisions `execution(precision=...)` accepts."""
@@ -204,9 +211,21 @@ _KEYWORD_DOCS = {
 """The paragraph each keyword gets in a decorated factory's docstring."""
 
 
-def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False) -> Callable:
+TAKES_AGGREGATOR = "takes aggregator="
+"""`factory.aggregation` of a factory that takes `aggregator=` (its own signature has it); a factory that takes none
+holds the reason it declared instead (`accepts_policy_keywords(..., refuses_aggregator=...)`)."""
+
+
+def _aggregator_label(aggregator: Any) -> str:
+  """A name for a refused `aggregator=` value in a message: its declared traits' name, a stage's name, its type."""
+  traits = getattr(aggregator, "traits", None)
+  return getattr(traits, "name", None) or getattr(aggregator, "name", None) or type(aggregator).__name__
+
+
+def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
+                            refuses_aggregator: str | None = None) -> Callable:
   """`factory` that also takes the execution policy's keywords: `client_map=` (and, with `storage_dtype=True`,
-  `storage_dtype=`), keyword-only, default None.
+  `storage_dtype=`), keyword-only, default None; and that declares, as data, how it treats `aggregator=`.
 
   The rule: `factory(..., client_map=m, storage_dtype=d)` is `with_execution(factory(...), client_map=m,
   storage_dtype=d)`. A keyword given (not None) overrides the surrounding policy (`execution`) for this
@@ -218,9 +237,19 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False) -
   policy (`client_map.FromPolicy()`, `per_client.init`); `inspect.signature` of the result shows the
   factory's own parameters with the keywords appended, and its docstring gains a paragraph on them.
 
+  Aggregation. A factory whose own signature has `aggregator` takes one (`result.aggregation` is
+  `TAKES_AGGREGATOR`); every other factory must say why it takes none, `refuses_aggregator="..."` (one line: the
+  exact mean its method needs, the server it does not have ...), and `result.aggregation` is that reason. Such a
+  factory refuses `aggregator=a` for any `a` other than None with a ValueError, in one line naming the factory
+  and the reason, before it runs; `aggregator=None` changes nothing (the factory's own aggregation, as without
+  the keyword). Its signature does not list `aggregator` (it takes none); its docstring gains the reason. A
+  declaration that contradicts the signature, or a factory without `aggregator` that declares no reason, is a
+  TypeError when the decorator is applied.
+
   Applied by a call after the definition, `fedavg = execution.accepts_policy_keywords(fedavg)` (with
-  `storage_dtype=True` for factories that keep per-client tables), not as `@` syntax: mutmut 3 leaves decorated
-  functions unmutated, and a factory's body is where its update rule is (tools/mutation.py).
+  `storage_dtype=True` for factories that keep per-client tables, `refuses_aggregator="why"` for those that take
+  no aggregator), not as `@` syntax: mutmut 3 leaves decorated functions unmutated, and a factory's body is
+  where its update rule is (tools/mutation.py).
   """
   names = POLICY_KEYWORDS if storage_dtype else POLICY_KEYWORDS[:1]
   own = inspect.signature(factory)
@@ -228,10 +257,26 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False) -
   if declared or any(p.kind == p.VAR_KEYWORD for p in own.parameters.values()):
     raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} must not declare {declared or '**kwargs'} "
                     f"itself; the decorator supplies {', '.join(names)} (module docstring).")
+  takes = "aggregator" in own.parameters
+  if takes and refuses_aggregator is not None:
+    raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} takes aggregator= (its signature has it), so "
+                    f"it cannot declare refuses_aggregator={refuses_aggregator!r}.")
+  if not takes:
+    if refuses_aggregator is None:
+      raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} takes no aggregator=; declare why, "
+                      f"accepts_policy_keywords({factory.__name__}, refuses_aggregator=\"...\") (module docstring).")
+    if not isinstance(refuses_aggregator, str) or not refuses_aggregator.strip() or "\n" in refuses_aggregator:
+      raise TypeError(f"accepts_policy_keywords: refuses_aggregator must be a non-empty one-line str (the reason "
+                      f"{factory.__qualname__} takes no aggregator=); got {refuses_aggregator!r}.")
 
   @functools.wraps(factory)
   def build(*args, **kwargs):
     given = {name: kwargs.pop(name, None) for name in names}
+    if not takes:
+      aggregator = kwargs.pop("aggregator", None)  # None: the factory's own aggregation, as without the keyword
+      if aggregator is not None:
+        raise ValueError(f"{factory.__name__} takes no aggregator= (got {_aggregator_label(aggregator)}): "
+                         f"{refuses_aggregator}")
     if given["client_map"] is not None:
       from fedjax_opt.core.client_map import modes  # pylint: disable=import-outside-toplevel  (modes reads the policy)
       if isinstance(modes.resolve(given["client_map"]), modes.FromPolicy):
@@ -244,7 +289,13 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False) -
   build.__signature__ = own.replace(parameters=[*own.parameters.values(), *(
       inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_KEYWORD_ANNOTATIONS[name])
       for name in names)])
-  build.__doc__ = ((factory.__doc__ or "").rstrip() + "\n\n  Execution policy keywords "
-                   "(`core.execution.accepts_policy_keywords`), each overriding the policy for this algorithm:\n"
-                   + "".join(f"    {_KEYWORD_DOCS[name]}\n" for name in names))
+  build.aggregation = TAKES_AGGREGATOR if takes else refuses_aggregator
+  doc = ((factory.__doc__ or "").rstrip() + "\n\n  Execution policy keywords "
+         "(`core.execution.accepts_policy_keywords`), each overriding the policy for this algorithm:\n"
+         + "".join(f"    {_KEYWORD_DOCS[name]}\n" for name in names))
+  if not takes:
+    doc += ("\n  Aggregation (`core.execution.accepts_policy_keywords`; `.aggregation` holds it): takes no "
+            "`aggregator=`\n  (None changes nothing; any aggregator is refused in one line):\n    "
+            + refuses_aggregator + "\n")
+  build.__doc__ = doc
   return build

@@ -177,11 +177,18 @@ class Round(NamedTuple):
                          bits_up=self.bits_up, bits_down=self.bits_down)
 
 
-def init_aggregator_state(aggregator: Aggregator, params: PyTree, messages: int = 1) -> Any:
-  """The state an algorithm keeps for `aggregator`: `aggregator.init(params)`, or, with a client stage,
-  `StagedState(rows, server)` with one stage table per kind of message its clients send (`messages`: 1 for
-  the update alone, 2 for SCAFFOLD's Δy_i and Δc_i)."""
-  server = aggregator.init(params)
+def init_aggregator_state(aggregator: Aggregator, params: PyTree, messages: int = 1, *, slots: bool = False) -> Any:
+  """The state an algorithm keeps for `aggregator` (the one function every algorithm calls for it).
+
+  `aggregator.init(params)`, or, with a client stage, `StagedState(rows, server)` with one stage table per kind of
+  message its clients send (`messages`: 1 for the update alone, 2 for SCAFFOLD's Δy_i and Δc_i).
+
+  With `slots=True`, `params` holds K models stacked on axis 0 (leaves `[K, ...]`: a clustered algorithm's cluster
+  models, `core.clusters`) and the aggregator runs once per slot: the server state is `aggregator.init` of each
+  model, stacked `[K, ...]`, and a stage's table keeps a row per client and slot (leaves `[N, K, ...]`; a client's
+  message touches the entry of its slot, `ClientOutput.slot`).
+  """
+  server = jax.vmap(aggregator.init)(params) if slots else aggregator.init(params)
   if aggregator.client is None:
     return server
   if not 1 <= messages <= len(MESSAGE_STREAMS):

@@ -357,4 +357,6 @@ def fedma(
   return MatchedAveraging(init=init, run=run, match=match)
 
 
-fedma = execution.accepts_policy_keywords(fedma)
+fedma = execution.accepts_policy_keywords(fedma, refuses_aggregator=(
+    "FedMA matches the clients' neurons layer by layer (a BBP-MAP assignment) and averages matched neurons, "
+    "not stacked updates a rule could combine"))
