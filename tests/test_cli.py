@@ -59,7 +59,8 @@ def run_cli(*args, cwd=None):
     (["run", "--attackers", "0.2"], "--attackers needs --attack NAME"),
     (["run", "--attack", "omniscient", "--attackers", "1.5"], "--attackers is the fraction of attacking clients"),
     (["run", "--algorithms", "fedavg,l2gd", "--aggregator", "krum"],
-     "--aggregator krum acts on the aggregation of client updates, which l2gd do(es) not have"),
+     "--aggregator krum needs algorithms whose factory takes aggregator=; l2gd takes none: L2GD's aggregation step "
+     "pulls each x_i towards the exact average"),
     (["run", "--set", "attack.factor=3"], "--set attack.… is given without --attack NAME"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
 ])

@@ -171,8 +171,8 @@ def test_fedma_runs_grows_counts_its_messages_and_resumes_bit_for_bit(tmp_path):
 @pytest.mark.parametrize("args,needle", [
     (["--model", "logreg"], "fedma: FedMA matches the hidden units of fo.models' MLP"),
     (["--seeds", "2"], "fedma runs round by round on the host (its layers grow): --seeds 2 needs one vmapped program"),
-    (["--aggregator", "marginal_median"], "--aggregator marginal_median acts on the aggregation of client updates, "
-                                          "which fedma"),
+    (["--aggregator", "marginal_median"], "--aggregator marginal_median needs algorithms whose factory takes "
+                                          "aggregator=; fedma takes none: FedMA matches"),
 ])
 def test_fedma_refusals_are_one_line(cli, args, needle, tmp_path):
   result = cli("run", *FEDMA, "--rounds", "1", "--out", str(tmp_path / "x"), *args)

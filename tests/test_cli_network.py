@@ -3,6 +3,7 @@ synchronous clock they are compared on (`core.asynchrony.synchronous_clock`)."""
 
 import json
 import math
+import pathlib
 
 import flax.struct
 import jax
@@ -120,6 +121,18 @@ def test_bad_network_flags_are_one_line(given, needle):
   with pytest.raises(config_lib.UsageError, match=needle.replace("(", "\\(").replace("[", "\\[")) as e:
     _finish(**given)
   assert "\n" not in str(e.value)
+
+
+def test_graph_is_an_alias_of_topology():
+  """`--graph` (the factories' `graph=`) is `--topology` (docs/cli.md): the same configuration key, one flag listed."""
+  from fedjax_opt.cli import flag_reference
+
+  parse = lambda *argv: config_lib.given_settings(config_lib.build_parser().parse_args(["run", *argv]))
+  assert parse("--graph", "torus")["topology"] == parse("--topology", "torus")["topology"] == "torus"
+  assert "graph" not in parse("--graph", "torus")
+  assert "`--topology NAME`" in flag_reference() and "--graph" not in flag_reference()
+  docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
+  assert "`--graph NAME` is the same flag under the library's name" in docs
 
 
 def test_flag_defaults_ring_exp1_and_the_async_comparison():

@@ -19,6 +19,61 @@ def test_the_registry_names_only_factory_parameters():
   registry.check_registry()
 
 
+def _refusal(check, given, names):
+  """The one-line refusal of a flag-level check with `given` for algorithms `names` (None: accepted)."""
+  config = dict(config_lib.DEFAULTS, hyper={}, **given)
+  try:
+    check(config, names)
+  except ValueError as e:
+    assert "\n" not in str(e), str(e)
+    return str(e)
+  return None
+
+
+def test_the_aggregator_flags_apply_exactly_where_the_factory_declares_it_takes_aggregator():
+  """`--aggregator`, an update `--attack`, `--compression`, `--secure-aggregation` and `--dp-*` are accepted or
+  refused by the factory's declaration (`factory.aggregation`), for every algorithm of the command line; a refusal is
+  one line naming the flag as given and quoting the factory's declared reason."""
+  from fedjax_opt.cli import privacy, robust, trust
+  from fedjax_opt.core.execution import TAKES_AGGREGATOR
+
+  flags = {
+      "--aggregator krum": (lambda c, n: robust.check(c, n, registry), {"aggregator": "krum"}),
+      "--attack gaussian": (lambda c, n: robust.check(c, n, registry), {"attack": "gaussian"}),
+      "--compression top_k:0.1": (lambda c, n: trust.check(c, n, registry), {"compression": "top_k:0.1"}),
+      "--secure-aggregation": (lambda c, n: trust.check(c, n, registry), {"secure_aggregation": ""}),
+      "--dp-noise 1": (privacy.check, {"dp_noise": 1.0, "dp_clip": 1.0}),
+  }
+  takers = set()
+  for name, spec in registry.REGISTRY.items():
+    declared = spec.factory.aggregation
+    assert declared == getattr(fo.algorithms, spec.factory.__name__).aggregation, name  # the CLI's cocoa too
+    assert spec.takes_aggregator == (declared == TAKES_AGGREGATOR), name
+    takers |= {name} if spec.takes_aggregator else set()
+    for flag, (check, given) in flags.items():
+      refusal = _refusal(check, given, [name])
+      if not spec.takes_aggregator:
+        assert refusal == (f"{flag} needs algorithms whose factory takes aggregator=; {name} takes none: {declared}"
+                           + (" (--attack label_flip needs none)" if flag.startswith("--attack") else ""))
+      elif flag.startswith("--dp-"):  # DP covers a subset of them (privacy.DP_ALGORITHMS), refused otherwise
+        assert (refusal is None) == (name in privacy.DP_ALGORITHMS), (name, refusal)
+        assert refusal is None or "takes none" not in refusal
+      else:
+        assert refusal is None, (name, flag, refusal)
+    assert _refusal(lambda c, n: robust.check(c, n, registry), {"attack": "label_flip"}, [name]) is None, name
+  assert {"fedavg", "scaffold", "ifca", "one_shot_average"} <= takers
+  assert not {"l2gd", "dane", "gossip", "cocoa", "fedma", "fedbuff"} & takers
+
+
+def test_a_refusal_of_several_algorithms_quotes_each_declared_reason():
+  from fedjax_opt.cli import robust
+
+  refusal = _refusal(lambda c, n: robust.check(c, n, registry), {"attack": "omniscient"}, ["fedavg", "dane", "gossip"])
+  assert refusal == (f"--attack omniscient needs algorithms whose factory takes aggregator=; dane takes none: "
+                     f"{fo.algorithms.dane.aggregation}; gossip takes none: {fo.algorithms.gossip.aggregation} "
+                     f"(--attack label_flip needs none)")
+
+
 def test_every_factory_of_fo_algorithms_is_on_the_command_line_or_named_here():
   on_cli = {spec.factory.__name__ for spec in registry.REGISTRY.values()}
   factories = {name for name in fo.algorithms.__all__ if inspect.isfunction(getattr(fo.algorithms, name))

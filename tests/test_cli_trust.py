@@ -30,9 +30,10 @@ SMALL = ["--dataset", "digits", "--num-clients", "20", "--clients-per-round", "5
     (["--compression", "gzip:3"], "unknown compressor 'gzip' in --compression gzip:3; give qsgd:BITS, top_k:"),
     (["--compression", "rand_k:0.1:ef"], "error feedback (:ef) needs a contraction (top_k, sign); rand_k is unbiased"),
     (["--algorithms", "fedavg,l2gd", "--compression", "sign"],
-     "--compression acts on the clients' uploads to an aggregator, which l2gd do(es) not have"),
+     "--compression sign needs algorithms whose factory takes aggregator=; l2gd takes none: L2GD's aggregation"),
     (["--algorithms", "gossip", "--topology", "ring", "--secure-aggregation"],
-     "--secure-aggregation acts on the clients' uploads to an aggregator, which gossip do(es) not have"),
+     "--secure-aggregation needs algorithms whose factory takes aggregator=; gossip takes none: gossip has no "
+     "server"),
     (["--secure-aggregation", "bound=-1"], "secure_aggregation: bound must be a finite number > 0; got -1.0"),
     (["--secure-aggregation", "dropout=2"], "secure_aggregation: dropout must be in [0, 1]; got 2.0"),
     (["--secure-aggregation", "threshold=3"], "--secure-aggregation takes bound=B,frac_bits=F,dropout=Q"),
@@ -68,7 +69,7 @@ def test_the_default_rule_of_each_algorithm_is_its_factory_s_own():
 
   seen = set()
   for name, spec in registry.REGISTRY.items():
-    if "aggregator" not in inspect.signature(spec.factory).parameters:
+    if not spec.takes_aggregator:  # the factory's declaration (factory.aggregation)
       continue
     doc = inspect.getdoc(spec.factory)
     found = re.search(r"\n\s*aggregator:.*?[Dd]efault\s+`aggregators\.(\w+)\(\)`", doc, flags=re.S)

@@ -101,7 +101,7 @@ def flag_reference() -> str:
     if not action.option_strings or action.option_strings == ["-h", "--help"]:
       continue
     value = action.metavar or action.dest.upper()
-    flag = action.option_strings[-1] + ("" if action.nargs == 0 else f" [{value}]" if action.nargs == "?" else
+    flag = action.option_strings[0] + ("" if action.nargs == 0 else f" [{value}]" if action.nargs == "?" else
                                         f" {value}")
     lines.append(f"- `{flag}`: {action.help}")
   return "\n".join(lines)

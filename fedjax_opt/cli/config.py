@@ -272,7 +272,7 @@ def _add_run_flags(add) -> None:
       help="the server learns only the sum of the uploads (simulated secure aggregation, Bonawitz et al. 2017), "
            "around the mean, the weighted mean or the DP mean; each option may be left out (bound: see docs/cli.md; "
            "frac_bits 16; dropout 0)")
-  add("--topology", metavar="NAME",
+  add("--topology", "--graph", dest="topology", metavar="NAME",  # --graph: the factories' graph= (docs/cli.md)
       help="decentralized algorithms (gossip, dpsgd, gradient_tracking, d_fedem, p2p_bayes): the graph of the "
            "clients, one of ring (default), torus, exponential, complete, erdos_renyi, matchings (a random matching "
            "per round)")

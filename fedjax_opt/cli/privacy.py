@@ -35,7 +35,8 @@ __all__ = ["PrivacyError", "build", "check", "describe", "enabled", "report", "s
 DP_ALGORITHMS = ("fedsgd", "fedavg", "fedavgm", "fedadagrad", "fedadam", "fedyogi", "fedprox")
 """Algorithms whose model depends on the clients only through the aggregated update (so DP of the aggregate
 covers the model). SCAFFOLD and FedDyn keep per-client state on the server, FedNova rescales by the clients' step
-counts, the personalized methods store or release per-client models: not covered."""
+counts, the personalized methods store or release per-client models: not covered. A subset of the algorithms whose
+factory takes `aggregator=` (`factory.aggregation`); one that takes none is refused first, with its declared reason."""
 
 SAMPLINGS = ("fixed", "poisson")
 DEFAULT_DELTA = 1e-5
@@ -106,6 +107,13 @@ def check(config: dict[str, Any], names: list[str]) -> None:
     _number(config, "dp_quantile", 0, 1)
     _number(config, "dp_clip_lr", 0)
     _number(config, "dp_count_noise", 0)
+  from fedjax_opt.cli import registry
+
+  flag = (f"--dp-noise {config['dp_noise']:g}" if config["dp_noise"] is not None else
+          f"--dp-epsilon {config['dp_epsilon']:g}")
+  refusal = registry.refuse_aggregation(flag, names)  # the DP mean is an aggregator= (factory.aggregation)
+  if refusal:
+    raise PrivacyError(refusal)
   without = [n for n in names if n not in DP_ALGORITHMS]
   if without:
     raise PrivacyError(f"differential privacy (--dp-noise / --dp-epsilon) covers algorithms whose model sees the "

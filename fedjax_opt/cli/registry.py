@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 __all__ = ["ARCHITECTURES", "Architectures", "CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES",
            "HyperParameterError", "NEWTON_CG_ITERS", "NEWTON_DIRECT_MAX", "PSEUDO", "REGISTRY", "Spec", "WIRED",
            "architecture_model", "binary_linear_model", "build", "candidates_fit", "check_registry", "cocoa",
-           "describe_defaults", "resolve"]
+           "describe_defaults", "refuse_aggregation", "resolve"]
 
 
 class _RunClientLR:
@@ -199,6 +199,20 @@ class Spec:
     from fedjax_opt.core.per_client import personalized_params
 
     return personalized_params
+
+  @property
+  def aggregation(self) -> str:
+    """What the factory declares about `aggregator=` (`factory.aggregation`, `core.execution.accepts_policy_keywords`):
+    `TAKES_AGGREGATOR`, or the one-line reason it takes none."""
+    return self.factory.aggregation
+
+  @property
+  def takes_aggregator(self) -> bool:
+    """The factory takes `aggregator=` (its declaration), so `--aggregator`, an update `--attack`, `--dp-*`,
+    `--secure-aggregation` and `--compression` may apply to it."""
+    from fedjax_opt.core.execution import TAKES_AGGREGATOR
+
+    return self.aggregation == TAKES_AGGREGATOR
 
   def settable(self) -> dict[str, Any]:
     """Every hyper-parameter a user may set, with its default (`inspect.Parameter.empty`: none)."""
@@ -551,6 +565,12 @@ def cocoa(loss_fn: Callable, lam: Any, gamma: Any = 1.0, *, loss: str = "squared
                           local_steps=local_steps, sigma_prime=sigma_prime, client_map=client_map)
 
 
+def _declaring(wrapper: Callable, factory: Callable) -> Callable:
+  """`wrapper` (the command line's own call of `factory`) with `factory`'s declaration `aggregation`."""
+  wrapper.aggregation = factory.aggregation
+  return wrapper
+
+
 def binary_linear_model(num_features: int, loss: str):
   """The linear model s = xᵀw + b, `{"w": [d], "b": []}`, of CoCoA+ on two classes, as a `fo.models.Model`.
 
@@ -793,7 +813,7 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           sampling="full", communication="metrics", objective="pooled", convex=True),
       "cocoa": lambda a: Spec(
           "distributed", "CoCoA+: local SDCA on each client's dual block, the updates added (Ma et al. 2015); two "
-          "classes, a linear model with the squared (ridge) or hinge (SVM) loss, λ = l2", cocoa,
+          "classes, a linear model with the squared (ridge) or hinge (SVM) loss, λ = l2", _declaring(cocoa, a.cocoa),
           {"gamma": 1.0, "loss": "squared", **distributed}, _cocoa_wire, sampling="full_fixed",
           communication="metrics", objective="pooled", convex=True, wrap=_cocoa_wrap, scorer=_cocoa_scorer,
           reference=_cocoa_reference),
@@ -895,10 +915,26 @@ class HyperParameterError(ValueError):
   """A bad `--set` key or value (reported as one line)."""
 
 
+def refuse_aggregation(flag: str, names) -> str | None:
+  """None when every algorithm of `names` takes `aggregator=` (`Spec.takes_aggregator`); otherwise the refusal of
+  `flag` (as the user typed it: "--aggregator krum", "--compression sign"), one line quoting each refusing
+  factory's declared reason (`factory.aggregation`)."""
+  refused = [name for name in names if not REGISTRY[name].takes_aggregator]
+  if not refused:
+    return None
+  return f"{flag} needs algorithms whose factory takes aggregator=; " + "; ".join(
+      f"{name} takes none: {REGISTRY[name].aggregation}" for name in refused)
+
+
 def check_registry() -> None:
-  """Every default names a factory parameter or a `PSEUDO` one; `server_lr` names a default."""
+  """Every default names a factory parameter or a `PSEUDO` one; `server_lr` names a default; every factory declares
+  how it treats `aggregator=`."""
   for name, spec in REGISTRY.items():
     params = inspect.signature(spec.factory).parameters
+    declared = getattr(spec.factory, "aggregation", None)
+    if not isinstance(declared, str) or "\n" in declared or not declared.strip():
+      raise AssertionError(f"{name}: {spec.factory.__name__} declares no aggregation (core.execution."
+                           f"accepts_policy_keywords: factory.aggregation); got {declared!r}")
     for key in spec.defaults:
       if key not in params and key not in PSEUDO:
         raise AssertionError(f"{name}: default {key!r} is neither a parameter of {spec.factory.__name__} "
@@ -991,7 +1027,7 @@ def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
       kwargs["num_clients"] = ctx.num_clients
     if "client_map" in params:
       kwargs["client_map"] = ctx.client_map
-    if ctx.aggregator is not None and "aggregator" in params:
+    if ctx.aggregator is not None and spec.takes_aggregator:
       kwargs["aggregator"] = ctx.aggregator
     algo = spec.factory(loss_fn, **kwargs)
     return algo if spec.wrap is None else spec.wrap(algo, ctx, hyper)

@@ -205,7 +205,7 @@ def check_rows(config: dict[str, Any], names: list[str], registry, num_clients: 
   groups: dict[tuple[int, str], list[str]] = {}
   for algo in names:
     spec = registry.REGISTRY[algo]
-    if "aggregator" not in inspect.signature(spec.factory).parameters:
+    if not spec.takes_aggregator:
       continue
     if spec.sampling == "clients":
       groups.setdefault((cpr, "--clients-per-round"), []).append(algo)
@@ -272,9 +272,7 @@ def check(config: dict[str, Any], names: list[str], registry) -> None:
       raise RobustError(f"--set {section}.… is given without {flag} NAME")
   needs = config["aggregator"] is not None or config["attack"] not in (None, "label_flip")
   if needs:
-    without = [n for n in names if "aggregator" not in inspect.signature(registry.REGISTRY[n].factory).parameters]
-    if without:
-      what = f"--aggregator {config['aggregator']}" if config["aggregator"] else f"--attack {config['attack']}"
-      raise RobustError(f"{what} acts on the aggregation of client updates, which {', '.join(without)} do(es) not "
-                        f"have (choose averaging algorithms, ditto, pfedme, per_fedavg or fedavg_ft"
-                        + (", or --attack label_flip" if config["attack"] else "") + ")")
+    what = f"--aggregator {config['aggregator']}" if config["aggregator"] else f"--attack {config['attack']}"
+    refusal = registry.refuse_aggregation(what, names)
+    if refusal:
+      raise RobustError(refusal + (" (--attack label_flip needs none)" if config["attack"] else ""))

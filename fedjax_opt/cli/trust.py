@@ -39,7 +39,6 @@ upload (the masked words, keys and shares) is reported as
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -52,7 +51,14 @@ SECURE_KEYS = ("bound", "frac_bits", "dropout")
 
 MEAN_BY_DEFAULT = ("scaffold", "feddyn", "pfedme", "per_fedavg")
 """Algorithms whose factory averages with `fo.aggregators.mean()` when given no aggregator (the others take
-`weighted_mean()`); `tests/test_cli_trust.py` reads each factory's docstring to keep this true."""
+`weighted_mean()`); `tests/test_cli_trust.py` reads each factory's docstring to keep this true.
+
+A copy, kept until the factories declare their default as data: each resolves `aggregator=None` inside its body
+(`aggregators.resolve(aggregator, aggregators.mean)`), and only `factory.aggregation` (whether it takes one) is
+declared. What would replace this tuple: `core.execution.accepts_policy_keywords(..., default_aggregator=
+aggregators.mean)` stored as `factory.default_aggregator` and used by the factory's own `resolve` (one source), read
+here as `REGISTRY[name].factory.default_aggregator()` (issue "One round engine and an aggregator algebra", item 7;
+the CLI report of that item, point 2)."""
 
 BOUND_FACTOR = 4
 """Default `bound` of the mean and the weighted mean: this many times the scalar a client adds (module docstring)."""
@@ -160,11 +166,11 @@ def check(config: dict[str, Any], names: list[str], registry) -> None:
     config["secure_aggregation"] = ",".join(f"{k}={options[k]:g}" for k in SECURE_KEYS if k in options)
   if not enabled(config):
     return
-  without = [n for n in names if "aggregator" not in inspect.signature(registry.REGISTRY[n].factory).parameters]
-  if without:
-    what = "--compression" if config.get("compression") is not None else "--secure-aggregation"
-    raise TrustError(f"{what} acts on the clients' uploads to an aggregator, which {', '.join(without)} do(es) not "
-                     f"have (choose averaging algorithms, ditto, pfedme, per_fedavg, fedavg_ft, fedem or ifca)")
+  what = (f"--compression {config['compression']}" if config.get("compression") is not None else
+          " ".join(filter(None, ("--secure-aggregation", config["secure_aggregation"]))))
+  refusal = registry.refuse_aggregation(what, names)
+  if refusal:
+    raise TrustError(refusal)
 
 
 def default_rule(name: str):
