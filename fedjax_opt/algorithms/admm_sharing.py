@@ -98,7 +98,7 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
-from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.server import finite_clients, keep_rows
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, materialize
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_int, check_key, check_positive,
                                         is_concrete)
@@ -314,7 +314,7 @@ def admm_sharing(
     # A client whose update is not finite is frozen: the iteration runs on the others, F, with the frozen
     # shares c = Σ_{j∉F} p_j held constant (module docstring). Sums over the frozen clients are written
     # Σ_{j∉F} (p_j − w) so that they are exactly 0 when every client is finite: then this is the plain iteration.
-    finite = client_is_finite((new_x, predictions, relaxed))
+    finite, num_nonfinite = finite_clients(new_x, predictions, relaxed)
     moved = finite[:, None]
     n_f = jnp.sum(finite, dtype=b.dtype)
     n_safe = jnp.maximum(n_f, 1)
@@ -336,7 +336,7 @@ def admm_sharing(
     new_offsets = relaxed + (t - mean_relaxed) - predictions
     params = per_client.scatter(state.params, batches.client_id, new_x, finite).table
     share_offsets = per_client.scatter(state.share_offsets, batches.client_id, new_offsets, finite).table
-    shares = jnp.where(moved, predictions, stored)
+    shares = keep_rows(finite, predictions, stored)
     stored_predictions = per_client.scatter(state.predictions, batches.client_id, shares, finite).table
     mean_prediction = jnp.mean(shares, axis=0)
     combined = n * mean_prediction
@@ -350,7 +350,7 @@ def admm_sharing(
         "objective": objective,
         "primal_residual": jnp.where(accepted, jnp.sqrt(n_f) * jnp.linalg.norm(mean_relaxed - t), 0),
         "dual_residual": rho_k * np.sqrt(n) * jnp.linalg.norm(z_bar - state.z_bar),
-        "num_nonfinite": jnp.sum(~finite),
+        "num_nonfinite": num_nonfinite,
         "bits_up": jnp.where(jnp.asarray(relaxation) == 1, 1.0, 2.0) * vector_bits,
         "bits_down": vector_bits,
     }

@@ -90,7 +90,8 @@ from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round, init_aggregator_state
-from fedjax_opt.core.server import check_aggregator, initial_round_metrics, refuse_client_stage, round_metrics
+from fedjax_opt.core.server import (check_aggregator, finite_clients, initial_round_metrics, refuse_client_stage,
+                                    round_metrics, zero_rows)
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_client_batches, check_int, check_key, check_loss_fn, check_num_clients,
@@ -220,13 +221,13 @@ def clustered_fl(
     cluster = per_client.gather(state.cluster_of, batches.client_id)
     cluster = jnp.clip(cluster, 0, k - 1)
     norms = _norms(updates)
-    finite = jnp.isfinite(norms)
+    finite, _ = finite_clients(updates, norms)  # an update whose norm overflows is dropped too
     taking_part = (weights > 0) & finite
     member = (cluster[None, :] == jnp.arange(k)[:, None]) & taking_part[None, :]  # [K, C]
 
     # Δθ̄_c before any split: the split criterion (the weighted mean of the finite members, as the paper's).
     w = jnp.where(member, weights[None, :], 0.0).astype(jnp.float32)
-    clean = jax.tree.map(lambda u: jnp.where(finite.reshape((-1,) + (1,) * (u.ndim - 1)), u, 0), updates)
+    clean = zero_rows(finite, updates)
     flat = jnp.concatenate([u.reshape(u.shape[0], -1).astype(jnp.float32) for u in jax.tree.leaves(clean)], axis=1)
     mean_update = (w @ flat) / jnp.maximum(jnp.sum(w, axis=1, keepdims=True), 1e-30)
     mean_norm = jnp.linalg.norm(mean_update, axis=1)

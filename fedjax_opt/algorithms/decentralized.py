@@ -97,8 +97,7 @@ from fedjax_opt.core import execution
 from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import cycle_steps, local_train, masked_mean_loss
-from fedjax_opt.core.server import client_is_finite
-from fedjax_opt.core.tree import select_rows
+from fedjax_opt.core.server import finite_clients, finite_mean, keep_rows, zero_rows
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_full_participation, check_key, check_loss_fn, check_optional_int,
                                         check_positive, check_scalar)
@@ -145,18 +144,19 @@ def consensus_distance(table: PyTree) -> jax.Array:
   return mixing_lib.consensus_distance(table)
 
 
-def _metrics(loss: jax.Array, count: jax.Array, ok: jax.Array, table: PyTree, sent: jax.Array, received: jax.Array,
+def _metrics(loss: jax.Array, count: jax.Array, ok: jax.Array, dropped: jax.Array, table: PyTree, sent: jax.Array, received: jax.Array,
              message_bytes: int) -> dict[str, jax.Array]:
-  """The round's `DECENTRALIZED_METRICS`; `sent` / `received` `[N]` count each node's messages of `message_bytes`."""
+  """The round's `DECENTRALIZED_METRICS`; `ok` / `dropped` from `core.server.finite_clients`; `sent` / `received`
+  `[N]` count each node's messages of `message_bytes`."""
   used = ok & (count > 0)
   mean_sent = jnp.mean(sent.astype(jnp.float32))
   values = {
-      "client_loss": jnp.sum(jnp.where(used, loss, 0)) / jnp.maximum(jnp.sum(used), 1),
+      "client_loss": finite_mean(loss, used),
       "consensus_distance": mixing_lib.consensus_distance(table),
       "bytes_sent": mean_sent * message_bytes,
       "bits_up": mean_sent * (8 * message_bytes),
       "bits_down": jnp.mean(received.astype(jnp.float32)) * (8 * message_bytes),
-      "num_nonfinite": jnp.sum(~ok),
+      "num_nonfinite": dropped,
   }
   return {name: jnp.asarray(values[name]).astype(dtype) for name, dtype in DECENTRALIZED_METRICS.items()}
 
@@ -214,15 +214,15 @@ def _local_sgd(name: str, loss_fn: LossFn, eta: Any, graph: Any, local_steps: in
     x = state.local_params
     dtype = jnp.result_type(*jax.tree.leaves(x))
     delta, loss, count = client_map_lib.map_clients(mode, node_update, None, (materialize(batches.data), batches.mask, x))
-    ok = client_is_finite(delta) & jnp.isfinite(loss)
-    delta = select_rows(ok, delta, jax.tree.map(jnp.zeros_like, delta))  # a NaN times a zero weight is still NaN
+    ok, dropped = finite_clients(delta, loss)
+    delta = zero_rows(ok, delta)  # a NaN times a zero weight is still NaN
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
     if adapt_then_combine:
       new = mixing_lib.mix(w, jax.tree.map(jnp.add, x, delta))
     else:
       new = jax.tree.map(jnp.add, mixing_lib.mix(w, x), delta)
-    table = select_rows(ok, new, x)
-    metrics = _metrics(loss, count, ok, table, mixing_lib.messages_sent(w), mixing_lib.messages_received(w),
+    table = keep_rows(ok, new, x)
+    metrics = _metrics(loss, count, ok, dropped, table, mixing_lib.messages_sent(w), mixing_lib.messages_received(w),
                        mixing_lib.model_bytes(state.params))
     return state.replace(params=_average(table, state.params), local_params=table, round=state.round + 1,
                          metrics=metrics)
@@ -367,18 +367,18 @@ def gradient_tracking(
     x, y, g_old = state.local_params, state.tracker, state.gradients
     dtype = jnp.result_type(*jax.tree.leaves(x))
     g, loss, count = client_map_lib.map_clients(mode, node_gradient, None, (materialize(batches.data), batches.mask, x))
-    ok = client_is_finite(g) & jnp.isfinite(loss)
-    g = select_rows(ok & (count > 0), g, g_old)  # no data, or not finite: the last gradient (no change to y)
+    ok, dropped = finite_clients(g, loss)
+    g = keep_rows(ok & (count > 0), g, g_old)  # no data, or not finite: the last gradient (no change to y)
     w_x = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
     w_y = mixing_lib.exclude(mixing_lib.at_round(mix, state.round - 1, dtype), ok)
     y_new = jax.tree.map(lambda a, b, c: a + b - c, mixing_lib.mix(w_y, y), g, g_old)
     step_size = jnp.asarray(eta, dtype)
     x_new = jax.tree.map(lambda a, b: a - step_size.astype(a.dtype) * b, mixing_lib.mix(w_x, x), y_new)
-    table = select_rows(ok, x_new, x)
-    tracker = select_rows(ok, y_new, y)
+    table = keep_rows(ok, x_new, x)
+    tracker = keep_rows(ok, y_new, y)
     sent = mixing_lib.messages_sent(w_x) + mixing_lib.messages_sent(w_y)
     received = mixing_lib.messages_received(w_x) + mixing_lib.messages_received(w_y)
-    metrics = _metrics(loss, count, ok, table, sent, received, mixing_lib.model_bytes(state.params))
+    metrics = _metrics(loss, count, ok, dropped, table, sent, received, mixing_lib.model_bytes(state.params))
     return state.replace(params=_average(table, state.params), local_params=table, tracker=tracker, gradients=g,
                          round=state.round + 1, metrics=metrics)
 

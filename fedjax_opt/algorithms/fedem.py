@@ -85,8 +85,7 @@ from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core.averaging import initial_fields
 from fedjax_opt.core.local import LocalResult, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
-from fedjax_opt.core.server import apply_server_update, client_is_finite
-from fedjax_opt.core.tree import select_rows
+from fedjax_opt.core.server import apply_server_update, finite_clients, finite_mean, keep_rows, zero_rows
 from fedjax_opt.core.types import (ClientBatches, FederatedAlgorithm, LossFn, PyTree, has_local_split, materialize,
                                    with_local_split)
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_full_participation, check_int,
@@ -432,9 +431,9 @@ def d_fedem(
     data, local = _round_data("d_fedem", e_step, batches.data)
     delta, new_pi, loss, count = client_map_lib.map_clients(
         mode, functools.partial(node_update, local), None, (materialize(data), batches.mask, comps, weights))
-    ok = client_is_finite(delta) & client_is_finite(new_pi) & jnp.isfinite(loss)
-    rows = lambda new, old: select_rows(ok, new, old)  # noqa: E731
-    delta = rows(delta, jax.tree.map(jnp.zeros_like, delta))
+    ok, num_nonfinite = finite_clients(delta, new_pi, loss)
+    rows = lambda new, old: keep_rows(ok, new, old)  # noqa: E731
+    delta = zero_rows(ok, delta)
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, jnp.result_type(*jax.tree.leaves(comps))), ok)
     new_comps = rows(mixing_lib.mix(w, jax.tree.map(jnp.add, comps, delta)), comps)
     table = {"components": new_comps, "weights": rows(new_pi, weights)}
@@ -443,12 +442,12 @@ def d_fedem(
     sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * message_bytes
     received = jnp.mean(mixing_lib.messages_received(w).astype(jnp.float32)) * message_bytes
     metrics = {
-        "client_loss": (jnp.sum(jnp.where(used, loss, 0)) / jnp.maximum(jnp.sum(used), 1)).astype(jnp.float32),
+        "client_loss": finite_mean(loss, used).astype(jnp.float32),
         "consensus_distance": jnp.asarray(mixing_lib.consensus_distance(new_comps), jnp.float32),
         "bytes_sent": jnp.asarray(sent, jnp.float32),
         "bits_up": jnp.asarray(8 * sent, jnp.float32),
         "bits_down": jnp.asarray(8 * received, jnp.float32),
-        "num_nonfinite": jnp.sum(~ok).astype(jnp.int32),
+        "num_nonfinite": num_nonfinite,
         "component_share": jnp.mean(table["weights"], axis=0).astype(jnp.float32),
     }
     return DFedEMState(params=summary(table), local_params=table, round=state.round + 1, key=state.key,

@@ -64,8 +64,7 @@ import optax
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core.local import cycle_steps, local_train
-from fedjax_opt.core.server import client_is_finite
-from fedjax_opt.core.tree import select_rows
+from fedjax_opt.core.server import finite_clients, keep_rows, zero_rows
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, PyTree, materialize
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key,
                                         check_optimizer, check_positive)
@@ -249,8 +248,8 @@ def fedmd(
       pick = jax.random.choice(pick_key, size, (public_per_round,), replace=False)
       x_pub = jnp.take(jnp.asarray(public_data["x"]), pick, axis=0)
       scores = [scores_of(a, tables[a], x_pub) for a in range(arch_count)]  # [n_a, P_r, K]
-      finite = [jnp.all(jnp.isfinite(s.reshape(s.shape[0], -1)), axis=1) for s in scores]
-      total = sum(jnp.sum(jnp.where(f[:, None, None], s, 0.0), axis=0) for s, f in zip(scores, finite))
+      finite = [finite_clients(s)[0] for s in scores]
+      total = sum(jnp.sum(zero_rows(f, s), axis=0) for s, f in zip(scores, finite))
       count = sum(jnp.sum(f) for f in finite)
       consensus = total / jnp.maximum(count, 1)
       score_bits = 32.0 * consensus.size  # |X_k| · K float32 scores, each way
@@ -272,12 +271,12 @@ def fedmd(
       mask = jnp.take(batches.mask, rows, axis=0)
       new, loss, _, digest_value = client_map_lib.map_clients(
           mode, client_step(a), (x_pub, consensus), (data, mask, tables[a]))
-      ok = finite[a] & client_is_finite(new) & jnp.isfinite(loss) & jnp.isfinite(digest_value)
-      new_tables.append(select_rows(ok, new, tables[a]))
+      ok, dropped = finite_clients(new, loss, digest_value, ok=finite[a])
+      new_tables.append(keep_rows(ok, new, tables[a]))
       loss_sum = loss_sum + jnp.sum(jnp.where(ok, loss, 0.0))
       digest_sum = digest_sum + jnp.sum(jnp.where(ok, digest_value, 0.0))
       ok_count = ok_count + jnp.sum(ok)
-      bad = bad + jnp.sum(~ok)
+      bad = bad + dropped
     metrics = {"client_loss": (loss_sum / jnp.maximum(ok_count, 1)).astype(jnp.float32),
                "digest_loss": (digest_sum / jnp.maximum(ok_count, 1)).astype(jnp.float32),
                "consensus_accuracy": accuracy, "num_nonfinite": jnp.asarray(bad, jnp.int32),

@@ -150,7 +150,7 @@ from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import masked_mean_loss
-from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.server import finite_clients, keep_rows
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_full_participation, check_in_range, check_int, check_key, check_loss_fn,
@@ -339,7 +339,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
     return new, objective
 
   def group_update(group, key, theta, sent, dual_term, rho_k, threshold, batches, scale, weight):
-    """One group's parallel update; returns the new tables and (objective, transmitted `[G]`, finite `[G]`)."""
+    """One group's parallel update; returns the new tables and (objective, transmitted `[G]`, finite `[G]`, dropped)."""
     dtype = jnp.result_type(*jax.tree.leaves(theta))
     d = jnp.asarray(degree[group], dtype)
     neighbours = _rows(_neighbour_sum(sent, edges, n), group)
@@ -350,11 +350,11 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
     theta_old = per_client.gather(theta, ids)
     new, objective = client_map_lib.map_clients(mode, worker_update, rho_k,
                                                 (data, mask, theta_old, v, d, jnp.take(scale, group)))
-    finite = client_is_finite(new)
+    finite, dropped = finite_clients(new)
     objective = jnp.sum(jnp.where(finite, jnp.take(weight, group) * objective, 0))
     theta = per_client.scatter(theta, ids, new, finite).table
     if not compress:
-      return theta, theta, (objective, finite, finite)
+      return theta, theta, (objective, finite, finite, dropped)
     sent_old = per_client.gather(sent, ids)
     change = jax.tree.map(jnp.subtract, new, sent_old)
     if bits is None:
@@ -369,7 +369,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
                                             "quantizer (a run is piecewise constant in them)")
     transmit = finite & (_row_norms(change) >= threshold)
     sent = per_client.scatter(sent, ids, candidate, transmit).table
-    return theta, sent, (objective, transmit, finite)
+    return theta, sent, (objective, transmit, finite, dropped)
 
   def init(params: PyTree, key: jax.Array) -> GADMMState:
     check_key(key)
@@ -404,19 +404,19 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
       scale, weight = n * counts / total, counts / total
     else:
       scale = weight = jnp.ones((n,), dtype)
-    objective, transmitted, finite = 0.0, jnp.zeros((n,), bool), jnp.ones((n,), bool)
+    objective, transmitted, finite, num_nonfinite = 0.0, jnp.zeros((n,), bool), jnp.ones((n,), bool), 0
     for group, group_key in zip(groups, jax.random.split(round_key)):  # heads, then tails: two static phases
-      theta, sent, (f, t, ok) = group_update(group, group_key, theta, sent, dual_term, rho_k, threshold, batches,
+      theta, sent, (f, t, ok, dropped) = group_update(group, group_key, theta, sent, dual_term, rho_k, threshold, batches,
                                              scale, weight)
       objective, transmitted, finite = objective + f, transmitted.at[group].set(t), finite.at[group].set(ok)
+      num_nonfinite = num_nonfinite + dropped
     transmissions = jnp.sum(transmitted, dtype=jnp.int32)
 
     residual = _edge_difference(sent, edges)
     # An edge with a non-finite end keeps its dual (module docstring).
     edge_ok = jnp.take(finite, edges[:, 0]) & jnp.take(finite, edges[:, 1])
-    duals = jax.tree.map(
-        lambda l, r: jnp.where(edge_ok.reshape((-1,) + (1,) * (l.ndim - 1)), l + rho_k * r, l).astype(l.dtype),
-        state.duals, residual)
+    duals = keep_rows(edge_ok, jax.tree.map(lambda l, r: (l + rho_k * r).astype(l.dtype), state.duals, residual),
+                      state.duals)
     num_params = sum(int(np.prod(jnp.shape(p))) for p in jax.tree.leaves(state.params))
     per_message = FLOAT_BITS * num_params if bits is None else bits * num_params + FLOAT_BITS
     round_bits = transmissions.astype(jnp.float32) * per_message
@@ -430,7 +430,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
         "bits": round_bits,
         "bits_cumulative": state.metrics["bits_cumulative"] + round_bits,
         "censor_threshold": threshold,
-        "num_nonfinite": jnp.sum(~finite),
+        "num_nonfinite": num_nonfinite,
         "bits_up": round_bits / n,
         "bits_down": receptions * per_message / n,
     }

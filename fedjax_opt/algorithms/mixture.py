@@ -73,7 +73,7 @@ Non-finite clients (all three; the library's rule, docs/architecture.md
 "The round", in these algorithms' terms). Every iteration each client computes its gradient
 (∇f_i(x_i), or ∇f_ij(x_i)) and its candidate new x_i (L2SGD+: also its new
 Ψ_i = λ(x_i − x̄), and its new J_ij is the gradient). A client for which any of
-these holds a NaN or Inf (`core.server.client_is_finite`) sits the iteration
+these holds a NaN or Inf (`core.server.finite_clients`) sits the iteration
 out, whatever the coin: it keeps its last finite x_i and its J_i and Ψ_i rows
 (`per_client.scatter` with a write mask). Its stored x_i, finite, still counts in
 x̄ = (1/n) Σ_i x_i: it is the client's last finite model. So the tables, x̄ and
@@ -102,7 +102,7 @@ from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
-from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.server import finite_clients, finite_mean
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key, check_loss_fn,
@@ -307,18 +307,6 @@ def _initial_communication_metrics() -> dict[str, jax.Array]:
           "bits_up": jnp.zeros((), jnp.float32), "bits_down": jnp.zeros((), jnp.float32)}
 
 
-def _finite_clients(*computed: PyTree) -> tuple[jax.Array, jax.Array]:
-  """(`[n]` bool: everything the client computed this iteration is finite, int32 count of the others)."""
-  finite = client_is_finite(computed)
-  return finite, jnp.sum(~finite, dtype=jnp.int32)
-
-
-def _finite_mean(values: jax.Array) -> jax.Array:
-  """Mean of the finite entries of `values` `[n]` (0 when none is)."""
-  ok = jnp.isfinite(values)
-  return jnp.sum(jnp.where(ok, values, 0)) / jnp.maximum(jnp.sum(ok), 1).astype(values.dtype)
-
-
 def _full_gradient(loss_fn: LossFn):
   """Client function: (∇f_i(x_i), f_i(x_i)) over all the client's real examples."""
 
@@ -404,12 +392,12 @@ def _loopless_local(loss_fn, lam, alpha, p, num_clients, stochastic, smoothness)
     local = _move(x, grads, alpha / (n * (1.0 - p)))
     toward = _move(x, jax.tree.map(jnp.subtract, x, x_bar), alpha * lam / (n * p))
     new_x = jax.tree.map(lambda a, b: jnp.where(coin, a, b), toward, local)
-    finite, num_nonfinite = _finite_clients(grads, new_x)
+    finite, num_nonfinite = finite_clients(grads, new_x)
     table = per_client.scatter(state.local_params, batches.client_id, new_x, finite).table
     metrics = {**_communication_metrics(state, coin), "num_nonfinite": num_nonfinite}
     metrics.update(_bits_metrics(metrics["communicated"], 1, state.params))
     if not stochastic:
-      objective = _finite_mean(losses) + lam * consensus_penalty(state.local_params)
+      objective = finite_mean(losses) + lam * consensus_penalty(state.local_params)
       metrics["objective"] = objective.astype(state.metrics["objective"].dtype)
     return L2GDState(params=average(table), local_params=table, previous_coin=coin, round=state.round + 1,
                      key=key, metrics=metrics)
@@ -662,7 +650,7 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
     toward = jax.tree.map(lambda pl, jm, ps: (pl - ps) / p + jm + ps, pull, mean, psi)
     direction = jax.tree.map(lambda a, b: jnp.where(coin, a, b), toward, local)
     new_x = _move(x, direction, alpha / n)
-    finite, metrics["num_nonfinite"] = _finite_clients(grad, pull, new_x)
+    finite, metrics["num_nonfinite"] = finite_clients(grad, pull, new_x)
     master = {}
     if efficient:
       known, drift_known, centered = _master_knowledge(state, coin, first, jnp.all(finite))

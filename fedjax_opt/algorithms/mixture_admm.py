@@ -152,7 +152,7 @@ from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import masked_mean_loss
-from fedjax_opt.core.server import client_is_finite
+from fedjax_opt.core.server import finite_clients, finite_mean
 from fedjax_opt.core.tree import global_norm, tree_bits
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_key, check_loss_fn,
@@ -294,7 +294,7 @@ def mixture_admm(
     v = jax.tree.map(lambda xi, b: (rho * xi + b) / penalty, x, broadcast)
     new_x, losses, grads = client_map_lib.map_clients(mode, client_update, penalty,
                                                       (materialize(batches.data), batches.mask, x, v))
-    finite = client_is_finite((new_x, losses, grads))  # a non-finite client keeps its x_i (module docstring)
+    finite, num_nonfinite = finite_clients(new_x, losses, grads)  # a non-finite client keeps its x_i (docstring)
     local_params = per_client.scatter(state.local_params, ids, new_x, finite).table
     new_x_bar = average(local_params)
     new_z = jax.tree.map(lambda yy, xb, zz: ((yy / kappa + rho * xb) / (rho - lam / kappa)).astype(zz.dtype),
@@ -306,18 +306,16 @@ def mixture_admm(
     per_client_norm = jnp.sqrt(sum(jnp.sum(jnp.square(r.reshape(n, -1)), axis=1)
                                    for r in jax.tree.leaves(residual)))
     gradient_residual = jnp.max(jnp.where(finite, per_client_norm, 0))
-    num_finite = jnp.sum(finite)
     safe_lam = jnp.where(lam > 0, lam, 1.0)
     stationarity = jnp.where(lam > 0, gradient_residual / safe_lam, jnp.inf)
     message = float(tree_bits(z))  # x_i^{k+1} up, ρκ(z − x̄) − y down: one model-sized vector each way
     values = {
-        "objective": (jnp.sum(jnp.where(finite, losses, 0)) / jnp.maximum(num_finite, 1)
-                      + lam * consensus_penalty(local_params)),
+        "objective": finite_mean(losses, finite) + lam * consensus_penalty(local_params),
         "primal_residual": np.sqrt(n) * global_norm(jax.tree.map(jnp.subtract, new_x_bar, new_z)),
         "dual_residual": rho * np.sqrt(n) * global_norm(jax.tree.map(jnp.subtract, new_z, z)),
         "stationarity": stationarity,
         "gradient_residual": gradient_residual,
-        "num_nonfinite": n - num_finite,
+        "num_nonfinite": num_nonfinite,
         "bits_up": message,
         "bits_down": message,
     }

@@ -72,6 +72,7 @@ import numpy as np
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core import mixing as mixing_lib
+from fedjax_opt.core.server import finite_clients, keep_rows, zero_rows
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_full_participation, check_int, check_key, check_loss_fn,
                                         check_per_example_loss, is_concrete)
@@ -249,13 +250,13 @@ def p2p_bayes(
     old = state.log_beliefs
     log_lik = client_map_lib.map_clients(mode, node_log_likelihood, hypotheses, (materialize(batches.data), batches.mask))
     log_lik = log_lik.astype(old.dtype)
-    ok = jnp.all(jnp.isfinite(log_lik), axis=1)
-    local = old + jnp.where(ok[:, None], log_lik, jnp.zeros_like(log_lik))
+    ok, num_nonfinite = finite_clients(log_lik)
+    local = old + zero_rows(ok, log_lik)
     local = local - jax.scipy.special.logsumexp(local, axis=1, keepdims=True)
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, old.dtype), ok)
     mixed = jnp.matmul(w, local, precision=jax.lax.Precision.HIGHEST)
     mixed = mixed - jax.scipy.special.logsumexp(mixed, axis=1, keepdims=True)
-    log_beliefs = jnp.where(ok[:, None], mixed, old)
+    log_beliefs = keep_rows(ok, mixed, old)
     best, table, agree = summarize(log_beliefs, state.params)
     beliefs = jnp.exp(log_beliefs)
     itemsize = jnp.dtype(old.dtype).itemsize  # a message is K log-beliefs
@@ -267,7 +268,7 @@ def p2p_bayes(
         "bytes_sent": sent,
         "bits_up": 8 * sent,
         "bits_down": 8 * received,
-        "num_nonfinite": jnp.sum(~ok),
+        "num_nonfinite": num_nonfinite,
     }
     if true_hypothesis is not None:
       values["true_belief"] = beliefs[:, true_hypothesis]

@@ -65,7 +65,7 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult, local_train
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import apply_server_update, client_is_finite
+from fedjax_opt.core.server import apply_server_update, finite_clients
 from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_int, check_loss_fn, check_num_clients, check_positive
@@ -189,7 +189,7 @@ def pfedme(
     theta = out.extras
     # personalize_all: stepped with a finite w_{i,R}, sampled or not; else out.write (took part, round accepted).
     computed = (out.results.num_steps > 0) & out.agg.finite if personalize_all else out.write
-    stored = per_client.scatter(state.local_params, batches.client_id, theta, computed & client_is_finite(theta))
+    stored = per_client.scatter(state.local_params, batches.client_id, theta, finite_clients(theta, ok=computed)[0])
     params, server_opt_state = apply_server_update(
         server_optimizer, state.params, state.server_opt_state, out.agg.update, out.agg.accepted)
     return PFedMeState(params=params, local_params=stored.table, server_opt_state=server_opt_state,

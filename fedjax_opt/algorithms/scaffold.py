@@ -96,7 +96,8 @@ from fedjax_opt.core import per_client
 from fedjax_opt.core.averaging import aggregated_round, initial_fields
 from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import apply_server_update, client_is_finite, protecting_piece, refuse_unknown_traits
+from fedjax_opt.core.server import (apply_server_update, finite_clients, protecting_piece, refuse_unknown_traits,
+                                    zero_rows)
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_loss_fn, check_num_clients, check_positive
@@ -255,10 +256,8 @@ def scaffold(
         server_optimizer, state.params, state.server_opt_state, out.agg.update, out.agg.accepted)
     stored, = out.stored
     sent, = out.uploads
-    counted = stored.written & client_is_finite(sent)
-    control_change = jax.tree.map(
-        lambda d: jnp.sum(jnp.where(counted.reshape((-1,) + (1,) * (d.ndim - 1)), d, jnp.zeros_like(d)), axis=0),
-        sent)
+    counted, _ = finite_clients(sent, ok=stored.written)
+    control_change = jax.tree.map(lambda d: jnp.sum(d, axis=0), zero_rows(counted, sent))
     control_variate = jax.tree.map(lambda cc, dc: cc + dc / num_clients, state.control_variate, control_change)
     return ScaffoldState(
         params=params,

@@ -100,8 +100,8 @@ import jax.numpy as jnp
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult
-from fedjax_opt.core.server import (Aggregated, aggregate_updates, client_is_finite, finish_aggregation, round_metrics,
-                                    zero_nonfinite)
+from fedjax_opt.core.server import (Aggregated, aggregate_updates, client_is_finite, finish_aggregation, finite_clients,
+                                    round_metrics, zero_nonfinite)
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import Aggregator, ClientBatches, ClientStage, DeferredData, PyTree, StagedState
 
@@ -291,9 +291,8 @@ def client_round(
   else:
     one_update = jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape[1:], u.dtype), results.delta)
     taking_part = weights > 0
-    finite = rows_finite if tables else client_is_finite(results.delta)
-    agg = Aggregated(update=None, state=None, finite=finite,
-                     num_nonfinite=jnp.sum(taking_part & ~finite, dtype=jnp.int32),
+    finite, num_nonfinite = finite_clients(out.rows if tables else results.delta, taking_part=taking_part)
+    agg = Aggregated(update=None, state=None, finite=finite, num_nonfinite=num_nonfinite,
                      accepted=jnp.any(taking_part & finite))
     round_ok = finite
   own = jnp.ones(weights.shape, bool) if out.writes is None else out.writes

@@ -1,5 +1,12 @@
 """Server-side mechanics shared by every averaging algorithm.
 
+* The non-finite rule, stated once (`finite_clients`, and for the algorithms
+  that keep per-client rows or average over clients by hand `keep_rows`,
+  `zero_rows`, `finite_mean`): a client whose message holds a NaN or Inf is
+  dropped, weight 0, its row never reaching another client's model nor the
+  server's, counted in `num_nonfinite`; a round with no finite client makes
+  no step. Every family applies it through these helpers (and
+  `aggregate_updates` / `core.rounds.client_round`, built on them).
 * `aggregate_updates`: the non-finite guard around any aggregator. A client
   whose update holds a NaN or Inf is dropped (its weight set to 0 and its
   update to 0 before the aggregator sees it) and counted; a round where no
@@ -28,12 +35,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_opt.core.tree import global_norm, select_tree, tree_bits
+from fedjax_opt.core.tree import global_norm, select_rows, select_tree, tree_bits
 from fedjax_opt.core.types import Aggregator, ClientStage, Traits
 
 __all__ = ["Aggregated", "ROUND_METRICS", "Received", "aggregate_updates", "aggregator_name", "apply_server_update",
-           "check_aggregator", "check_stacked_updates", "client_is_finite", "finish_aggregation", "guarded_aggregate",
-           "initial_round_metrics", "protecting_piece", "refuse_unknown_traits", "round_metrics", "zero_nonfinite"]
+           "check_aggregator", "check_stacked_updates", "client_is_finite", "finish_aggregation", "finite_clients",
+           "finite_mean", "guarded_aggregate", "initial_round_metrics", "keep_rows", "protecting_piece", "refuse_unknown_traits", "round_metrics", "zero_nonfinite",
+           "zero_rows"]
 
 PyTree = Any
 
@@ -64,6 +72,63 @@ def client_is_finite(updates: PyTree) -> jax.Array:
   """`[C]` bool: True where every entry of client c's update is finite."""
   per_leaf = [jnp.all(jnp.isfinite(u.reshape(u.shape[0], -1)), axis=1) for u in jax.tree.leaves(updates)]
   return jnp.all(jnp.stack(per_leaf), axis=0)
+
+
+def finite_clients(*messages: PyTree, ok: jax.Array | None = None,
+                   taking_part: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """THE non-finite rule of the library, stated once: which clients count this round, and how many were dropped.
+
+  A client (a row c of every leaf of `messages`, each stacked `[C, ...]`; a scalar per client is `[C]`) whose
+  message holds a NaN or an Inf anywhere is dropped: its weight is 0 and its row never reaches another client's
+  model nor the server's (the caller keeps that client's previous rows, `keep_rows`, or sends zeros in its place,
+  `zero_rows`, or gives it weight 0, `zero_nonfinite`), and it is counted in the round's `num_nonfinite`. A round
+  in which no finite client took part makes no step (`finite_mean` is 0 then; `finish_aggregation` rejects the
+  round, keeping the model and the aggregator state). Every family applies the rule through this function:
+  `aggregate_updates` and `core.rounds.client_round` for the averaging ones, directly for the algorithms that
+  keep per-client rows (ADMM's x_i and duals, a node's model and tracker, a mixture's local models).
+
+  Args:
+    messages: what each client computed and sends this round, one pytree or several (all judged together).
+    ok: optional `[C]` bool, a condition known already (finite in an earlier exchange of the round): a client
+      not `ok` is dropped and counted as well.
+    taking_part: optional `[C]` bool, the clients that took part; only those are counted (default: all).
+
+  Returns:
+    `(finite, num_nonfinite)`: `[C]` bool, True for a client that counts, and the int32 number of the clients
+    taking part that were dropped.
+  """
+  finite = client_is_finite(messages)
+  if ok is not None:
+    finite = ok & finite
+  dropped = ~finite if taking_part is None else taking_part & ~finite
+  return finite, jnp.sum(dropped, dtype=jnp.int32)
+
+
+def keep_rows(finite: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+  """Row c of `new` where `finite[c]`, else the previous row c of `old`, bit for bit (`core.tree.select_rows`).
+
+  The non-finite rule (`finite_clients`) for state kept per client: a dropped client keeps its previous rows.
+  For the ADMM families it is also the rule of their dual variables: a non-finite client keeps its previous x_i
+  and its dual u_i / λ_i (an edge with a non-finite end keeps its dual); a decentralized node keeps its model and
+  tracker. Leaves are `[C, ...]`.
+  """
+  return select_rows(finite, new, old)
+
+
+def zero_rows(finite: jax.Array, rows: PyTree) -> PyTree:
+  """`rows` with every row of a dropped client (not `finite`) set to 0: what it sends in place of its message.
+
+  The non-finite rule (`finite_clients`) before a sum or a mixing matrix: a NaN times a zero weight is still NaN.
+  """
+  return select_rows(finite, rows, jax.tree.map(jnp.zeros_like, rows))
+
+
+def finite_mean(values: jax.Array, finite: jax.Array | None = None) -> jax.Array:
+  """The mean of `values` `[C]` over the clients that count (`finite`, default: the finite entries of `values`);
+  0 when none does: a round without a finite client makes no step (`finite_clients`)."""
+  if finite is None:
+    finite = client_is_finite(values)
+  return jnp.sum(jnp.where(finite, values, 0)) / jnp.maximum(jnp.sum(finite), 1).astype(values.dtype)
 
 
 def check_aggregator(aggregator: Any) -> Aggregator:

@@ -62,6 +62,7 @@ from fedjax_opt.algorithms.matched_averaging.neurons import check_layers, select
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core.local import local_train
+from fedjax_opt.core.server import finite_clients
 from fedjax_opt.core.types import ClientBatches, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import check_client_batches, check_int, check_loss_fn, check_optimizer
 
@@ -139,11 +140,6 @@ def _stack(params: list[dict]) -> PyTree:
 def _unstack(params: PyTree, num: int) -> list[dict]:
   host = jax.tree.map(np.asarray, params)
   return [jax.tree.map(lambda a, k=k: a[k], host) for k in range(num)]
-
-
-def _finite_rows(params: PyTree) -> np.ndarray:
-  leaves = [np.asarray(a).reshape(a.shape[0], -1) for a in jax.tree.leaves(params)]
-  return np.all(np.concatenate([np.isfinite(a) for a in leaves], axis=1), axis=1)
 
 
 def _popular_units(table: np.ndarray, valid: np.ndarray, width: int, keep: int) -> np.ndarray:
@@ -290,8 +286,10 @@ def fedma(
     if any(np.shape(leaf)[0] != num for leaf in jax.tree.leaves(client_params)):
       raise ValueError(f"client_params must have a leading axis of the C = {num} clients of batches; got "
                        f"{jax.tree.map(np.shape, client_params)}.")
-    keep = (np.asarray(batches.weight) > 0) & _finite_rows(client_params)
-    num_nonfinite = int(np.sum((np.asarray(batches.weight) > 0) & ~keep))
+    taking_part = np.asarray(batches.weight) > 0
+    finite, dropped = finite_clients(jax.tree.map(np.asarray, client_params), taking_part=taking_part)
+    keep = taking_part & np.asarray(finite)
+    num_nonfinite = int(dropped)
     if not keep.any():
       return None, {"num_clients": 0, "num_nonfinite": num_nonfinite}
     rows = np.flatnonzero(keep)
