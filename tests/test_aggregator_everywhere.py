@@ -43,11 +43,30 @@ def test_a_factory_without_aggregator_must_declare_why_and_one_with_it_must_not(
     return loss_fn, aggregator
 
   with pytest.raises(TypeError, match="taking takes aggregator= .* cannot declare refuses_aggregator="):
-    execution.accepts_policy_keywords(taking, refuses_aggregator="it needs the exact mean")
-  assert execution.accepts_policy_keywords(taking).aggregation == execution.TAKES_AGGREGATOR
+    execution.accepts_policy_keywords(taking, refuses_aggregator="it needs the exact mean",
+                                      default_aggregator=fo.aggregators.mean)
+  declared = execution.accepts_policy_keywords(taking, default_aggregator=fo.aggregators.mean)
+  assert declared.aggregation == execution.TAKES_AGGREGATOR
+  assert declared.default_aggregator is fo.aggregators.mean
+  assert execution.accepts_policy_keywords(_plain, refuses_aggregator="why").default_aggregator is None
   for bad in ("", "  ", "two\nlines", 3):
     with pytest.raises(TypeError, match="refuses_aggregator must be a non-empty one-line str"):
       execution.accepts_policy_keywords(_plain, refuses_aggregator=bad)
+
+
+def test_the_default_aggregator_is_declared_exactly_when_the_factory_takes_one():
+  """`default_aggregator=`: required with `aggregator=` in the signature, refused without, a zero-argument
+  constructor; all checked when the decorator is applied."""
+  def taking(loss_fn, *, aggregator=None):
+    return loss_fn, aggregator
+
+  with pytest.raises(TypeError, match="taking takes aggregator=; declare the rule it uses when given none"):
+    execution.accepts_policy_keywords(taking)
+  with pytest.raises(TypeError, match="_plain takes no aggregator=, so it cannot declare default_aggregator=mean"):
+    execution.accepts_policy_keywords(_plain, refuses_aggregator="why", default_aggregator=fo.aggregators.mean)
+  for bad in (fo.aggregators.mean(), fo.aggregators.trimmed_mean, "mean"):
+    with pytest.raises(TypeError, match="default_aggregator of .*taking must be a zero-argument constructor"):
+      execution.accepts_policy_keywords(taking, default_aggregator=bad)
 
 
 def test_a_declared_factory_refuses_any_aggregator_in_one_line_and_takes_none_as_nothing():

@@ -62,7 +62,8 @@ def test_bad_trust_flags_exit_2_with_one_line_and_create_nothing(cli, tmp_path, 
 
 
 def test_the_default_rule_of_each_algorithm_is_its_factory_s_own():
-  """`trust.MEAN_BY_DEFAULT` against each factory's docstring ("aggregator: ... default `aggregators.X()`")."""
+  """`trust.default_rule` is the factory's declared `default_aggregator` (no copy kept in the CLI), and names
+  what each factory's docstring does ("aggregator: ... default `aggregators.X()`")."""
   import inspect
 
   from fedjax_opt.cli import registry, trust
@@ -75,8 +76,10 @@ def test_the_default_rule_of_each_algorithm_is_its_factory_s_own():
     found = re.search(r"\n\s*aggregator:.*?[Dd]efault\s+`aggregators\.(\w+)\(\)`", doc, flags=re.S)
     assert found, name
     assert trust.default_rule(name).traits.name == found.group(1), name
+    assert spec.factory.default_aggregator().traits.name == found.group(1), name
     seen.add(found.group(1))
   assert seen == {"mean", "weighted_mean"}
+  assert not hasattr(trust, "MEAN_BY_DEFAULT")
 
 
 def _python_run(aggregator, rounds, *, sampling=None, accounting=None):

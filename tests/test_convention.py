@@ -282,6 +282,7 @@ def test_every_factory_takes_an_aggregator_or_declares_why_it_takes_none(name):
     default = getattr(fo.aggregators, _documented_default(factory))()
     _same_round(EXAMPLES[name](aggregator=default), EXAMPLES[name](), name)
     return
+  assert factory.default_aggregator is None
   reason = factory.aggregation
   assert isinstance(reason, str) and reason.strip() and "\n" not in reason
   assert reason != fo.core.execution.TAKES_AGGREGATOR and "aggregator" not in params
@@ -291,6 +292,18 @@ def test_every_factory_takes_an_aggregator_or_declares_why_it_takes_none(name):
   message = str(caught.value)
   assert "\n" not in message and message == f"{name} takes no aggregator= (got mean): {reason}"
   _same_round(EXAMPLES[name](aggregator=None), EXAMPLES[name](), name)
+
+
+@pytest.mark.parametrize("name", sorted(TAKES_AGGREGATOR))
+def test_the_default_aggregator_is_declared_data_and_is_the_factory_s_default(name):
+  """`factory.default_aggregator` (`core.execution.accepts_policy_keywords(..., default_aggregator=...)`), the one
+  source of the default: it builds the rule the docstring names, and given explicitly it is the factory's default
+  algorithm (the same initial state and step program)."""
+  factory = getattr(fo.algorithms, name)
+  assert callable(factory.default_aggregator)
+  built = factory.default_aggregator()
+  assert built.traits.name == _documented_default(factory)
+  _same_round(EXAMPLES[name](aggregator=factory.default_aggregator()), EXAMPLES[name](), name)
 
 
 def test_the_aggregation_of_every_factory_is_declared():

@@ -97,6 +97,10 @@ from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyT
 from fedjax_opt.core.validation import (check_client_batches, check_int, check_key, check_loss_fn, check_num_clients,
                                         check_optimizer, check_positive)
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `clustered_fl` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["ClusteredFLState", "clustered_fl"]
 
 CLUSTER_METRICS = {
@@ -185,7 +189,7 @@ def clustered_fl(
   check_optimizer(client_optimizer, "client_optimizer")
   server_optimizer = check_optimizer(optax.sgd(1.0) if server_optimizer is None else server_optimizer,
                                      "server_optimizer")
-  aggregator = check_aggregator(aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean))
+  aggregator = check_aggregator(aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR))
   refuse_client_stage(aggregator, "clustered_fl", "its split is decided on the clients' exact updates (the "
                       "cosine similarities α_ij and max_i ‖Δθ_i‖ of the separation theorem); compressed updates "
                       "(top-k supports that barely overlap, signs) would split on the compression error.")
@@ -280,4 +284,4 @@ def clustered_fl(
   return FederatedAlgorithm(init, step)
 
 
-clustered_fl = execution.accepts_policy_keywords(clustered_fl)
+clustered_fl = execution.accepts_policy_keywords(clustered_fl, default_aggregator=_DEFAULT_AGGREGATOR)

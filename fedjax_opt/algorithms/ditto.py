@@ -49,6 +49,10 @@ from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm,
 from fedjax_opt.core.validation import (check_int, check_loss_fn,
                                         check_num_clients, check_optimizer, check_positive)
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `ditto` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["DittoState", "ditto"]
 
 
@@ -115,7 +119,7 @@ def ditto(
   check_optimizer(client_optimizer, "client_optimizer")
   server_optimizer = check_optimizer(optax.sgd(1.0) if server_optimizer is None else server_optimizer,
                                      "server_optimizer")
-  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
+  aggregator = aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR)
   mode = client_map_lib.FromPolicy()
   personal_optimizer = optax.sgd(eta)
 
@@ -153,4 +157,4 @@ def ditto(
   return FederatedAlgorithm(init, step)
 
 
-ditto = execution.accepts_policy_keywords(ditto, storage_dtype=True)
+ditto = execution.accepts_policy_keywords(ditto, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR)

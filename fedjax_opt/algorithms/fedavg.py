@@ -39,6 +39,10 @@ from fedjax_opt.core.local import as_single_step, local_train
 from fedjax_opt.core.types import FederatedAlgorithm, LossFn
 from fedjax_opt.core.validation import check_loss_fn, check_optimizer
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `fedavg` and `fedsgd` average with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["FedAvgState", "fedavg", "fedsgd"]
 
 FedAvgState = AveragingState
@@ -90,12 +94,12 @@ def fedavg(
     return local_train(loss_fn, client_optimizer, params, data, mask)
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean),
+                             aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
                              client_map_lib.FromPolicy(),
                              downlink=compression_lib.as_downlink(downlink, "fedavg"))
 
 
-fedavg = execution.accepts_policy_keywords(fedavg)
+fedavg = execution.accepts_policy_keywords(fedavg, default_aggregator=_DEFAULT_AGGREGATOR)
 
 
 def fedsgd(
@@ -129,9 +133,9 @@ def fedsgd(
     return local_train(loss_fn, one_gradient, params, *as_single_step(data, mask))
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean),
+                             aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
                              client_map_lib.FromPolicy(),
                              downlink=compression_lib.as_downlink(downlink, "fedsgd"))
 
 
-fedsgd = execution.accepts_policy_keywords(fedsgd)
+fedsgd = execution.accepts_policy_keywords(fedsgd, default_aggregator=_DEFAULT_AGGREGATOR)

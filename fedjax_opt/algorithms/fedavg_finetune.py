@@ -61,6 +61,10 @@ from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm,
 from fedjax_opt.core.validation import (check_client_batches, check_int, check_key, check_loss_fn, check_optimizer,
                                         check_optional_int, check_positive, is_concrete)
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `fedavg_finetune` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["FineTuningState", "fedavg_finetune"]
 
 
@@ -146,7 +150,7 @@ def fedavg_finetune(
   personalize_optimizer = check_optimizer(
       finetune_client_optimizer if personalize_optimizer is None else personalize_optimizer,
       "personalize_optimizer")
-  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
+  aggregator = aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR)
   mode = client_map_lib.FromPolicy()
 
   def stage(client_optimizer, server_optimizer):  # FedAvg / FedOpt with these optimizers
@@ -201,4 +205,4 @@ def fedavg_finetune(
   return FederatedAlgorithm(init, step, personalize)
 
 
-fedavg_finetune = execution.accepts_policy_keywords(fedavg_finetune)
+fedavg_finetune = execution.accepts_policy_keywords(fedavg_finetune, default_aggregator=_DEFAULT_AGGREGATOR)

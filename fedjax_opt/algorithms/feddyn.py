@@ -69,6 +69,10 @@ from fedjax_opt.core.tree import global_norm, select_tree
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_loss_fn, check_num_clients, check_optimizer, check_positive, check_scalar
 
+_DEFAULT_AGGREGATOR = aggregators_lib.mean
+"""The rule `feddyn` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["FedDynState", "feddyn"]
 
 
@@ -141,7 +145,7 @@ def feddyn(
   check_scalar(alpha, "alpha")
   check_optimizer(client_optimizer, "client_optimizer")
   num_clients = check_num_clients(num_clients)
-  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
+  aggregator = aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR)
   refuse_client_stage(aggregator, "feddyn", "its h must move by the exact θ_k − θ^{t−1} that moves each g_k = "
                       "∇L_k(θ_k), so that h = (1/m) Σ_k g_k (what makes the fixed point stationary); a server that "
                       "receives compressed messages drifts from it every round. Use FedAvg or SCAFFOLD to compress.")
@@ -191,4 +195,4 @@ def feddyn(
   return FederatedAlgorithm(init, step)
 
 
-feddyn = execution.accepts_policy_keywords(feddyn, storage_dtype=True)
+feddyn = execution.accepts_policy_keywords(feddyn, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR)

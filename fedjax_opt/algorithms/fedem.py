@@ -91,6 +91,10 @@ from fedjax_opt.core.types import (ClientBatches, FederatedAlgorithm, LossFn, Py
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_full_participation, check_int,
                                         check_key, check_loss_fn, check_num_clients, check_optimizer, check_positive)
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `fedem` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["DFedEMState", "FedEMState", "client_params", "d_fedem", "fedem", "mixture_model", "responsibilities"]
 
 _WEIGHT_KEY = "__fedem_q"
@@ -277,7 +281,7 @@ def fedem(
   e_step = check_choice(e_step, "e_step", E_STEPS)
   server_optimizer = optax.sgd(1.0) if server_optimizer is None else server_optimizer
   check_optimizer(server_optimizer, "server_optimizer")
-  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
+  aggregator = aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR)
   mode = client_map_lib.FromPolicy()
 
   def client_update(local, components, data, mask, pi):
@@ -332,7 +336,7 @@ def fedem(
   return FederatedAlgorithm(init, step, personalize)
 
 
-fedem = execution.accepts_policy_keywords(fedem)
+fedem = execution.accepts_policy_keywords(fedem, default_aggregator=_DEFAULT_AGGREGATOR)
 
 
 @flax.struct.dataclass

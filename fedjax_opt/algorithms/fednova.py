@@ -57,6 +57,10 @@ from fedjax_opt.core.rounds import ClientOutput, Round
 from fedjax_opt.core.types import FederatedAlgorithm, LossFn
 from fedjax_opt.core.validation import check_in_range, check_loss_fn, check_positive
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `fednova` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["fednova", "local_solver_norm"]
 
 
@@ -122,9 +126,9 @@ def fednova(
     return delta, {"tau_eff": tau_eff.astype(jnp.float32)}
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean),
+                             aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
                              client_map_lib.FromPolicy(),
                              server_delta=rescale, extra_metrics=("tau_eff",))
 
 
-fednova = execution.accepts_policy_keywords(fednova)
+fednova = execution.accepts_policy_keywords(fednova, default_aggregator=_DEFAULT_AGGREGATOR)

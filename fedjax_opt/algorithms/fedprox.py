@@ -41,6 +41,10 @@ from fedjax_opt.core.local import local_train
 from fedjax_opt.core.types import FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_loss_fn, check_optimizer, check_positive, check_scalar
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `fedprox` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["fedprox", "proximal_correction"]
 
 
@@ -89,9 +93,9 @@ def fedprox(
                        gradient_correction=proximal_correction(mu, params))
 
   return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean),
+                             aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
                              client_map_lib.FromPolicy(),
                              downlink=compression_lib.as_downlink(downlink, "fedprox"))
 
 
-fedprox = execution.accepts_policy_keywords(fedprox)
+fedprox = execution.accepts_policy_keywords(fedprox, default_aggregator=_DEFAULT_AGGREGATOR)

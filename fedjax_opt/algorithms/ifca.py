@@ -85,6 +85,10 @@ from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyT
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_int, check_key, check_loss_fn,
                                         check_num_clients, check_optimizer, check_positive)
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `ifca` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["IFCAState", "ifca"]
 
 AVERAGING = ("model", "gradient")
@@ -187,7 +191,7 @@ def ifca(
     if server_optimizer is None:
       raise TypeError("ifca: averaging='gradient' needs server_optimizer (e.g. optax.sgd(γ)).")
   check_optimizer(server_optimizer, "server_optimizer")
-  aggregator = check_aggregator(aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean))
+  aggregator = check_aggregator(aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR))
   mode = client_map_lib.FromPolicy()
   one_gradient = optax.sgd(1.0)
 
@@ -250,4 +254,4 @@ def ifca(
   return FederatedAlgorithm(init, step)
 
 
-ifca = execution.accepts_policy_keywords(ifca)
+ifca = execution.accepts_policy_keywords(ifca, default_aggregator=_DEFAULT_AGGREGATOR)

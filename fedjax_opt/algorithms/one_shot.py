@@ -69,6 +69,10 @@ from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyT
 from fedjax_opt.core.validation import (check_client_batches, check_key, check_loss_fn, check_optimizer,
                                         check_optional_int)
 
+_DEFAULT_AGGREGATOR = aggregators_lib.weighted_mean
+"""The rule `one_shot_average` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["OneShotState", "one_shot_average"]
 
 
@@ -133,7 +137,7 @@ def one_shot_average(
       raise ValueError("one_shot_average: cg_iters sets the Newton solver's CG, but client_optimizer= asks for "
                        "local training instead; give one of them.")
   mode = client_map_lib.FromPolicy()
-  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.weighted_mean)
+  aggregator = aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR)
 
   def local_solve(w, data, mask):
     if client_optimizer is None:
@@ -170,4 +174,4 @@ def one_shot_average(
   return FederatedAlgorithm(init, step)
 
 
-one_shot_average = execution.accepts_policy_keywords(one_shot_average)
+one_shot_average = execution.accepts_policy_keywords(one_shot_average, default_aggregator=_DEFAULT_AGGREGATOR)

@@ -59,6 +59,10 @@ from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_int, check_loss_fn, check_optimizer, check_positive
 
+_DEFAULT_AGGREGATOR = aggregators_lib.mean
+"""The rule `per_fedavg` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["HESSIANS", "VARIANTS", "hessian_vector_product", "meta_gradient", "per_fedavg"]
 
 VARIANTS = ("fo", "hf", "maml")
@@ -209,7 +213,7 @@ def per_fedavg(
   _check_variant(variant, hessian)
   server_optimizer = check_optimizer(optax.sgd(1.0) if server_optimizer is None else server_optimizer,
                                      "server_optimizer")
-  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
+  aggregator = aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR)
   m = 3 if variant == "hf" else 2
   straight_through = variant != "maml"
   if straight_through:  # the surrogate's stop_gradients drop how w and α move w̃ for any outer derivative
@@ -241,4 +245,4 @@ def per_fedavg(
   return FederatedAlgorithm(inner.init, step, personalize)
 
 
-per_fedavg = execution.accepts_policy_keywords(per_fedavg)
+per_fedavg = execution.accepts_policy_keywords(per_fedavg, default_aggregator=_DEFAULT_AGGREGATOR)

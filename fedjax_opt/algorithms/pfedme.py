@@ -70,6 +70,10 @@ from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_int, check_loss_fn, check_num_clients, check_positive
 
+_DEFAULT_AGGREGATOR = aggregators_lib.mean
+"""The rule `pfedme` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["PFedMeState", "pfedme"]
 
 
@@ -171,7 +175,7 @@ def pfedme(
   check_choice(personalize_all, "personalize_all", (False, True))
   local_steps = check_int(local_steps, "local_steps")
   inner_steps = check_int(inner_steps, "inner_steps")
-  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
+  aggregator = aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR)
   mode = client_map_lib.FromPolicy()
   server_optimizer = optax.sgd(beta)
   client_update = _client_update(loss_fn, lam, eta, inner_steps, inner_lr)
@@ -198,4 +202,4 @@ def pfedme(
   return FederatedAlgorithm(init, step)
 
 
-pfedme = execution.accepts_policy_keywords(pfedme, storage_dtype=True)
+pfedme = execution.accepts_policy_keywords(pfedme, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR)

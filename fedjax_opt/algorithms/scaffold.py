@@ -102,6 +102,10 @@ from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_loss_fn, check_num_clients, check_positive
 
+_DEFAULT_AGGREGATOR = aggregators_lib.mean
+"""The rule `scaffold` averages with when given no `aggregator=`: declared once, passed to
+`execution.accepts_policy_keywords` (`.default_aggregator`) and to `aggregators.resolve` in the body."""
+
 __all__ = ["ScaffoldState", "scaffold"]
 
 CONTROL_UPDATES = ("I", "II")
@@ -216,7 +220,7 @@ def scaffold(
   check_positive(eta_g, "eta_g")
   num_clients = check_num_clients(num_clients)
   check_choice(control_update, "control_update", CONTROL_UPDATES)
-  aggregator = aggregators_lib.resolve(aggregator, aggregators_lib.mean)
+  aggregator = aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR)
   _refuse_uncovered_control_variates(aggregator)
   stage = aggregator.client
   if stage is not None and stage.num_clients not in (None, num_clients):
@@ -273,5 +277,5 @@ def scaffold(
   return FederatedAlgorithm(init, step)
 
 
-scaffold = execution.accepts_policy_keywords(scaffold, storage_dtype=True)
+scaffold = execution.accepts_policy_keywords(scaffold, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR)
 

@@ -566,8 +566,10 @@ def cocoa(loss_fn: Callable, lam: Any, gamma: Any = 1.0, *, loss: str = "squared
 
 
 def _declaring(wrapper: Callable, factory: Callable) -> Callable:
-  """`wrapper` (the command line's own call of `factory`) with `factory`'s declaration `aggregation`."""
+  """`wrapper` (the command line's own call of `factory`) with `factory`'s declarations `aggregation` and
+  `default_aggregator`."""
   wrapper.aggregation = factory.aggregation
+  wrapper.default_aggregator = factory.default_aggregator
   return wrapper
 
 

@@ -3,7 +3,7 @@
 Each flag is the library's construction (docs/privacy.md), assembled in the
 order of the aggregator seam, for every chosen algorithm:
 
-    rule     = --aggregator NAME | the DP mean (--dp-*) | the factory's own default (mean or weighted_mean)
+    rule     = --aggregator NAME | the DP mean (--dp-*) | factory.default_aggregator() (its declared default)
     rule     = fo.privacy.secure_aggregation(rule, bound=B, frac_bits=F, dropout=Q)     --secure-aggregation
     rule     = fo.attacks.corrupt(rule, attack, ...)                                    an update --attack
     aggregator = fo.aggregators.chain(fo.compression.compress(C, error_feedback=EF,     --compression
@@ -48,17 +48,6 @@ __all__ = ["COMPRESSION_GRAMMAR", "SECURE_GRAMMAR", "TrustError", "assemble", "c
 COMPRESSION_GRAMMAR = "qsgd:BITS, top_k:FRACTION[:ef], rand_k:FRACTION or sign[:ef]"
 SECURE_GRAMMAR = "bound=B,frac_bits=F,dropout=Q (each optional)"
 SECURE_KEYS = ("bound", "frac_bits", "dropout")
-
-MEAN_BY_DEFAULT = ("scaffold", "feddyn", "pfedme", "per_fedavg")
-"""Algorithms whose factory averages with `fo.aggregators.mean()` when given no aggregator (the others take
-`weighted_mean()`); `tests/test_cli_trust.py` reads each factory's docstring to keep this true.
-
-A copy, kept until the factories declare their default as data: each resolves `aggregator=None` inside its body
-(`aggregators.resolve(aggregator, aggregators.mean)`), and only `factory.aggregation` (whether it takes one) is
-declared. What would replace this tuple: `core.execution.accepts_policy_keywords(..., default_aggregator=
-aggregators.mean)` stored as `factory.default_aggregator` and used by the factory's own `resolve` (one source), read
-here as `REGISTRY[name].factory.default_aggregator()` (issue "One round engine and an aggregator algebra", item 7;
-the CLI report of that item, point 2)."""
 
 BOUND_FACTOR = 4
 """Default `bound` of the mean and the weighted mean: this many times the scalar a client adds (module docstring)."""
@@ -174,10 +163,15 @@ def check(config: dict[str, Any], names: list[str], registry) -> None:
 
 
 def default_rule(name: str):
-  """The aggregator the factory of algorithm `name` uses when given none."""
-  from fedjax_opt import aggregators
+  """The aggregator the factory of algorithm `name` uses when given none: the factory's own declaration,
+  `factory.default_aggregator()` (`core.execution.accepts_policy_keywords`), the constructor its body resolves
+  `aggregator=None` with."""
+  from fedjax_opt.cli import registry
 
-  return aggregators.mean() if name in MEAN_BY_DEFAULT else aggregators.weighted_mean()
+  constructor = getattr(registry.REGISTRY[name].factory, "default_aggregator", None)
+  if constructor is None:
+    raise TrustError(f"{name} declares no default aggregator (its factory takes no aggregator=)")
+  return constructor()
 
 
 def _bound(rule_name: str, config: dict[str, Any], max_train: int) -> float:
@@ -203,11 +197,9 @@ def assemble(name: str, config: dict[str, Any], rule, corrupt, *, params, num_cl
   used: dict[str, Any] = {}
   if not enabled(config):
     return (corrupt(rule or aggregators.weighted_mean()) if corrupt is not None else rule), used
-  rule_name = "dp_mean" if dp_flags.enabled(config) else (
-      config.get("aggregator") or ("weighted_mean" if corrupt is not None else
-                                   ("mean" if name in MEAN_BY_DEFAULT else "weighted_mean")))
   if rule is None:
     rule = aggregators.weighted_mean() if corrupt is not None else default_rule(name)  # --attack: the weighted mean
+  rule_name = "dp_mean" if dp_flags.enabled(config) else (config.get("aggregator") or rule.traits.name)
   if config.get("secure_aggregation") is not None:
     options = secure_options(config["secure_aggregation"])
     options.setdefault("bound", _bound(rule_name, config, max_train))

@@ -222,8 +222,30 @@ def _aggregator_label(aggregator: Any) -> str:
   return getattr(traits, "name", None) or getattr(aggregator, "name", None) or type(aggregator).__name__
 
 
+def _zero_argument(constructor: Any) -> bool:
+  """`constructor` is callable with no arguments (a class or function whose parameters all have defaults)."""
+  if not callable(constructor):
+    return False
+  try:
+    inspect.signature(constructor).bind()
+  except TypeError:
+    return False
+  except ValueError:  # no signature to read (a builtin): take it as callable
+    return True
+  return True
+
+
+def _constructor_label(constructor: Any) -> str:
+  """A short name for a declared `default_aggregator=` in a message: its qualified name, or an object's type."""
+  if isinstance(constructor, str):
+    return repr(constructor)
+  return getattr(constructor, "__qualname__", None) or (
+      f"an instance of {type(constructor).__name__} ({_aggregator_label(constructor)}), not a constructor")
+
+
 def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
-                            refuses_aggregator: str | None = None) -> Callable:
+                            refuses_aggregator: str | None = None,
+                            default_aggregator: Callable[[], Any] | None = None) -> Callable:
   """`factory` that also takes the execution policy's keywords: `client_map=` (and, with `storage_dtype=True`,
   `storage_dtype=`), keyword-only, default None; and that declares, as data, how it treats `aggregator=`.
 
@@ -246,10 +268,19 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
   declaration that contradicts the signature, or a factory without `aggregator` that declares no reason, is a
   TypeError when the decorator is applied.
 
-  Applied by a call after the definition, `fedavg = execution.accepts_policy_keywords(fedavg)` (with
-  `storage_dtype=True` for factories that keep per-client tables, `refuses_aggregator="why"` for those that take
-  no aggregator), not as `@` syntax: mutmut 3 leaves decorated functions unmutated, and a factory's body is
-  where its update rule is (tools/mutation.py).
+  Default aggregator. A factory that takes `aggregator=` declares the rule it uses when given none,
+  `default_aggregator=` a zero-argument constructor (`aggregators.weighted_mean`, `aggregators.mean`), exposed as
+  `result.default_aggregator` (None for a factory that takes no aggregator). It is the one source of that
+  default: the factory's body resolves `aggregator=None` with the same constructor (a module-level name passed
+  both here and to `aggregators.resolve`), so `factory(..., aggregator=factory.default_aggregator())` is the
+  factory's default algorithm, and the command line reads it from here. Required exactly when the factory takes
+  `aggregator=` and refused otherwise: a TypeError when the decorator is applied.
+
+  Applied by a call after the definition, `fedavg = execution.accepts_policy_keywords(fedavg,
+  default_aggregator=_DEFAULT_AGGREGATOR)` (with `storage_dtype=True` for factories that keep per-client tables,
+  `refuses_aggregator="why"` instead of `default_aggregator=` for those that take no aggregator), not as `@`
+  syntax: mutmut 3 leaves decorated functions unmutated, and a factory's body is where its update rule is
+  (tools/mutation.py).
   """
   names = POLICY_KEYWORDS if storage_dtype else POLICY_KEYWORDS[:1]
   own = inspect.signature(factory)
@@ -268,6 +299,18 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
     if not isinstance(refuses_aggregator, str) or not refuses_aggregator.strip() or "\n" in refuses_aggregator:
       raise TypeError(f"accepts_policy_keywords: refuses_aggregator must be a non-empty one-line str (the reason "
                       f"{factory.__qualname__} takes no aggregator=); got {refuses_aggregator!r}.")
+    if default_aggregator is not None:
+      raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} takes no aggregator=, so it cannot declare "
+                      f"default_aggregator={_constructor_label(default_aggregator)}.")
+  else:
+    if default_aggregator is None:
+      raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} takes aggregator=; declare the rule it uses "
+                      f"when given none, accepts_policy_keywords({factory.__name__}, default_aggregator="
+                      f"aggregators.weighted_mean) (module docstring).")
+    if not _zero_argument(default_aggregator):
+      raise TypeError(f"accepts_policy_keywords: default_aggregator of {factory.__qualname__} must be a "
+                      f"zero-argument constructor of an aggregator (aggregators.weighted_mean); got "
+                      f"{_constructor_label(default_aggregator)}.")
 
   @functools.wraps(factory)
   def build(*args, **kwargs):
@@ -290,6 +333,7 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
       inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=_KEYWORD_ANNOTATIONS[name])
       for name in names)])
   build.aggregation = TAKES_AGGREGATOR if takes else refuses_aggregator
+  build.default_aggregator = default_aggregator
   doc = ((factory.__doc__ or "").rstrip() + "\n\n  Execution policy keywords "
          "(`core.execution.accepts_policy_keywords`), each overriding the policy for this algorithm:\n"
          + "".join(f"    {_KEYWORD_DOCS[name]}\n" for name in names))
