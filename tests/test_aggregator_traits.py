@@ -308,3 +308,78 @@ def test_the_round_s_guard_names_the_aggregator_and_the_leaf():
   custom = A.Aggregator(lambda p: (), lambda u, w, s, k: (u, s))
   with pytest.raises(ValueError, match=r"^an aggregator without traits \(\S*<lambda>\): every leaf"):
     aggregate_updates(custom, short, jnp.ones(3), (), KEY)
+
+
+# ---- the accountant never assumes privacy: a dp_mean state needs a piece declared private -------------------------
+
+
+def _fedavg(aggregator):
+  return fo.algorithms.fedavg(lsq_loss, client_optimizer=optax.sgd(0.1), aggregator=aggregator)
+
+
+def _ifca(aggregator):  # a clustered algorithm: the aggregator's state is made once per cluster (slots)
+  return fo.algorithms.ifca(lsq_loss, num_clusters=2, num_clients=N, client_optimizer=optax.sgd(0.1),
+                              aggregator=aggregator)
+
+
+def _init_refusal(factory, aggregator):
+  with pytest.raises(ValueError) as raised:
+    factory(aggregator).init({"w": jnp.zeros(D), "b": jnp.zeros(())}, KEY)
+  message = str(raised.value)
+  assert "\n" not in message, message
+  return message
+
+
+@pytest.mark.parametrize("factory", [_fedavg, _ifca])
+@pytest.mark.parametrize("disguise", ["lambda", "partial"])
+def test_a_dp_mean_state_behind_an_undeclared_aggregate_is_refused_before_anything_is_accounted(factory, disguise):
+  """Before: `fo.train` found DP by the state's type and reported ε for a hand-made `Aggregator(dp.init, other)`
+  whose aggregate nothing said was private. Now the state and the declared traits must agree at init."""
+  _, disguised = _disguised_dp()
+  message = _init_refusal(factory, disguised[disguise])
+  assert "DPMeanState" in message and "declares no traits" in message and "private=True" in message, message
+
+
+def test_a_dp_mean_state_under_a_piece_declared_not_private_is_refused():
+  dp = fo.privacy.dp_mean(1.0, 1.1, expected_clients=3)
+  liar = A.Aggregator(dp.init, dp.aggregate, dp.streaming, True, traits=Traits(name="my_mean", linear=True))
+  message = _init_refusal(_fedavg, liar)
+  assert "my_mean" in message and "declares itself not private" in message, message
+
+
+def test_a_piece_declared_private_must_keep_the_state_an_accountant_reads():
+  plain = A.mean()
+  claims = A.Aggregator(plain.init, plain.aggregate, traits=Traits(name="my_dp", private=True, noise_multiplier=1.0))
+  message = _init_refusal(_fedavg, claims)
+  assert "my_dp" in message and "holds no fo.privacy.DPMeanState" in message, message
+
+
+def test_a_declared_sigma_must_be_the_sigma_of_the_noise_added():
+  dp = fo.privacy.dp_mean(1.0, 1.1, expected_clients=3)
+  wrong = A.Aggregator(dp.init, dp.aggregate, dp.streaming, True,
+                       traits=Traits(name="my_dp", private=True, noise_multiplier=2.0, clip_norm=1.0))
+  message = _init_refusal(_fedavg, wrong)
+  assert "σ = 2" in message and "σ = 1.1" in message, message
+
+
+def test_a_hand_made_piece_declared_private_is_accounted_by_its_own_sigma():
+  """Declared, the same functions run and are accounted: ε from `fo.train` is dp-accounting's RDP ε of m-of-N
+  rounds with the state's float32 σ (replace-one neighbours: noise σ/2 per unit sensitivity), computed here directly."""
+  import dp_accounting
+  n, m, sigma, delta, rounds = 50, 5, 1.3, 1e-5, 3
+  dp = fo.privacy.dp_mean(1.0, sigma, expected_clients=m)
+  declared = A.Aggregator(dp.init, lambda *a, **k: dp.aggregate(*a, **k), dp.streaming, True,
+                          traits=Traits(name="my_dp", private=True, noise_multiplier=sigma, clip_norm=1.0))
+  rng = np.random.default_rng(0)
+  data = fo.data.pack([{"x": rng.normal(size=(2, D)).astype(np.float32), "y": rng.normal(size=2).astype(np.float32)}
+                       for _ in range(n)])
+  algo = _fedavg(declared)
+  _, history = fo.train(algo, algo.init({"w": jnp.zeros(D), "b": jnp.zeros(())}, KEY), data, rounds,
+                        fo.Sampling(clients_per_round=m, local_steps=1, batch_size=2),
+                        evaluation=fo.Evaluation(every=rounds), progress=False, check_memory=False,
+                        accounting=fo.Accounting(delta=delta))
+  accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+  noise = float(np.float32(sigma))  # the σ the state keeps and the noise is drawn with, float32
+  event = dp_accounting.SampledWithoutReplacementDpEvent(n, m, dp_accounting.GaussianDpEvent(noise / 2))
+  accountant.compose(dp_accounting.SelfComposedDpEvent(event, rounds))
+  np.testing.assert_allclose(history.eval_series("dp_epsilon")[1], [accountant.get_epsilon(delta)], rtol=1e-9)

@@ -393,7 +393,9 @@ def _recording(aggregator, c):
     out, inner = aggregator.aggregate(updates, weights, state[0], key)
     return out, (inner, updates, terms)
 
-  return fo.aggregators.Aggregator(init, aggregate, always_releases=aggregator.always_releases)
+  # the same piece plus a record: it declares the wrapped piece's traits (a dp_mean state needs a private declaration)
+  return fo.aggregators.Aggregator(init, aggregate, always_releases=aggregator.always_releases,
+                                   traits=aggregator.traits)
 
 
 CLIP, M_DENOMINATOR = 0.05, 5.0

@@ -100,8 +100,8 @@ import jax.numpy as jnp
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult
-from fedjax_opt.core.server import (Aggregated, aggregate_updates, client_is_finite, finish_aggregation, finite_clients,
-                                    round_metrics, zero_nonfinite)
+from fedjax_opt.core.server import (Aggregated, aggregate_updates, check_declared_privacy, client_is_finite,
+                                    finish_aggregation, finite_clients, round_metrics, zero_nonfinite)
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import Aggregator, ClientBatches, ClientStage, DeferredData, PyTree, StagedState
 
@@ -183,12 +183,16 @@ def init_aggregator_state(aggregator: Aggregator, params: PyTree, messages: int 
   `aggregator.init(params)`, or, with a client stage, `StagedState(rows, server)` with one stage table per kind of
   message its clients send (`messages`: 1 for the update alone, 2 for SCAFFOLD's Δy_i and Δc_i).
 
+  The piece's declared privacy must be its state's (`core.server.check_declared_privacy`): a `dp_mean` state
+  under a piece that does not declare itself private, or the converse, is refused here, before any round runs.
+
   With `slots=True`, `params` holds K models stacked on axis 0 (leaves `[K, ...]`: a clustered algorithm's cluster
   models, `core.clusters`) and the aggregator runs once per slot: the server state is `aggregator.init` of each
   model, stacked `[K, ...]`, and a stage's table keeps a row per client and slot (leaves `[N, K, ...]`; a client's
   message touches the entry of its slot, `ClientOutput.slot`).
   """
   server = jax.vmap(aggregator.init)(params) if slots else aggregator.init(params)
+  check_declared_privacy(aggregator, server)
   if aggregator.client is None:
     return server
   if not 1 <= messages <= len(MESSAGE_STREAMS):

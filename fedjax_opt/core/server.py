@@ -33,6 +33,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fedjax_opt.core.tree import global_norm, select_rows, select_tree, tree_bits
@@ -195,6 +196,49 @@ def refuse_unknown_traits(aggregator: Aggregator, who: str, side_channel: str) -
         f"or filters the updates while {side_channel} moves by a plain sum outside it; declare them, e.g. "
         f"Aggregator(init, aggregate, streaming, traits=fo.aggregators.Traits(name=\"my_mean\", linear=True)) for a "
         f"plain weighted mean ({who} refuses private, secure, robust and attack pieces).")
+
+
+def check_declared_privacy(aggregator: Aggregator, state: Any) -> None:
+  """Raises ValueError, in one line, when `aggregator`'s declared traits and its state disagree about privacy.
+
+  The accountant (`fo.train`'s `accounting=`) reads σ and m from a `fo.privacy.DPMeanState` in the state, and
+  that state is what `fo.privacy.dp_mean`'s `init` makes. Whether the aggregate really clips and adds that noise
+  is what the piece's traits declare (`Traits.private`), so the two must agree; nothing is assumed:
+
+  * a state holding a `DPMeanState` under a piece that does not declare itself private (traits None: built by
+    hand, or `dp_mean`'s aggregate wrapped in a lambda or a `functools.partial`; or declared not private) is
+    refused: an ε would be reported for noise nothing says is added;
+  * a piece declared private whose state holds no `DPMeanState` is refused: no accountant could read its σ;
+  * a declared σ (`Traits.noise_multiplier`, when known) must be the state's σ (when concrete).
+
+  Called by `core.rounds.init_aggregator_state`, which every algorithm calls for its aggregator's state.
+  """
+  from fedjax_opt.privacy.dp import DPMeanState  # privacy builds on core: imported when first needed
+
+  is_dp = lambda x: isinstance(x, DPMeanState)
+  held = [x for x in jax.tree.leaves(state, is_leaf=is_dp) if is_dp(x)]
+  traits = aggregator.traits
+  name = aggregator_name(aggregator)
+  if held and (traits is None or not traits.private):
+    why = ("declares no traits (built by hand, or around a lambda or a functools.partial)" if traits is None
+           else "declares itself not private (traits.private is False)")
+    raise ValueError(f"aggregator: {name} keeps a fo.privacy.dp_mean state (DPMeanState) but {why}, so nothing "
+                     f"says its aggregate clips and adds the noise an accountant would count; use the piece "
+                     f"fo.privacy.dp_mean builds (alone or inside the library's wrappers) as it is, or declare "
+                     f"traits=fo.aggregators.Traits(name=..., private=True, noise_multiplier=σ, clip_norm=C).")
+  if traits is not None and traits.private and not held:
+    raise ValueError(f"aggregator: {name} declares itself private (traits.private) but its state holds no "
+                     f"fo.privacy.DPMeanState, from which an accountant reads σ and m; build the private piece "
+                     f"with fo.privacy.dp_mean, or do not declare private=True.")
+  if held and traits.noise_multiplier is not None:
+    for s in held:
+      try:
+        sigma = np.asarray(s.noise_multiplier, np.float64)
+      except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        continue
+      if not np.allclose(sigma, np.float32(traits.noise_multiplier), rtol=1e-6, atol=0):
+        raise ValueError(f"aggregator: {name} declares noise_multiplier σ = {traits.noise_multiplier:g} but its "
+                         f"state's dp_mean adds σ = {sigma.ravel()[0]:g}: declare the σ of the noise added.")
 
 
 def check_stacked_updates(updates: PyTree, weights: Any, who: str) -> int:

@@ -12,7 +12,12 @@ two together:
   `secure_aggregation` or `corrupt`, for every member of a sweep), `train`
   needs `accounting=fo.Accounting(delta=δ, ...)`, and
   refuses to run without one; given without a `dp_mean`, it is refused too
-  (there would be no noise to account).
+  (there would be no noise to account). The state is found by its type, but
+  it is never taken on trust: the aggregator that keeps it must declare
+  itself private (`Traits.private`, with the state's σ), which every
+  algorithm checks when it makes the state (`core.server.check_declared_privacy`):
+  `dp_mean`'s state under a hand-made aggregate that declares nothing (a
+  lambda, a `functools.partial`) is refused before any round, not accounted.
 * The run's draw, in the accountant's terms (`run_sampling`):
   `client_sampling="uniform"` with C clients per round is
   `Sampling.fixed(N, C)`, `"all"` is `Sampling.fixed(N, N)`, `"poisson"` with
