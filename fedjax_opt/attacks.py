@@ -66,7 +66,8 @@ from jax import lax
 
 from fedjax_opt.aggregators.base import broadcast_rows as _rows
 from fedjax_opt.core.ordering import row_positions, sort_rows
-from fedjax_opt.core.server import Received, check_aggregator, refuse_client_stage, zero_nonfinite
+from fedjax_opt.core.server import (Received, check_aggregator, refuse_client_stage, refuse_downlink,
+                                    zero_nonfinite)
 from fedjax_opt.core.types import Aggregator, ClientBatches, DeferredData, FederatedAlgorithm, Traits
 
 PyTree = Any
@@ -461,6 +462,8 @@ def corrupt(aggregator: Aggregator, attack: Attack, *, attackers: float | Sequen
   refuse_client_stage(aggregator, "corrupt", "the attack acts on what the server receives, after the client "
                       "stage; chain the stage in front of the attack: fo.aggregators.chain(stage, "
                       "fo.attacks.corrupt(aggregator, ...)).")
+  refuse_downlink(aggregator, "corrupt", "the attack acts on what the server receives, before the broadcast; chain "
+                  "the downlink after the attack: fo.aggregators.chain(fo.attacks.corrupt(aggregator, ...), downlink).")
   if not isinstance(attack, Attack):
     raise TypeError(f"attack must be a fedjax_opt.attacks.Attack (e.g. fo.attacks.omniscient(1e4)); "
                     f"got {type(attack).__name__}.")

@@ -13,6 +13,7 @@ number of bits the client sends:
 | `identity()`            | x                                             | x     | Σ_leaves size · itemsize · 8 (32P in float32) |
 | `qsgd(levels=s)`        | ‖x‖₂ · sign(x_i) · ξ_i(x, s) / s              | x     | 32 + P (1 + ⌈log₂(s+1)⌉) |
 | `qsgd(bits=b)`          | the same with s = 2^(b−1) − 1                 | x     | 32 + P b                |
+| `range_quantize(b)`     | −R + l·2R/(2^b − 1), l rounded at random, R = ‖x‖_∞ | x | 32 + P b          |
 | `top_k(k or fraction)`  | x_i on the k largest |x_i|, 0 elsewhere      | biased| k (32 + ⌈log₂ P⌉)       |
 | `rand_k(k or fraction)` | (P/k) x_i on k random coordinates, 0 elsewhere| x     | 32 k + 32               |
 | `sign()`                | (‖x‖₁ / P) · sgn(x)                           | biased| P + 32                  |
@@ -28,6 +29,11 @@ number of bits the client sends:
   shorter (for s = √P, at most 2.8 P + 32 bits in expectation, against
   32 + P (1 + ⌈log₂(√P + 1)⌉) here); it is not implemented, so the numbers
   here are an upper bound on what QSGD needs. `bits=b` counts b bits per coordinate *including* the sign.
+* range_quantize is CQ-GGADMM's quantizer (Issaid, Elgabli, Park, Bennis,
+  Debbah, "Communication Efficient Decentralized Learning over Bipartite
+  Graphs", 2020): 2^b levels evenly spaced over [−R, R], R = ‖x‖_∞, each
+  coordinate rounded to one of its two nearest levels at random so that
+  E[x̂] = x; b bits per coordinate (no separate sign) and R as a float32.
 * top-k keeps the k entries of largest magnitude (Stich, Cordonnier, Jaggi,
   "Sparsified SGD with Memory", NeurIPS 2018): each is sent as a float32 value
   and a ⌈log₂ P⌉-bit index. Biased: use it with error feedback. Ties are
@@ -75,8 +81,10 @@ written under the round's rules for per-client rows (docs/architecture.md,
 "The round"), like every other. `residuals(state.aggregator_state)` reads
 the table.
 
-Downlink (`downlink(compressor, error_feedback=True)`, a factory's
-`downlink=`): the same compressors on what the server sends back. The server
+Downlink (`downlink(compressor, error_feedback=True)`, the seam's last
+piece: `fo.aggregators.chain(..., aggregator, downlink(...))`, or FedAvg's,
+FedSGD's and FedProx's `downlink=`): the same compressors on what the server
+sends back. The server
 broadcasts m_t = C(u_t + e_t), u_t its optimizer's step, keeps e_{t+1} =
 u_t + e_t − m_t, and every client's model moves by m_t (DoubleSqueeze's server
 side; the recursion and its state are `core.averaging`'s module docstring,
@@ -95,7 +103,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt.core import per_client
-from fedjax_opt.core.averaging import Downlink
+from fedjax_opt.core.types import Downlink
 from fedjax_opt.core.tree import tree_bits
 from fedjax_opt.core.types import ClientStage, StagedState
 from fedjax_opt.core.validation import check_int, check_num_clients, check_probability
@@ -103,7 +111,7 @@ from fedjax_opt.core.validation import check_int, check_num_clients, check_proba
 PyTree = Any
 
 __all__ = ["Compressor", "Downlink", "as_downlink", "compress", "downlink", "identity", "num_entries", "qsgd",
-           "rand_k", "residuals", "send", "sign", "top_k", "tree_bits"]
+           "rand_k", "range_quantize", "residuals", "send", "sign", "top_k", "tree_bits"]
 
 FLOAT_BITS = 32
 """Bits of one float32 scalar (a norm, a scale, a value, a seed)."""
@@ -257,6 +265,66 @@ def qsgd(levels: int | None = None, *, bits: int | None = None) -> Compressor:
     return jnp.where(norm > 0, norm * jnp.sign(x) * xi / s, jnp.zeros_like(x))
 
   return _vector_compressor(f"qsgd(s={s})", rule, True, lambda p: FLOAT_BITS + p * per_coordinate)
+
+
+def range_quantize(bits: int) -> Compressor:
+  """Unbiased stochastic b-bit quantization over the range [−R, R], R = ‖x‖_∞ (Issaid et al. 2020).
+
+  Issaid, Elgabli, Park, Bennis, Debbah, "Communication Efficient Distributed
+  Learning with Censored, Quantized, and Generalized Group ADMM",
+  arXiv:2009.06459, 2020 (the quantizer of CQ-GGADMM,
+  `fo.algorithms.cq_ggadmm(..., bits=b)`). With R = max_j |x_j| over every
+  coordinate of every leaf, the 2^b levels are
+
+      −R + l Δ,   l = 0 … 2^b − 1,   Δ = 2R / (2^b − 1),
+
+  and each coordinate goes to one of its two nearest levels at random:
+  with t_j = (x_j + R)/Δ ∈ [0, 2^b − 1], l_j = ⌊t_j⌋ + Bernoulli(t_j − ⌊t_j⌋)
+  and x̂_j = −R + l_j Δ. So E[x̂_j] = x_j (unbiased), |x̂_j − x_j| ≤ Δ and
+  E‖x̂ − x‖² ≤ P Δ²/4; x_j = ±R is sent exactly, and x = 0 gives x̂ = 0.
+  Bits: b P + 32, the b-bit level index l_j of each of the P coordinates and R
+  as one float32.
+
+  Not `qsgd(bits=b)`: QSGD scales by ‖x‖₂ and spends one of the b bits on the
+  sign, with levels symmetric about 0 (0 is always one); here the 2^b levels
+  span [−R, R] evenly, with no separate sign and (for every b) no level at 0.
+
+  Arithmetic is in float32 or the widest leaf dtype if wider, as for every
+  compressor here; unlike the vector compressors, the coins of leaf l (in
+  `jax.tree.leaves` order) come from `jax.random.split(key, L)[l]`, one
+  uniform per coordinate in that dtype (the stream of CQ-GGADMM's former
+  `stochastic_quantize`, so its runs are reproduced bit for bit).
+
+  Args:
+    bits: b, the bits per coordinate, a Python int in [1, 32].
+
+  Returns:
+    A `Compressor` (unbiased).
+  """
+  b = check_int(bits, "range_quantize: bits", 1)
+  if b > 32:
+    raise ValueError(f"range_quantize: bits must be <= 32; got {b}.")
+  top = float(2**b - 1)  # the highest level index
+
+  def compress(key: jax.Array, update: PyTree) -> tuple[PyTree, jax.Array]:
+    leaves, treedef = jax.tree.flatten(update)
+    if not leaves:
+      raise ValueError("compress: the update has no arrays to compress.")
+    dtype = jnp.result_type(jnp.float32, *[jnp.result_type(leaf) for leaf in leaves])
+    radius = jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)).astype(dtype) for leaf in leaves]))
+    spacing = 2 * radius / top
+    safe = jnp.where(radius > 0, spacing, 1)
+    out = []
+    for leaf, k in zip(leaves, jax.random.split(key, len(leaves))):
+      position = (leaf.astype(dtype) + radius) / safe
+      low = jnp.floor(position)
+      up = jax.random.uniform(k, jnp.shape(leaf), dtype) < position - low
+      level = jnp.clip(low + up, 0, top)
+      out.append(jnp.where(radius > 0, level * spacing - radius, 0).astype(jnp.result_type(leaf)))
+    count = b * sum(int(np.prod(jnp.shape(leaf), dtype=np.int64)) for leaf in leaves) + FLOAT_BITS
+    return jax.tree.unflatten(treedef, out), jnp.asarray(count, jnp.float32)
+
+  return Compressor(f"range_quantize(b={b})", compress, True, lambda update: b * num_entries(update) + FLOAT_BITS)
 
 
 def top_k(fraction: float | None = None, *, k: int | None = None) -> Compressor:
@@ -428,9 +496,14 @@ def downlink(compressor: Compressor, *, error_feedback: bool = True) -> Downlink
 
   u_t is the server optimizer's step at x̂_t, the model every client holds and
   trains from (`core.averaging`'s module docstring, "Downlink"); e_0 = 0. Tang,
-  Yu, Lian, Zhang, Liu, "DoubleSqueeze" (ICML 2019, arXiv:1905.05957). Give it
-  (or the compressor alone, which means error feedback) to `fedavg`, `fedsgd`
-  or `fedprox` as `downlink=`; `bits_down` is then the compressor's count of m_t.
+  Yu, Lian, Zhang, Liu, "DoubleSqueeze" (ICML 2019, arXiv:1905.05957). It is
+  the seam's last piece: chain it after the aggregator,
+  `fo.aggregators.chain(aggregator, downlink(C))`, and give that to any factory
+  that applies a downlink (`factory.downlink`: FedAvg, FedSGD, FedProx, FedNova,
+  Per-FedAvg, FedAvg + fine-tuning, Ditto, pFedMe; the others refuse it in one
+  line). `fedavg`, `fedsgd` and `fedprox` also take it (or the compressor alone,
+  which means error feedback) as `downlink=`, the same chain. `bits_down` is
+  then the compressor's count of m_t.
 
   Args:
     compressor: a `Compressor` (`identity`, `qsgd`, `top_k`, `rand_k`, `sign()`); `sign(scaled=False)`
@@ -438,7 +511,7 @@ def downlink(compressor: Compressor, *, error_feedback: bool = True) -> Downlink
     error_feedback: keep the server's error e (the model's shapes and dtypes) and send C(u + e).
 
   Returns:
-    A `core.averaging.Downlink`.
+    A `core.types.Downlink` (also `core.averaging.Downlink`).
   """
   if not isinstance(compressor, Compressor):
     raise TypeError(f"downlink: compressor must be a fedjax_opt.compression.Compressor (e.g. "

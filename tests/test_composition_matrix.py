@@ -4,8 +4,11 @@ The cells: every stack of `composition.stacks()` — each ordering of a subset
 of {C (top-k compression stage), A (sign-flip attack on row 3), SA (secure
 aggregation)} around exactly one rule M (mean), DP (`dp_mean`, σ = 0) or R
 (marginal median), C also after the rule — 21 orderings × 3 rules = 63
-stacks, under each of fedavg, ditto, scaffold, feddyn: 252 cells, 43 of which
-compose (fedavg 20, ditto 20, scaffold 2, feddyn 1) and 209 are refused.
+uplinks, each without and with D (the server's broadcast compressed by
+top-k with error feedback, chained last) = 126 stacks, under each of fedavg,
+ditto, scaffold, feddyn: 504 cells, 83 of which compose (fedavg 40, ditto
+40, scaffold 2, feddyn 1) and 421 are refused (SCAFFOLD and FedDyn declare
+why they take no downlink).
 
 * Every cell's verdict, decided from traits alone, is what the constructors
   (`chain`, `corrupt`, `secure_aggregation`, `dp_mean`) and the factories do:
@@ -18,7 +21,8 @@ compose (fedavg 20, ditto 20, scaffold 2, feddyn 1) and 209 are refused.
   Ditto's personal steps, SCAFFOLD's control variates, FedDyn's correction
   where it applies) → top-k of each message → the attacker's row replaced by
   −2 × its own → the rule (mean; dp_mean's clip to C and fixed denominator m;
-  the coordinate-wise median), inside secure aggregation each term clipped to
+  the coordinate-wise median) → with D, the broadcast x̂ = x + top-k(u) and the
+  server's error u − top-k(u) (u the server's step); inside secure aggregation each term clipped to
   [−B, B] (and a DP term clipped again to C − √P·2^−f) and the sum compared
   within the fixed-point resolution, 2^−f per term over the denominator.
   DP runs with σ = 0 so that clipping is what is checked; the noise is
@@ -69,14 +73,17 @@ def _algorithm(name, aggregator):
 
 def test_the_enumeration_has_every_cell_once():
   stacks = co.stacks()
-  assert len(stacks) == len(set(stacks)) == 63
-  assert len(CELLS) == len({c.id for c in CELLS}) == 252
+  assert len(stacks) == len(set(stacks)) == 126
+  assert len(CELLS) == len({c.id for c in CELLS}) == 504
   composing = {}
   for cell in CELLS:
     composing[cell.algorithm] = composing.get(cell.algorithm, 0) + cell.verdict.composes
-  assert composing == {"fedavg": 20, "ditto": 20, "scaffold": 2, "feddyn": 1}
-  for stack in stacks:  # every stack: one rule, each piece at most once, only C after the rule
+  assert composing == {"fedavg": 40, "ditto": 40, "scaffold": 2, "feddyn": 1}
+  for stack in stacks:  # every stack: one rule, each piece at most once, only C (or D, last) after the rule
     assert sum(s in co.RULES for s in stack) == 1 and len(set(stack)) == len(stack)
+    assert "D" not in stack[:-1]
+  uplinks = [stack for stack in stacks if "D" not in stack]
+  assert sorted(stacks) == sorted(uplinks + [stack + ("D",) for stack in uplinks])
 
 
 # ----------------------------------------------------------------------------- verdicts against the library
@@ -185,6 +192,9 @@ def _reference(cell, params, batches):
   deltas = np.stack([_sgd(z, xs[k], ys[k], LR) - z for k in range(n)])  # c = c_i = 0 for SCAFFOLD's first round
   update, atol, clipped = _aggregate(cell.stack, np.stack([_compress(cell.stack, d) for d in deltas]))
   want = {"params": (z + update, atol)}
+  if "D" in cell.stack:  # the server's step u = Δ (SGD(1) on −Δ) broadcast as m = top-k(u + e), e = 0 in round 1
+    sent = _top_k(update, SETTINGS.top_k)
+    want = {"params": (z + sent, atol), "downlink_error": (update - sent, atol)}
   if cell.algorithm == "scaffold":  # option II: c_i⁺ = −Δy_i/(K η_l), c⁺ = (1/N) Σ C(Δc_i), η_g = 1
     new_c = -deltas / (S * LR)
     want["control_variate"] = (np.stack([_compress(cell.stack, d) for d in new_c]).sum(0) / n, 0.0)

@@ -334,3 +334,52 @@ def test_an_explicit_weighted_mean_is_the_float64_fedavg_round(name):
   w, b = fedavg_lsq_np(params["w"], params["b"], x, y, mask, np.asarray(batches.weight), 0.01)
   np.testing.assert_allclose(np.asarray(state.params["w"]), w, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(float(state.params["b"]), b, rtol=1e-5, atol=1e-6)
+
+
+TAKES_DOWNLINK = {"fedavg", "fedsgd", "fedprox", "fednova", "ditto", "pfedme", "per_fedavg", "fedavg_finetune"}
+"""The factories whose server step applies a downlink chained in `aggregator=` (one broadcast model moved by an
+optimizer step: `core.averaging.server_step`); every other factory that takes `aggregator=` declares why not."""
+
+
+def _with_downlink(name, k=1):
+  factory = getattr(fo.algorithms, name)
+  down = fo.compression.downlink(fo.compression.top_k(k=k), error_feedback=True)
+  return fo.aggregators.chain(factory.default_aggregator(), down), down
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_factory_applies_a_chained_downlink_or_declares_why_not(name):
+  """`factory.downlink` is declared data. A factory that takes it compresses its broadcast with the chained
+  downlink, checked on one round against the same factory without it: the clients train from the same x_0, so
+  the uncompressed step u_0 is the same, and with top-1 and error feedback the model every client holds moves by
+  one coordinate of u_0 (x̂_1 − x_0 = m_0, one entry, the largest |u_0|), the error keeps the rest (x̂_1 + e_1 =
+  x_0 + u_0, the plain run's model) and `bits_down` is the compressor's count, not 32 P. A factory that takes
+  an aggregator but cannot apply a downlink refuses it in one line naming the factory and its declared reason;
+  a factory that takes no aggregator declares its aggregation reason (nothing to chain a downlink to)."""
+  factory = getattr(fo.algorithms, name)
+  if name not in TAKES_AGGREGATOR:
+    assert factory.downlink == factory.aggregation
+    return
+  aggregator, down = _with_downlink(name)
+  if name not in TAKES_DOWNLINK:
+    reason = factory.downlink
+    assert reason != fo.core.execution.TAKES_DOWNLINK and "\n" not in reason and reason in factory.__doc__
+    with pytest.raises(ValueError) as caught:
+      EXAMPLES[name](aggregator=aggregator)
+    assert str(caught.value) == f"{name} takes no downlink (got {down.name} chained in aggregator=): {reason}"
+    return
+  assert factory.downlink == fo.core.execution.TAKES_DOWNLINK
+  params, batches = example_inputs(name)
+  key = jax.random.key(0)
+  compressed, plain = EXAMPLES[name](aggregator=aggregator), EXAMPLES[name]()
+  start = compressed.init(params, key)
+  x0 = np.concatenate([np.ravel(v) for v in jax.tree.leaves(start.params)]).astype(np.float64)
+  assert np.all(np.concatenate([np.ravel(e) for e in jax.tree.leaves(start.downlink_error)]) == 0)
+  one, want = jax.jit(compressed.step)(start, batches), jax.jit(plain.step)(plain.init(params, key), batches)
+  flat = lambda tree: np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)]).astype(np.float64)
+  x1, e1, u0 = flat(one.params), flat(one.downlink_error), flat(want.params) - x0
+  moved = np.flatnonzero(x1 != x0)
+  assert moved.size == 1 and moved[0] == np.argmax(np.abs(u0)), (moved, u0)
+  np.testing.assert_allclose(x1 + e1, x0 + u0, rtol=1e-6, atol=1e-6)
+  _, bits = fo.compression.top_k(k=1).compress(key, start.params)
+  assert float(one.metrics["bits_down"]) == float(bits) < 32 * x0.size

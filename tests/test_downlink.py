@@ -262,8 +262,21 @@ def test_bad_downlink_arguments_raise_clear_errors():
     C.downlink(0.1)
   with pytest.raises(TypeError, match="downlink: error_feedback must be a bool"):
     C.downlink(C.top_k(0.1), error_feedback=1)
-  with pytest.raises(TypeError, match="downlink must be a core.averaging.Downlink"):
-    fo.core.averaging_algorithm(lambda p, d, m: None, sgd, fo.aggregators.mean(), None, downlink=C.top_k(0.1))
+  down, mean = C.downlink(C.top_k(0.1)), fo.aggregators.mean()
+  with pytest.raises(ValueError, match=r"downlink\(top_k.*comes before mean.*put it last"):
+    fo.aggregators.chain(down, mean)
+  with pytest.raises(ValueError, match=r"both downlinks"):
+    fo.aggregators.chain(mean, down, C.downlink(C.top_k(0.2)))
+  with pytest.raises(ValueError, match=r"already has the downlink"):
+    fo.aggregators.chain(fo.aggregators.chain(mean, down), C.downlink(C.top_k(0.2)))
+  with pytest.raises(TypeError, match=r"needs an aggregator before it"):
+    fo.aggregators.chain(down)
+  with pytest.raises(ValueError, match=r"fedavg: the downlink is given twice"):
+    fo.algorithms.fedavg(loss_fn, client_optimizer=sgd, aggregator=fo.aggregators.chain(mean, down), downlink=down)
+  for wrap, who in ((lambda a: fo.privacy.secure_aggregation(a, bound=1.0), "secure_aggregation"),
+                    (lambda a: fo.attacks.corrupt(a, fo.attacks.sign_flip(1.0), attackers=(0,)), "corrupt")):
+    with pytest.raises(ValueError, match=rf"{who} cannot compose with the aggregator's downlink"):
+      wrap(fo.aggregators.chain(mean, down))
 
 
 @pytest.mark.slow

@@ -8,17 +8,20 @@ A round's pieces, outermost (what the client does first) to innermost (the rule)
     M   fo.aggregators.mean()                      the rule: a plain mean,
     DP  fo.privacy.dp_mean(C, σ, m)                or clipped-and-noised mean,
     R   fo.aggregators.marginal_median()           or a robust rule
+    D   fo.compression.downlink(top_k(k=2))        the server's broadcast, compressed: `chain(inner, D)`
 
 A *stack* is a tuple of symbols, outermost first, with exactly one rule
-(M, DP or R) and each of C, A, SA at most once; A and SA wrap the rule (they
-come before it), C may stand anywhere, also after the rule
-(`chain(rule, C)`: compression after the aggregator). `expression(stack)`
-writes it as the constructors' nesting: ("C", "A", "SA", "DP") is
-`chain(C, A(SA(DP)))`, ("A", "C", "M") is `A(chain(C, M))`, ("M", "C") is
-`chain(M, C)`. `stacks()` lists all 63 (21 orderings of the wrappers × 3
-rules), `ALGORITHMS` the four algorithms they are given to (FedAvg, and the
-stateful Ditto, SCAFFOLD, FedDyn), and `cells()` all 252 (stack, algorithm)
-pairs with their `Verdict`.
+(M, DP or R) and each of C, A, SA, D at most once; A and SA wrap the rule
+(they come before it), C may stand anywhere, also after the rule
+(`chain(rule, C)`: compression after the aggregator), and D, compression
+down, stands last when present (it acts on the broadcast, after the whole
+uplink). `expression(stack)` writes it as the constructors' nesting:
+("C", "A", "SA", "DP") is `chain(C, A(SA(DP)))`, ("A", "C", "M") is
+`A(chain(C, M))`, ("M", "C") is `chain(M, C)`, ("C", "DP", "D") is
+`chain(chain(C, DP), D)`. `stacks()` lists all 126 (21 orderings of the
+uplink wrappers × 3 rules, each without and with D), `ALGORITHMS` the four
+algorithms they are given to (FedAvg, and the stateful Ditto, SCAFFOLD,
+FedDyn), and `cells()` all 504 (stack, algorithm) pairs with their `Verdict`.
 
 `verdict(stack, algorithm)` decides from `Traits` only, never by building
 the pieces: it computes each piece's traits inside out (`PIECES[s].traits`),
@@ -26,14 +29,18 @@ refuses where a constructor or the algorithm would, and names the two pieces
 that do not compose in a one-line reason. The rules it applies, in the order
 the constructors apply them (the first refusal wins):
 
-* `chain(rule, C)`: a client stage after an aggregator (`chain`).
+* `chain(rule, C)`: a client stage after an aggregator (`chain`); a stack
+  with D is refused where the same stack without D is.
 * `corrupt(X)` with X carrying a client stage (`corrupt`).
 * `secure_aggregation(X)` with X not a sum over clients (`secure_aggregation`:
   a sum is linear or private, and not itself secure, an attack or robust),
   then with X carrying a client stage.
-* the algorithm: FedDyn refuses a client stage; SCAFFOLD and FedDyn refuse an
-  unknown piece (traits None) and a piece that is an attack, secure, private
-  or robust (`core.server.protecting_piece`'s order), naming the outermost piece.
+* the algorithm: a downlink, where the factory declares it takes none
+  (`factory.downlink`, read from the factory: SCAFFOLD and FedDyn; checked
+  before the factory runs, so first); FedDyn refuses a client stage; SCAFFOLD
+  and FedDyn refuse an unknown piece (traits None) and a piece that is an
+  attack, secure, private or robust (`core.server.protecting_piece`'s order),
+  naming the outermost piece.
 
 tests/test_composition_matrix.py checks, cell by cell, that the constructors
 and the factories do exactly what `verdict` says (and that a composing
@@ -73,10 +80,15 @@ class Settings:
     """The compression stage's name, as `fo.compression.compress(top_k(k=k))` calls itself."""
     return f"compress(top_k(k={self.top_k}))"
 
+  @property
+  def downlink_name(self) -> str:
+    """The downlink's name, as `fo.compression.downlink(top_k(k=k))` (with error feedback) calls itself."""
+    return f"downlink(top_k(k={self.top_k}), error_feedback)"
+
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-  """One kind of piece: its symbol, role ("stage", "wrapper" or "rule"), how to build it around an inner piece
+  """One kind of piece: its symbol, role ("stage", "wrapper", "rule" or "downlink"), how to build it around an inner piece
   (`build(inner, settings)`; a rule ignores `inner`) and its traits around the inner piece's traits
   (`traits(inner, settings)`; a stage's are the inner's with `client_stage` set)."""
 
@@ -116,6 +128,12 @@ def _build_dp(inner, s):
   return privacy.dp_mean(s.clip_norm, s.noise_multiplier, expected_clients=s.expected_clients)
 
 
+def _build_downlink(inner, s):
+  from fedjax_opt import compression  # pylint: disable=import-outside-toplevel
+  from fedjax_opt.aggregators.chain import chain  # pylint: disable=import-outside-toplevel
+  return chain(inner, compression.downlink(compression.top_k(k=s.top_k)))
+
+
 def _build_robust(inner, s):
   del inner, s
   from fedjax_opt.aggregators.robust import marginal_median  # pylint: disable=import-outside-toplevel
@@ -136,6 +154,8 @@ PIECES: dict[str, Piece] = {
                                         clip_norm=s.clip_norm)),
     "R": Piece("R", "rule", "fo.aggregators.marginal_median()", _build_robust,
                lambda inner, s: Traits(name="marginal_median", robust=True)),
+    "D": Piece("D", "downlink", "fo.compression.downlink(fo.compression.top_k(k=2))", _build_downlink,
+               lambda inner, s: None if inner is None else dataclasses.replace(inner, downlink=s.downlink_name)),
 }
 RULES = ("M", "DP", "R")
 WRAPPERS = ("A", "SA")
@@ -198,6 +218,8 @@ class Cell(NamedTuple):
 
 def _check_stack(stack: Sequence[str]) -> tuple[str, ...]:
   stack = tuple(stack)
+  if "D" in stack[:-1]:
+    raise ValueError(f"composition: the downlink D stands last (it acts on the broadcast); got {'-'.join(stack)}.")
   unknown = [s for s in stack if s not in PIECES]
   if unknown:
     raise ValueError(f"composition: unknown piece {unknown[0]!r}; the pieces are {', '.join(PIECES)}.")
@@ -207,27 +229,29 @@ def _check_stack(stack: Sequence[str]) -> tuple[str, ...]:
   if len(set(stack)) != len(stack):
     raise ValueError(f"composition: each piece at most once; got {'-'.join(stack)}.")
   after = stack[stack.index(rules[0]) + 1:]
-  if any(s != "C" for s in after):
+  if any(s not in ("C", "D") for s in after):
     raise ValueError(f"composition: only a client stage can stand after the rule; got {'-'.join(stack)}.")
   return stack
 
 
 def stacks() -> list[tuple[str, ...]]:
   """Every stack: for each rule, each ordering of a subset of {A, SA} around it, without C and with C at every
-  position (outermost … after the rule): 21 per rule, 63 in all."""
-  out = []
+  position (outermost … after the rule): 21 per rule, 63 uplinks; each without and with D last: 126 in all."""
+  uplinks = []
   for rule in RULES:
     for size in range(len(WRAPPERS) + 1):
       for wrappers in itertools.permutations(WRAPPERS, size):
         base = wrappers + (rule,)
-        out.append(base)
-        out.extend(base[:i] + ("C",) + base[i:] for i in range(len(base) + 1))
-  return out
+        uplinks.append(base)
+        uplinks.extend(base[:i] + ("C",) + base[i:] for i in range(len(base) + 1))
+  return uplinks + [stack + ("D",) for stack in uplinks]
 
 
 def expression(stack: Sequence[str]) -> str:
   """The stack as the constructors nest it: `chain(C, A(SA(DP)))`, `A(chain(C, M))`, `chain(M, C)`."""
   stack = _check_stack(stack)
+  if stack[-1] == "D":
+    return f"chain({expression(stack[:-1])}, D)"
   head, rest = stack[0], stack[1:]
   if head in RULES:
     return head if not rest else f"chain({head}, C)"
@@ -244,6 +268,9 @@ def _is_sum(traits: Traits) -> bool:
 
 def _stack_traits(stack: tuple[str, ...], s: Settings) -> Verdict:
   """The aggregator the stack builds, inside out, from traits: its traits, or the first constructor's refusal."""
+  if stack[-1] == "D":  # chain(uplink, D): the uplink's refusal, or its traits with the downlink named
+    uplink = _stack_traits(stack[:-1], s)
+    return uplink if not uplink.composes else Verdict(True, PIECES["D"].traits(uplink.traits, s))
   rule_at = next(i for i, p in enumerate(stack) if p in RULES)
   rule = stack[rule_at]
   traits = PIECES[rule].traits(None, s)
@@ -283,6 +310,11 @@ def verdict(stack: Sequence[str], algorithm: str = "fedavg", settings: Settings 
   if not built.composes:
     return built
   algo, traits = ALGORITHMS[algorithm], built.traits
+  refuses_downlink = _refuses_downlink(algo.name)
+  if traits.downlink is not None and refuses_downlink is not None:
+    return Verdict(False, traits, algo.name, (algo.name, traits.downlink),
+                   f"{algo.name} takes no downlink (got {traits.downlink} chained in aggregator=): "
+                   f"{refuses_downlink}")
   if algo.refuses_stage and traits.client_stage is not None:
     return Verdict(False, traits, algo.name, (algo.name, traits.client_stage),
                    f"{algo.name} cannot compose with the client stage {traits.client_stage}: it needs the exact "
@@ -294,6 +326,15 @@ def verdict(stack: Sequence[str], algorithm: str = "fedavg", settings: Settings 
                        f"{algo.name} refuses {traits.name}: it {what}, but {algo.side_channel} outside the "
                        f"aggregator.")
   return Verdict(True, traits)
+
+
+def _refuses_downlink(name: str) -> str | None:
+  """The factory's declared reason for taking no downlink (`factory.downlink`), None when it takes one: read from
+  the factory, the one place it is declared."""
+  from fedjax_opt import algorithms  # pylint: disable=import-outside-toplevel
+  from fedjax_opt.core.execution import TAKES_DOWNLINK  # pylint: disable=import-outside-toplevel
+  declared = getattr(algorithms, name).downlink
+  return None if declared == TAKES_DOWNLINK else declared
 
 
 def cells(settings: Settings = Settings()) -> list[Cell]:
@@ -309,6 +350,8 @@ def build(stack: Sequence[str], settings: Settings = Settings()):
   from fedjax_opt import compression  # pylint: disable=import-outside-toplevel
   from fedjax_opt.aggregators.chain import chain  # pylint: disable=import-outside-toplevel
   stack = _check_stack(stack)
+  if stack[-1] == "D":
+    return PIECES["D"].build(build(stack[:-1], settings), settings)
   rule_at = next(i for i, p in enumerate(stack) if p in RULES)
   piece = PIECES[stack[rule_at]].build(None, settings)
   if rule_at + 1 < len(stack):

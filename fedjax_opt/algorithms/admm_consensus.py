@@ -322,4 +322,8 @@ def admm_consensus(
 admm_consensus = execution.accepts_policy_keywords(admm_consensus, refuses_aggregator=(
     "consensus ADMM's z-update is the exact minimiser of its augmented Lagrangian, the weighted mean of the "
     "x̂_i + λ_i/ρ, and its duals move by x̂_i − z; another rule breaks Σ_i w_i λ_i = 0 and with it the fixed "
-    "point"))
+    "point"),
+    evaluation="global", exchanges=(1, 1), hyperparameters={"rho": execution.PENALTY,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "local_steps": execution.COUNT,
+        "relaxation": execution.MIXING_WEIGHT, "balancing_mu": execution.THRESHOLD, "balancing_tau": execution.SCALE,
+        "abs_tol": execution.THRESHOLD, "rel_tol": execution.THRESHOLD})

@@ -364,4 +364,7 @@ def admm_sharing(
 
 admm_sharing = execution.accepts_policy_keywords(admm_sharing, refuses_aggregator=(
     "sharing ADMM (vertical FL) averages no updates: the server solves its loss's prox at the mean of the "
-    "clients' predictions A_i x_i, and the dual and the offsets follow from that exact mean"))
+    "clients' predictions A_i x_i, and the dual and the offsets follow from that exact mean"),
+    evaluation="global", exchanges="metrics", hyperparameters={"rho": execution.PENALTY, "l1": execution.REGULARIZER,
+        "l2": execution.REGULARIZER, "inner_steps": execution.COUNT, "newton_steps": execution.COUNT,
+        "relaxation": execution.MIXING_WEIGHT})

@@ -244,7 +244,10 @@ def fedbuff(
 
 fedbuff = execution.accepts_policy_keywords(fedbuff, refuses_aggregator=(
     "FedBuff adds each arriving delta, weighted by its staleness, to a running buffer sum as it arrives, "
-    "across events; the K buffered deltas are never held together for a rule to combine"))
+    "across events; the K buffered deltas are never held together for a rule to combine"),
+    evaluation="global", exchanges=(1, 1), hyperparameters={"buffer_size": execution.COUNT,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "server_optimizer": execution.SERVER_OPTIMIZER,
+        "a": execution.STALENESS, "b": execution.STALENESS, "history_size": execution.COUNT})
 
 
 def fedasync(
@@ -310,7 +313,10 @@ def fedasync(
 
 fedasync = execution.accepts_policy_keywords(fedasync, refuses_aggregator=(
     "FedAsync combines no clients: the server mixes each arriving model into its own, one arrival at a time, "
-    "by a staleness weight"))
+    "by a staleness weight"),
+    evaluation="global", exchanges=(1, 1), hyperparameters={"alpha": execution.MIXING_WEIGHT,
+        "rho": execution.REGULARIZER, "client_optimizer": execution.CLIENT_OPTIMIZER, "a": execution.STALENESS,
+        "b": execution.STALENESS, "history_size": execution.COUNT})
 
 
 def co_op(
@@ -387,7 +393,10 @@ def co_op(
 
 co_op = execution.accepts_policy_keywords(co_op, refuses_aggregator=(
     "Co-op combines no clients: the server merges each arriving model into its own, one arrival at a time, by "
-    "its age"))
+    "its age"),
+    evaluation="global", exchanges=(1, 1), hyperparameters={"alpha": execution.MIXING_WEIGHT,
+        "max_age": execution.THRESHOLD, "client_optimizer": execution.CLIENT_OPTIMIZER,
+        "history_size": execution.COUNT})
 
 
 def _rescale_to(tree: PyTree, length: jax.Array) -> PyTree:
@@ -521,4 +530,6 @@ def zeno_plus_plus(
 
 zeno_plus_plus = execution.accepts_policy_keywords(zeno_plus_plus, refuses_aggregator=(
     "Zeno++ combines no clients: the server tests each arriving gradient alone against its validation "
-    "gradient and applies it alone (that test is its robustness)"))
+    "gradient and applies it alone (that test is its robustness)"),
+    evaluation="global", exchanges=(1, 1), hyperparameters={"gamma": execution.SERVER_STEP_SIZE,
+        "rho": execution.REGULARIZER, "eps": execution.THRESHOLD, "history_size": execution.COUNT})

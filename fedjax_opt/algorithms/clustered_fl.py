@@ -284,4 +284,10 @@ def clustered_fl(
   return FederatedAlgorithm(init, step)
 
 
-clustered_fl = execution.accepts_policy_keywords(clustered_fl, default_aggregator=_DEFAULT_AGGREGATOR)
+clustered_fl = execution.accepts_policy_keywords(clustered_fl, default_aggregator=_DEFAULT_AGGREGATOR,
+    refuses_downlink=(
+        "CFL broadcasts one model per cluster and splits clusters on the updates from those exact models; the "
+        "downlink compresses one broadcast model"),
+    evaluation="table", exchanges=(1, 1), hyperparameters={"eps_1": execution.THRESHOLD, "eps_2": execution.THRESHOLD,
+        "max_clusters": execution.COUNT, "client_optimizer": execution.CLIENT_OPTIMIZER,
+        "server_optimizer": execution.SERVER_OPTIMIZER})

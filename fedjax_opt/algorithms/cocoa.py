@@ -329,4 +329,6 @@ def cocoa(
 
 cocoa = execution.accepts_policy_keywords(cocoa, refuses_aggregator=(
     "CoCoA+ adds the clients' exact Δw_k = A_[k]Δα_[k]/(λn), so that w stays the image w = Aα/(λn) of the "
-    "dual variables on which its local subproblems and its duality-gap certificate rest"))
+    "dual variables on which its local subproblems and its duality-gap certificate rest"),
+    evaluation="global", exchanges="metrics", hyperparameters={"lam": execution.REGULARIZER,
+        "gamma": execution.MIXING_WEIGHT, "local_steps": execution.COUNT, "sigma_prime": execution.SCALE})

@@ -217,7 +217,9 @@ def dane(
 
 dane = execution.accepts_policy_keywords(dane, refuses_aggregator=(
     "DANE's Newton-type step needs the exact n_k-weighted means of the clients' gradients and of their local "
-    "solutions (a robust, compressed or noised mean is another method)"))
+    "solutions (a robust, compressed or noised mean is another method)"),
+    evaluation="global", exchanges="metrics", hyperparameters={"eta": execution.STEP_SIZE, "mu": execution.REGULARIZER,
+        "local_steps": execution.COUNT, "client_optimizer": execution.CLIENT_OPTIMIZER, "cg_iters": execution.COUNT})
 
 
 def feddane(
@@ -256,7 +258,9 @@ def feddane(
 
 feddane = execution.accepts_policy_keywords(feddane, refuses_aggregator=(
     "FedDANE's Newton-type step needs the exact n_k-weighted means of the round's gradients and of its "
-    "clients' local solutions (a robust, compressed or noised mean is another method)"))
+    "clients' local solutions (a robust, compressed or noised mean is another method)"),
+    evaluation="global", exchanges="metrics", hyperparameters={"mu": execution.REGULARIZER,
+        "local_steps": execution.COUNT, "client_optimizer": execution.CLIENT_OPTIMIZER, "cg_iters": execution.COUNT})
 
 
 def fadl(
@@ -296,4 +300,7 @@ def fadl(
 
 fadl = execution.accepts_policy_keywords(fadl, refuses_aggregator=(
     "FADL's local problems and its Armijo line search need the exact n_k-weighted means of the clients' "
-    "gradients, local solutions and losses (a robust, compressed or noised mean is another method)"))
+    "gradients, local solutions and losses (a robust, compressed or noised mean is another method)"),
+    evaluation="global", exchanges="metrics", hyperparameters={"mu": execution.REGULARIZER,
+        "local_steps": execution.COUNT, "client_optimizer": execution.CLIENT_OPTIMIZER, "cg_iters": execution.COUNT,
+        "line_search_steps": execution.COUNT, "armijo": execution.THRESHOLD})

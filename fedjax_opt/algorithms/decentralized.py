@@ -274,7 +274,9 @@ def gossip(
 
 gossip = execution.accepts_policy_keywords(gossip, refuses_aggregator=(
     "gossip has no server: every node combines its neighbours' models by the graph's mixing matrix, x ← W(x + "
-    "Δ), which is its aggregation"))
+    "Δ), which is its aggregation"),
+    evaluation="table", exchanges="bytes", hyperparameters={"eta": execution.CLIENT_STEP_SIZE,
+        "local_steps": execution.COUNT})
 
 
 def dpsgd(
@@ -310,7 +312,9 @@ def dpsgd(
 
 dpsgd = execution.accepts_policy_keywords(dpsgd, refuses_aggregator=(
     "D-PSGD has no server: every node combines its neighbours' models by the graph's mixing matrix, x_i ← Σ_j "
-    "W_ij x_j + Δ_i, which is its aggregation"))
+    "W_ij x_j + Δ_i, which is its aggregation"),
+    evaluation="table", exchanges="bytes", hyperparameters={"eta": execution.CLIENT_STEP_SIZE,
+        "local_steps": execution.COUNT})
 
 
 def gradient_tracking(
@@ -388,4 +392,5 @@ def gradient_tracking(
 gradient_tracking = execution.accepts_policy_keywords(gradient_tracking, refuses_aggregator=(
     "gradient tracking has no server: every node combines its neighbours' models and gradient trackers by the "
     "graph's mixing matrix, and the trackers follow the network's mean gradient only under that exact linear "
-    "mixing"))
+    "mixing"),
+    evaluation="table", exchanges="bytes", hyperparameters={"eta": execution.CLIENT_STEP_SIZE})

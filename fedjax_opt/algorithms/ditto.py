@@ -42,9 +42,8 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import cycle_steps, local_train
-from fedjax_opt.core.averaging import aggregated_round, initial_fields
+from fedjax_opt.core.averaging import aggregated_round, initial_downlink_error, initial_fields, server_step
 from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import apply_server_update
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_int, check_loss_fn,
                                         check_num_clients, check_optimizer, check_positive)
@@ -70,6 +69,8 @@ class DittoState:
     metrics: `core.server.ROUND_METRICS` (of the global model) plus
       `personal_loss`, the mean f_i(v_i; D_s) over the personal steps of the
       clients that wrote their v_i.
+    downlink_error: the server's downlink error e_t when the aggregator has a
+      downlink with error feedback (`core.averaging`, "Downlink"); None otherwise.
   """
 
   params: PyTree
@@ -79,6 +80,7 @@ class DittoState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
+  downlink_error: Any = None
 
 
 def ditto(
@@ -134,13 +136,14 @@ def ditto(
   def init(params: PyTree, key: jax.Array) -> DittoState:
     return DittoState(**initial_fields(params, key, aggregator, ("personal_loss",)),
                       local_params=per_client.broadcast(params, num_clients),
-                      server_opt_state=server_optimizer.init(params))
+                      server_opt_state=server_optimizer.init(params),
+                      downlink_error=initial_downlink_error(aggregator, params))
 
   def step(state: DittoState, batches: ClientBatches) -> DittoState:
     key, out = aggregated_round(mode, client_update, state.params, state, batches, aggregator,
                                 tables=(state.local_params,), rows_follow_round=False)
-    params, server_opt_state = apply_server_update(
-        server_optimizer, state.params, state.server_opt_state, out.agg.update, out.agg.accepted)
+    params, server_opt_state, downlink_error, out = server_step(aggregator, server_optimizer, state, out.agg.update,
+                                                                out)
     personal = out.extras
     n = jnp.where(out.write, personal.num_examples, 0)
     personal_loss = jnp.sum(n * jnp.where(out.write, personal.loss, 0)) / jnp.maximum(jnp.sum(n), 1)
@@ -152,9 +155,13 @@ def ditto(
         round=state.round + 1,
         key=key,
         metrics={**out.metrics(), "personal_loss": personal_loss.astype(jnp.float32)},
+        downlink_error=downlink_error,
     )
 
   return FederatedAlgorithm(init, step)
 
 
-ditto = execution.accepts_policy_keywords(ditto, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR)
+ditto = execution.accepts_policy_keywords(ditto, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR,
+    evaluation="table", exchanges=(1, 1), hyperparameters={"lam": execution.REGULARIZER,
+        "eta": execution.CLIENT_STEP_SIZE, "personal_steps": execution.COUNT,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "server_optimizer": execution.SERVER_OPTIMIZER})

@@ -211,4 +211,6 @@ def easgd(
 easgd = execution.accepts_policy_keywords(easgd, storage_dtype=True, refuses_aggregator=(
     "EASGD's center moves by the elastic force α Σ_i (x_i − x̃), the plain sum of the same exact differences "
     "that pull each x_i back (the symmetric elastic link of its objective), not by an average a rule could "
-    "replace"))
+    "replace"),
+    evaluation="table", exchanges=(1, 1), hyperparameters={"alpha": execution.MIXING_WEIGHT,
+        "client_optimizer": execution.CLIENT_OPTIMIZER})

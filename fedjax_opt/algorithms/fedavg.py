@@ -31,6 +31,7 @@ from __future__ import annotations
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
+from fedjax_opt.aggregators.chain import attach_downlink
 from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
@@ -82,6 +83,9 @@ def fedavg(
       optimizer's step, and keeps e_{t+1} = u_t + e_t − m_t; clients train from
       the model they hold, x̂_{t+1} = x̂_t + m_t (`state.params`);
       `bits_down` is the compressor's count (`core.averaging`, "Downlink").
+      The same as chaining it last in `aggregator=`,
+      `fo.aggregators.chain(aggregator, fo.compression.downlink(compressor))`,
+      the form every factory that compresses its broadcast takes; give it once.
 
   Returns:
     `FederatedAlgorithm(init, step)` with state `FedAvgState`.
@@ -93,13 +97,14 @@ def fedavg(
   def client_update(params, data, mask):
     return local_train(loss_fn, client_optimizer, params, data, mask)
 
-  return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
-                             client_map_lib.FromPolicy(),
-                             downlink=compression_lib.as_downlink(downlink, "fedavg"))
+  aggregator = attach_downlink(aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
+                               compression_lib.as_downlink(downlink, "fedavg"), "fedavg")
+  return averaging_algorithm(client_update, server_optimizer, aggregator, client_map_lib.FromPolicy())
 
 
-fedavg = execution.accepts_policy_keywords(fedavg, default_aggregator=_DEFAULT_AGGREGATOR)
+fedavg = execution.accepts_policy_keywords(fedavg, default_aggregator=_DEFAULT_AGGREGATOR,
+    evaluation="global", exchanges=(1, 1), hyperparameters={"client_optimizer": execution.CLIENT_OPTIMIZER,
+        "server_optimizer": execution.SERVER_OPTIMIZER})
 
 
 def fedsgd(
@@ -132,10 +137,10 @@ def fedsgd(
   def client_update(params, data, mask):
     return local_train(loss_fn, one_gradient, params, *as_single_step(data, mask))
 
-  return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
-                             client_map_lib.FromPolicy(),
-                             downlink=compression_lib.as_downlink(downlink, "fedsgd"))
+  aggregator = attach_downlink(aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
+                               compression_lib.as_downlink(downlink, "fedsgd"), "fedsgd")
+  return averaging_algorithm(client_update, server_optimizer, aggregator, client_map_lib.FromPolicy())
 
 
-fedsgd = execution.accepts_policy_keywords(fedsgd, default_aggregator=_DEFAULT_AGGREGATOR)
+fedsgd = execution.accepts_policy_keywords(fedsgd, default_aggregator=_DEFAULT_AGGREGATOR,
+    evaluation="global", exchanges=(1, 1), hyperparameters={"server_optimizer": execution.SERVER_OPTIMIZER})

@@ -81,6 +81,9 @@ class FineTuningState:
     key: PRNG key, split once per round (aggregator randomness).
     metrics: `core.server.ROUND_METRICS` plus `finetuning` (bool: the round
       was a stage-2 round).
+    downlink_error: the server's downlink error e_t, shared by both stages, when
+      the aggregator has a downlink with error feedback (`core.averaging`,
+      "Downlink"); None otherwise.
   """
 
   params: PyTree
@@ -90,6 +93,7 @@ class FineTuningState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
+  downlink_error: Any = None
 
 
 def fedavg_finetune(
@@ -171,16 +175,17 @@ def fedavg_finetune(
         round=first.round,
         key=key,
         metrics={**initial_round_metrics(), "finetuning": jnp.zeros((), bool)},
+        downlink_error=first.downlink_error,
     )
 
   def run(stage: FederatedAlgorithm, field: str, batches: ClientBatches):
     def branch(state: FineTuningState) -> FineTuningState:
       inner = AveragingState(params=state.params, server_opt_state=getattr(state, field),
                              aggregator_state=state.aggregator_state, round=state.round, key=state.key,
-                             metrics=initial_round_metrics())
+                             metrics=initial_round_metrics(), downlink_error=state.downlink_error)
       out = stage.step(inner, batches)
       return state.replace(params=out.params, aggregator_state=out.aggregator_state, round=out.round, key=out.key,
-                           metrics=out.metrics, **{field: out.server_opt_state})
+                           metrics=out.metrics, downlink_error=out.downlink_error, **{field: out.server_opt_state})
 
     return branch
 
@@ -205,4 +210,9 @@ def fedavg_finetune(
   return FederatedAlgorithm(init, step, personalize)
 
 
-fedavg_finetune = execution.accepts_policy_keywords(fedavg_finetune, default_aggregator=_DEFAULT_AGGREGATOR)
+fedavg_finetune = execution.accepts_policy_keywords(fedavg_finetune, default_aggregator=_DEFAULT_AGGREGATOR,
+    evaluation="adapt", exchanges=(1, 1), hyperparameters={"switch_round": execution.COUNT,
+        "personalize_steps": execution.COUNT, "client_optimizer": execution.CLIENT_OPTIMIZER,
+        "finetune_client_optimizer": execution.CLIENT_OPTIMIZER, "server_optimizer": execution.SERVER_OPTIMIZER,
+        "finetune_server_optimizer": execution.SERVER_OPTIMIZER, "finetune_local_steps": execution.COUNT,
+        "personalize_optimizer": execution.CLIENT_OPTIMIZER})

@@ -195,4 +195,9 @@ def feddyn(
   return FederatedAlgorithm(init, step)
 
 
-feddyn = execution.accepts_policy_keywords(feddyn, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR)
+feddyn = execution.accepts_policy_keywords(feddyn, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR,
+    refuses_downlink=(
+        "FedDyn's server takes no optimizer step to compress: it sets x to the clients' mean model less h/α, and h "
+        "moves by models trained from that exact x"),
+    evaluation="global", exchanges=(1, 1), hyperparameters={"alpha": execution.REGULARIZER,
+        "client_optimizer": execution.CLIENT_OPTIMIZER})

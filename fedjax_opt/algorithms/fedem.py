@@ -336,7 +336,13 @@ def fedem(
   return FederatedAlgorithm(init, step, personalize)
 
 
-fedem = execution.accepts_policy_keywords(fedem, default_aggregator=_DEFAULT_AGGREGATOR)
+fedem = execution.accepts_policy_keywords(fedem, default_aggregator=_DEFAULT_AGGREGATOR,
+    refuses_downlink=(
+        "FedEM broadcasts M component models and each client fits its mixture weights on the exact components; the "
+        "downlink compresses one broadcast model"),
+    evaluation="adapt", exchanges=(1, 1), hyperparameters={"num_components": execution.COUNT,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "server_optimizer": execution.SERVER_OPTIMIZER,
+        "init_noise": execution.SCALE, "em_iterations": execution.COUNT})
 
 
 @flax.struct.dataclass
@@ -462,4 +468,6 @@ def d_fedem(
 
 d_fedem = execution.accepts_policy_keywords(d_fedem, refuses_aggregator=(
     "D-FedEM has no server: every node combines its neighbours' components and mixture weights by the graph's "
-    "mixing matrix, which is its aggregation"))
+    "mixing matrix, which is its aggregation"),
+    evaluation="table", exchanges="bytes", hyperparameters={"num_components": execution.COUNT,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "init_noise": execution.SCALE})

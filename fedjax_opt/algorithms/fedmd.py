@@ -292,4 +292,8 @@ def fedmd(
 
 fedmd = execution.accepts_policy_keywords(fedmd, refuses_aggregator=(
     "FedMD's clients send class scores on the public data, not model updates, and its consensus is their "
-    "plain mean over every architecture, taken in its own loop over the architectures"))
+    "plain mean over every architecture, taken in its own loop over the architectures"),
+    evaluation="table", exchanges="metrics", hyperparameters={"public_per_round": execution.COUNT,
+        "digest_steps": execution.COUNT, "digest_batch_size": execution.COUNT,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "digest_optimizer": execution.CLIENT_OPTIMIZER,
+        "temperature": execution.SCALE})

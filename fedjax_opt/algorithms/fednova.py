@@ -131,4 +131,6 @@ def fednova(
                              server_delta=rescale, extra_metrics=("tau_eff",))
 
 
-fednova = execution.accepts_policy_keywords(fednova, default_aggregator=_DEFAULT_AGGREGATOR)
+fednova = execution.accepts_policy_keywords(fednova, default_aggregator=_DEFAULT_AGGREGATOR,
+    evaluation="global", exchanges=(1, 1), hyperparameters={"eta": execution.CLIENT_STEP_SIZE,
+        "rho": execution.MOMENTUM, "server_optimizer": execution.SERVER_OPTIMIZER})

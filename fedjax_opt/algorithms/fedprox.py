@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_opt import aggregators as aggregators_lib
+from fedjax_opt.aggregators.chain import attach_downlink
 from fedjax_opt import compression as compression_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
@@ -92,10 +93,11 @@ def fedprox(
     return local_train(loss_fn, client_optimizer, params, data, mask,
                        gradient_correction=proximal_correction(mu, params))
 
-  return averaging_algorithm(client_update, server_optimizer,
-                             aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
-                             client_map_lib.FromPolicy(),
-                             downlink=compression_lib.as_downlink(downlink, "fedprox"))
+  aggregator = attach_downlink(aggregators_lib.resolve(aggregator, _DEFAULT_AGGREGATOR),
+                               compression_lib.as_downlink(downlink, "fedprox"), "fedprox")
+  return averaging_algorithm(client_update, server_optimizer, aggregator, client_map_lib.FromPolicy())
 
 
-fedprox = execution.accepts_policy_keywords(fedprox, default_aggregator=_DEFAULT_AGGREGATOR)
+fedprox = execution.accepts_policy_keywords(fedprox, default_aggregator=_DEFAULT_AGGREGATOR,
+    evaluation="global", exchanges=(1, 1), hyperparameters={"mu": execution.REGULARIZER,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "server_optimizer": execution.SERVER_OPTIMIZER})

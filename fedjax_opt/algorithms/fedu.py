@@ -251,4 +251,6 @@ def fedu(
 
 fedu = execution.accepts_policy_keywords(fedu, storage_dtype=True, refuses_aggregator=(
     "FedU's server combines no updates: each client's model moves by the graph Laplacian, ηλR Σ_j a_ij (z_i − "
-    "z_j) over its neighbours, of the exact models"))
+    "z_j) over its neighbours, of the exact models"),
+    evaluation="table", exchanges=(1, 0), hyperparameters={"lam": execution.REGULARIZER,
+        "eta": execution.CLIENT_STEP_SIZE, "local_steps": execution.COUNT})

@@ -85,20 +85,31 @@ updates above use s_n = Σ_{m ∈ N(n)} θ̂_m and the duals use transmitted
 values, λ_e ← λ_e + ρ(θ̂_i − θ̂_j) (both ends know both θ̂, so they agree on
 λ_e without sending it). After its update worker n
 
-* quantizes the change stochastically (`stochastic_quantize`, b bits per
-  coordinate over [−R, R], R = ‖θ_n − θ̂_n‖_∞, unbiased):
-  Q_n = θ̂_n + Q_b(θ_n − θ̂_n); with `bits=None` Q_n = θ_n (no quantization);
+* compresses the change: Q_n = θ̂_n + C(θ_n − θ̂_n), C the `compressor=`, a
+  `fo.compression.Compressor` that must be unbiased (E[C(x)] = x); `bits=b`
+  is the paper's quantizer, `fo.compression.range_quantize(b)` (b bits per
+  coordinate over [−R, R], R = ‖θ_n − θ̂_n‖_∞); with `bits=None` (and no
+  compressor) Q_n = θ_n (no compression);
 * transmits only if ‖Q_n − θ̂_n‖ ≥ τ₀ ξ^k (censoring, ξ ∈ (0, 1), k the
   iteration from 0); if it transmits, θ̂_n ← Q_n, else θ̂_n stays.
 
 With `bits=None` and `tau0=0` every worker transmits θ_n exactly:
 generalized GADMM (GGADMM), and on a chain exactly `gadmm`.
 
-Communication accounting (`state.metrics`): an unquantized transmission is
-32 P bits (P model parameters sent as float32); a quantized one b P + 32 bits
-(b bits per coordinate and R as one float32). Duals are never sent. A
-transmission is one broadcast to the worker's neighbours, counted once in
-`bits` (the iteration's total). Per worker, averaged over the N workers:
+A biased compressor (`top_k`, `sign`: `Compressor.unbiased` False) is
+refused. Issaid et al.'s analysis takes the quantization error of Q_n as
+zero-mean noise of bounded variance (what `range_quantize`, `qsgd` and
+`rand_k` give); a biased C makes the neighbours' θ̂_n a systematically
+distorted copy of θ_n, which that analysis does not cover, and with the
+plain sign (no scale) θ̂_n moves by ±1 per coordinate at every transmission
+and cannot settle.
+
+Communication accounting (`state.metrics`): an uncompressed transmission is
+32 P bits (P model parameters sent as float32); a compressed one the
+compressor's own count, `compressor.bits(params)` (b P + 32 for
+`range_quantize(b)`: b bits per coordinate and R as one float32). Duals are
+never sent. A transmission is one broadcast to the worker's neighbours,
+counted once in `bits` (the iteration's total). Per worker, averaged over the N workers:
 `bits_up` = `bits` / N = (1/N) Σ_n t_n q, what a worker sends, and
 `bits_down` = (1/N) Σ_n t_n d_n q, what a worker receives (each of its
 neighbours' transmissions), with t_n = 1 if worker n transmitted, d_n its
@@ -143,6 +154,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_opt import compression as compression_lib
 from fedjax_opt import graphs as graphs_lib
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
@@ -159,7 +171,7 @@ from fedjax_opt.core.validation import (check_full_participation, check_in_range
 __all__ = ["GADMMState", "gadmm", "cq_ggadmm", "stochastic_quantize", "GADMM_METRICS"]
 
 FLOAT_BITS = 32
-"""Bits of one float on the wire (an unquantized coordinate, or the range R of a quantized message)."""
+"""Bits of one float on the wire (an uncompressed coordinate)."""
 
 GADMM_METRICS = {
     "objective": jnp.float32,
@@ -200,7 +212,7 @@ class GADMMState:
       None for `gadmm`, whose workers always transmit θ_n exactly.
     duals: the unscaled edge duals λ_e, leaves `[E, ...]`, row e for `graph.edges[e]`.
     round: k, iterations applied, int32.
-    key: PRNG key, split once per iteration by `cq_ggadmm` (quantizer noise).
+    key: PRNG key, split once per iteration by `cq_ggadmm` (the compressor's noise).
     metrics: `GADMM_METRICS`.
   """
 
@@ -244,38 +256,59 @@ def _check_censoring(tau0: Any, xi: Any) -> None:
 
 
 def stochastic_quantize(key: jax.Array, x: PyTree, bits: int) -> PyTree:
-  """Unbiased stochastic b-bit quantization of a vector (a pytree, quantized as one vector).
+  """Q_b(x), CQ-GGADMM's unbiased b-bit quantizer: `fo.compression.range_quantize(bits)`'s decoded output.
 
-  With R = max_j |x_j| over every coordinate of every leaf and the 2^b levels
-  −R + l Δ, l = 0 … 2^b − 1, Δ = 2R / (2^b − 1), each coordinate is rounded
-  to one of its two nearest levels at random, up with probability
-  (x_j + R)/Δ − ⌊(x_j + R)/Δ⌋, so E[Q(x)] = x and |Q(x)_j − x_j| ≤ Δ. The
-  message is the b-bit level index per coordinate plus R (the stochastic
-  quantizer of Issaid et al. 2020). x = 0 gives Q(x) = 0.
+  A thin alias kept for existing callers; the quantizer (its levels over
+  [−R, R], R = ‖x‖_∞, unbiasedness, b P + 32 bits) is documented and
+  implemented in `fedjax_opt.compression.range_quantize`.
 
   Args:
     key: PRNG key.
     x: pytree of arrays (one vector).
-    bits: b >= 1.
+    bits: b, a Python int in [1, 32].
 
   Returns:
     Q(x), a pytree like `x`.
   """
   _check_bits(bits)
-  leaves, treedef = jax.tree.flatten(x)
-  radius = jnp.max(jnp.stack([jnp.max(jnp.abs(leaf)) for leaf in leaves]))
-  levels = float(2**bits - 1)
-  spacing = 2 * radius / levels
-  safe = jnp.where(radius > 0, spacing, 1)
-  keys = jax.random.split(key, len(leaves))
-  out = []
-  for leaf, k in zip(leaves, keys):
-    position = (leaf + radius) / safe
-    low = jnp.floor(position)
-    up = jax.random.uniform(k, leaf.shape, position.dtype) < position - low
-    level = jnp.clip(low + up, 0, levels)
-    out.append(jnp.where(radius > 0, level * spacing - radius, 0).astype(leaf.dtype))
-  return jax.tree.unflatten(treedef, out)
+  return compression_lib.range_quantize(bits).compress(key, x)[0]
+
+
+def _check_compressor(bits: Any, compressor: Any) -> compression_lib.Compressor | None:
+  """The compressor of `cq_ggadmm`'s messages (None: exact), from `bits=` or `compressor=`, or a one-line error."""
+  if compressor is None:
+    if bits is _BITS_NOT_GIVEN:
+      raise TypeError("cq_ggadmm: give bits=b (the paper's b-bit quantizer), bits=None (exact transmission) or "
+                      "compressor= (a fo.compression.Compressor).")
+    if bits is None:
+      return None
+    _check_bits(bits)
+    return compression_lib.range_quantize(bits)
+  if bits is not _BITS_NOT_GIVEN:
+    raise ValueError(f"cq_ggadmm: give bits= (shorthand for compressor=fo.compression.range_quantize(bits)) or "
+                     f"compressor=, not both; got bits={bits!r} and compressor={_compressor_name(compressor)}.")
+  if not isinstance(compressor, compression_lib.Compressor):
+    raise TypeError(f"cq_ggadmm: compressor must be a fo.compression.Compressor (e.g. "
+                    f"fo.compression.range_quantize(4)); got {type(compressor).__name__}.")
+  if not compressor.unbiased:
+    raise ValueError(f"cq_ggadmm: compressor {compressor.name} is biased; CQ-GGADMM's analysis (Issaid et al. "
+                     "2020) needs an unbiased quantizer, E[C(x)] = x (e.g. fo.compression.range_quantize(b), qsgd, "
+                     "rand_k).")
+  return compressor
+
+
+def _compressor_name(compressor: Any) -> str:
+  return compressor.name if isinstance(compressor, compression_lib.Compressor) else type(compressor).__name__
+
+
+class _NotGiven:
+  """`cq_ggadmm`'s `bits` default: required unless `compressor=` is given."""
+
+  def __repr__(self) -> str:
+    return "<required unless compressor= is given>"
+
+
+_BITS_NOT_GIVEN = _NotGiven()
 
 
 # ----------------------------------------------------------------------------- the iteration
@@ -312,8 +345,10 @@ def _row_norms(tree: PyTree) -> jax.Array:
 
 def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, prox: prox_lib.ProxFn | None,
                 client_optimizer: optax.GradientTransformation | None, local_steps: int | None, objective: str,
-                *, compression: tuple[int | None, Any, Any] | None = None) -> FederatedAlgorithm:
-  """GADMM on a connected bipartite graph; with `compression` = (b, τ₀, ξ), CQ-GGADMM (module docstring)."""
+                *, compression: tuple[compression_lib.Compressor | None, Any, Any] | None = None
+                ) -> FederatedAlgorithm:
+  """GADMM on a connected bipartite graph; with `compression` = (C, τ₀, ξ), CQ-GGADMM (module docstring; C None:
+  exact transmission)."""
   check_loss_fn(loss_fn)
   prox_lib.check_rho(rho)
   colour = _check_graph(graph)
@@ -321,7 +356,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
   by_examples = prox_lib.check_objective(objective) == "examples"
   mode = client_map_lib.FromPolicy()
   compress = compression is not None
-  bits, tau0, xi = compression or (None, None, None)
+  compressor, tau0, xi = compression or (None, None, None)
 
   n = graph.num_nodes
   edges = graph.edges
@@ -357,16 +392,16 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
       return theta, theta, (objective, finite, finite, dropped)
     sent_old = per_client.gather(sent, ids)
     change = jax.tree.map(jnp.subtract, new, sent_old)
-    if bits is None:
+    if compressor is None:
       candidate = new  # Q_n = θ_n, bit for bit
-    else:
+    else:  # worker i of the group compresses with split(key, G)[i]
       keys = jax.random.split(key, len(group))
-      change = client_map_lib.map_clients(mode, lambda _, worker: stochastic_quantize(*worker, bits), None,
+      change = client_map_lib.map_clients(mode, lambda _, worker: compressor.compress(*worker)[0], None,
                                           (keys, change))
       candidate = jax.tree.map(jnp.add, sent_old, change)
     if compress:  # CQ-GGADMM: a discrete decision per worker
       change, threshold = refuse_derivative((change, threshold), "CQ-GGADMM's censoring test and stochastic "
-                                            "quantizer (a run is piecewise constant in them)")
+                                            "compressor (a run is piecewise constant in them)")
     transmit = finite & (_row_norms(change) >= threshold)
     sent = per_client.scatter(sent, ids, candidate, transmit).table
     return theta, sent, (objective, transmit, finite, dropped)
@@ -418,7 +453,7 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
     duals = keep_rows(edge_ok, jax.tree.map(lambda l, r: (l + rho_k * r).astype(l.dtype), state.duals, residual),
                       state.duals)
     num_params = sum(int(np.prod(jnp.shape(p))) for p in jax.tree.leaves(state.params))
-    per_message = FLOAT_BITS * num_params if bits is None else bits * num_params + FLOAT_BITS
+    per_message = FLOAT_BITS * num_params if compressor is None else compressor.bits(state.params)
     round_bits = transmissions.astype(jnp.float32) * per_message
     # Each transmission reaches the worker's d_n neighbours: Σ_n t_n d_n messages received in all.
     receptions = jnp.sum(jnp.where(transmitted, jnp.asarray(degree, jnp.float32), 0))
@@ -503,7 +538,9 @@ def gadmm(
 
 gadmm = execution.accepts_policy_keywords(gadmm, refuses_aggregator=(
     "GADMM has no server: each worker exchanges its model with its graph neighbours only, and their duals "
-    "move by the exact differences of neighbouring models"))
+    "move by the exact differences of neighbouring models"),
+    evaluation="global", exchanges=(1, 0), hyperparameters={"rho": execution.PENALTY,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "local_steps": execution.COUNT})
 
 
 def cq_ggadmm(
@@ -513,7 +550,8 @@ def cq_ggadmm(
     xi: Any = 0.9,
     *,
     graph: graphs_lib.Graph,
-    bits: int | None,
+    bits: int | None = _BITS_NOT_GIVEN,
+    compressor: compression_lib.Compressor | None = None,
     prox: prox_lib.ProxFn | None = None,
     client_optimizer: optax.GradientTransformation | None = None,
     local_steps: int | None = None,
@@ -523,35 +561,50 @@ def cq_ggadmm(
 
   The GADMM iteration with every worker's neighbours using its last
   transmitted model θ̂_n (module docstring): after its update worker n forms
-  Q_n = θ̂_n + Q_b(θ_n − θ̂_n) (`stochastic_quantize`; Q_n = θ_n when
-  `bits=None`) and transmits, θ̂_n ← Q_n, only if ‖Q_n − θ̂_n‖ ≥ τ₀ ξ^k;
-  the duals are updated with the transmitted models,
-  λ_e ← λ_e + ρ(θ̂_i − θ̂_j). `bits=None`, `tau0=0` is generalized GADMM
-  (on a chain, `gadmm` exactly).
+  Q_n = θ̂_n + C(θ_n − θ̂_n), C the compressor (`bits=b`: the paper's
+  quantizer `fo.compression.range_quantize(b)`; Q_n = θ_n when `bits=None`)
+  and transmits, θ̂_n ← Q_n, only if ‖Q_n − θ̂_n‖ ≥ τ₀ ξ^k; the duals are
+  updated with the transmitted models, λ_e ← λ_e + ρ(θ̂_i − θ̂_j).
+  `bits=None`, `tau0=0` is generalized GADMM (on a chain, `gadmm` exactly).
+  A transmission costs `compressor.bits(params)` bits (b P + 32 for
+  `bits=b`), 32 P uncompressed.
 
   Args:
     loss_fn, rho: as in `gadmm`.
     tau0: τ₀ >= 0, the censoring threshold at k = 0 (0: no censoring; may be traced).
     xi: ξ ∈ (0, 1), the threshold's decay per iteration (may be traced).
     graph, prox, client_optimizer, local_steps, objective: as in `gadmm`.
-    bits: b, bits per quantized coordinate (a Python int in [1, 32]); None: no
-      quantization (32-bit floats are sent). Required, to make the choice explicit.
+    bits: b, bits per quantized coordinate (a Python int in [1, 32]):
+      shorthand for `compressor=fo.compression.range_quantize(b)`, the same
+      run bit for bit; None: no compression (32-bit floats are sent).
+      Required unless `compressor` is given (not both), to make the choice explicit.
+    compressor: C, an unbiased `fo.compression.Compressor` for what a worker
+      sends (`range_quantize(b)`, `qsgd(...)`, `rand_k(...)`, `identity()`);
+      a biased one is refused (module docstring). Worker n's C draws its
+      coins from split(k_g, G)[i], i its position in its group (of G
+      workers) and k_g that group's key of the iteration (heads, tails:
+      `split(round key)`, the round key the second half of `split(state.key)`).
 
   Returns:
-    `FederatedAlgorithm(init, step)` with state `GADMMState`; the quantizer's
+    `FederatedAlgorithm(init, step)` with state `GADMMState`; the compressor's
     noise comes from `state.key`, split once per iteration.
 
   Raises:
-    TypeError: `bits` neither None nor a Python int.
-    ValueError: as `gadmm`, and bits outside [1, 32], τ₀ < 0, ξ outside (0, 1).
+    TypeError: `bits` neither None nor a Python int; `compressor` not a
+      `Compressor`; neither `bits` nor `compressor` given.
+    ValueError: as `gadmm`, and bits outside [1, 32], both `bits` and
+      `compressor`, a biased compressor, τ₀ < 0, ξ outside (0, 1).
   """
-  if bits is not None:
-    _check_bits(bits)
+  compressor = _check_compressor(bits, compressor)
   _check_censoring(tau0, xi)
   return _group_admm("cq_ggadmm", loss_fn, rho, graph, prox, client_optimizer, local_steps, objective,
-                     compression=(bits, tau0, xi))
+                     compression=(compressor, tau0, xi))
 
 
 cq_ggadmm = execution.accepts_policy_keywords(cq_ggadmm, refuses_aggregator=(
-    "CQ-GGADMM has no server: each worker exchanges its censored, quantized model with its graph neighbours "
-    "only, and their duals move by the differences of the models the neighbours hold"))
+    "CQ-GGADMM has no server: each worker exchanges its censored, compressed model (its compressor= is a "
+    "fo.compression piece) with its graph neighbours only, and their duals move by the differences of the models "
+    "the neighbours hold"),
+    evaluation="global", exchanges="bits", hyperparameters={"rho": execution.PENALTY, "tau0": execution.THRESHOLD,
+        "xi": execution.THRESHOLD, "bits": execution.COUNT, "client_optimizer": execution.CLIENT_OPTIMIZER,
+        "local_steps": execution.COUNT})

@@ -149,4 +149,6 @@ def giant(
 
 giant = execution.accepts_policy_keywords(giant, refuses_aggregator=(
     "GIANT's step needs the exact n_k-weighted means of the clients' gradients, Newton directions and "
-    "line-search losses (a robust, compressed or noised mean is another method)"))
+    "line-search losses (a robust, compressed or noised mean is another method)"),
+    evaluation="global", exchanges="metrics", hyperparameters={"cg_iters": execution.COUNT,
+        "line_search_steps": execution.COUNT, "armijo": execution.THRESHOLD})

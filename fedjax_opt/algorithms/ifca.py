@@ -254,4 +254,10 @@ def ifca(
   return FederatedAlgorithm(init, step)
 
 
-ifca = execution.accepts_policy_keywords(ifca, default_aggregator=_DEFAULT_AGGREGATOR)
+ifca = execution.accepts_policy_keywords(ifca, default_aggregator=_DEFAULT_AGGREGATOR,
+    refuses_downlink=(
+        "IFCA broadcasts all K cluster models and each client picks the one of lowest loss on them; the downlink "
+        "compresses one broadcast model"),
+    evaluation="table", exchanges="metrics", hyperparameters={"num_clusters": execution.COUNT,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "server_optimizer": execution.SERVER_OPTIMIZER,
+        "init_noise": execution.SCALE})

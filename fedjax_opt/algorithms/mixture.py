@@ -437,7 +437,9 @@ def l2gd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int,
 
 l2gd = execution.accepts_policy_keywords(l2gd, refuses_aggregator=(
     "L2GD's aggregation step pulls each x_i towards the exact average x̄ of the local models (the gradient of "
-    "the mixture penalty λ/(2n) Σ_i ‖x_i − x̄‖²); another rule minimises another objective"))
+    "the mixture penalty λ/(2n) Σ_i ‖x_i − x̄‖²); another rule minimises another objective"),
+    evaluation="table", exchanges="metrics", hyperparameters={"lam": execution.REGULARIZER,
+        "alpha": execution.STEP_SIZE, "p": execution.PROBABILITY, "smoothness": execution.PROBLEM_CONSTANT})
 
 
 def l2sgd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int,
@@ -454,7 +456,9 @@ def l2sgd(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: int,
 
 l2sgd = execution.accepts_policy_keywords(l2sgd, refuses_aggregator=(
     "L2SGD's aggregation step pulls each x_i towards the exact average x̄ of the local models (the gradient "
-    "of the mixture penalty λ/(2n) Σ_i ‖x_i − x̄‖²); another rule minimises another objective"))
+    "of the mixture penalty λ/(2n) Σ_i ‖x_i − x̄‖²); another rule minimises another objective"),
+    evaluation="table", exchanges="metrics", hyperparameters={"lam": execution.REGULARIZER,
+        "alpha": execution.STEP_SIZE, "p": execution.PROBABILITY, "smoothness": execution.PROBLEM_CONSTANT})
 
 
 # ----------------------------------------------------------------------------- L2SGD+
@@ -675,4 +679,7 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
 l2sgd_plus = execution.accepts_policy_keywords(l2sgd_plus, refuses_aggregator=(
     "L2SGD+'s aggregation step pulls each x_i towards the exact average x̄ of the local models and its "
     "control variates Ψ_i = λ(x_i − x̄) are built on it (the mixture penalty's gradient); another rule "
-    "minimises another objective"))
+    "minimises another objective"),
+    evaluation="table", exchanges="metrics", hyperparameters={"lam": execution.REGULARIZER,
+        "alpha": execution.STEP_SIZE, "p": execution.PROBABILITY, "smoothness": execution.PROBLEM_CONSTANT,
+        "mu": execution.PROBLEM_CONSTANT})

@@ -333,4 +333,6 @@ def mixture_admm(
 
 mixture_admm = execution.accepts_policy_keywords(mixture_admm, refuses_aggregator=(
     "mixture ADMM's z-update and dual ascent are the exact steps of its augmented Lagrangian, on the exact "
-    "mean x̄ of the clients' models; another rule minimises another objective"))
+    "mean x̄ of the clients' models; another rule minimises another objective"),
+    evaluation="table", exchanges=(1, 1), hyperparameters={"lam": execution.REGULARIZER, "rho": execution.PENALTY,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "local_steps": execution.COUNT})

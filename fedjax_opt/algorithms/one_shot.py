@@ -174,4 +174,9 @@ def one_shot_average(
   return FederatedAlgorithm(init, step)
 
 
-one_shot_average = execution.accepts_policy_keywords(one_shot_average, default_aggregator=_DEFAULT_AGGREGATOR)
+one_shot_average = execution.accepts_policy_keywords(one_shot_average, default_aggregator=_DEFAULT_AGGREGATOR,
+    refuses_downlink=(
+        "one-shot averaging takes no server step: the one exchange sets the model to the aggregate, and nothing is "
+        "broadcast after it"),
+    evaluation="global", exchanges="metrics", hyperparameters={"local_steps": execution.COUNT,
+        "client_optimizer": execution.CLIENT_OPTIMIZER, "cg_iters": execution.COUNT})

@@ -280,4 +280,5 @@ def p2p_bayes(
 
 p2p_bayes = execution.accepts_policy_keywords(p2p_bayes, refuses_aggregator=(
     "P2P Bayes has no server: every node combines its neighbours' log-beliefs by the graph's mixing matrix, "
-    "which is its aggregation"))
+    "which is its aggregation"),
+    evaluation="table", exchanges="bytes", hyperparameters={})

@@ -245,4 +245,7 @@ def per_fedavg(
   return FederatedAlgorithm(inner.init, step, personalize)
 
 
-per_fedavg = execution.accepts_policy_keywords(per_fedavg, default_aggregator=_DEFAULT_AGGREGATOR)
+per_fedavg = execution.accepts_policy_keywords(per_fedavg, default_aggregator=_DEFAULT_AGGREGATOR,
+    evaluation="adapt", exchanges=(1, 1), hyperparameters={"alpha": execution.CLIENT_STEP_SIZE,
+        "beta": execution.CLIENT_STEP_SIZE, "delta": execution.SCALE, "local_steps": execution.COUNT,
+        "server_optimizer": execution.SERVER_OPTIMIZER})

@@ -63,9 +63,9 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.local import LocalResult, local_train
-from fedjax_opt.core.averaging import aggregated_round, initial_fields
+from fedjax_opt.core.averaging import aggregated_round, initial_downlink_error, initial_fields, server_step
 from fedjax_opt.core.rounds import ClientOutput
-from fedjax_opt.core.server import apply_server_update, finite_clients
+from fedjax_opt.core.server import finite_clients
 from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import check_choice, check_int, check_loss_fn, check_num_clients, check_positive
@@ -90,6 +90,8 @@ class PFedMeState:
     key: PRNG key, split once per round (aggregator randomness).
     metrics: `core.server.ROUND_METRICS` (client_loss: the personal objective's
       data term f_i(θ; D_r) averaged over the inner steps).
+    downlink_error: the server's downlink error e_t when the aggregator has a
+      downlink with error feedback (`core.averaging`, "Downlink"); None otherwise.
   """
 
   params: PyTree
@@ -99,6 +101,7 @@ class PFedMeState:
   round: jax.Array
   key: jax.Array
   metrics: dict[str, jax.Array]
+  downlink_error: Any = None
 
 
 def _client_update(loss_fn: LossFn, lam: Any, eta: Any, inner_steps: int, inner_lr: Any):
@@ -183,7 +186,8 @@ def pfedme(
   def init(params: PyTree, key: jax.Array) -> PFedMeState:
     return PFedMeState(**initial_fields(params, key, aggregator),
                        local_params=per_client.broadcast(params, num_clients),
-                       server_opt_state=server_optimizer.init(params))
+                       server_opt_state=server_optimizer.init(params),
+                      downlink_error=initial_downlink_error(aggregator, params))
 
   def step(state: PFedMeState, batches: ClientBatches) -> PFedMeState:
     if isinstance(batches, ClientBatches) and jnp.ndim(batches.mask) == 3 and batches.local_steps != local_steps:
@@ -194,12 +198,16 @@ def pfedme(
     # personalize_all: stepped with a finite w_{i,R}, sampled or not; else out.write (took part, round accepted).
     computed = (out.results.num_steps > 0) & out.agg.finite if personalize_all else out.write
     stored = per_client.scatter(state.local_params, batches.client_id, theta, finite_clients(theta, ok=computed)[0])
-    params, server_opt_state = apply_server_update(
-        server_optimizer, state.params, state.server_opt_state, out.agg.update, out.agg.accepted)
+    params, server_opt_state, downlink_error, out = server_step(aggregator, server_optimizer, state, out.agg.update,
+                                                                out)
     return PFedMeState(params=params, local_params=stored.table, server_opt_state=server_opt_state,
-                       aggregator_state=out.agg.state, round=state.round + 1, key=key, metrics=out.metrics())
+                       aggregator_state=out.agg.state, round=state.round + 1, key=key, metrics=out.metrics(),
+                       downlink_error=downlink_error)
 
   return FederatedAlgorithm(init, step)
 
 
-pfedme = execution.accepts_policy_keywords(pfedme, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR)
+pfedme = execution.accepts_policy_keywords(pfedme, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR,
+    evaluation="table", exchanges=(1, 1), hyperparameters={"lam": execution.REGULARIZER,
+        "eta": execution.CLIENT_STEP_SIZE, "beta": execution.MIXING_WEIGHT, "local_steps": execution.COUNT,
+        "inner_steps": execution.COUNT, "inner_lr": execution.CLIENT_STEP_SIZE})

@@ -277,5 +277,10 @@ def scaffold(
   return FederatedAlgorithm(init, step)
 
 
-scaffold = execution.accepts_policy_keywords(scaffold, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR)
+scaffold = execution.accepts_policy_keywords(scaffold, storage_dtype=True, default_aggregator=_DEFAULT_AGGREGATOR,
+    refuses_downlink=(
+        "SCAFFOLD broadcasts the control variate c with the model, and each client's correction c − c_i is built on "
+        "the exact (x, c) it receives; the downlink compresses one broadcast model"),
+    evaluation="global", exchanges=(2, 2), hyperparameters={"eta_l": execution.CLIENT_STEP_SIZE,
+        "eta_g": execution.SERVER_STEP_SIZE})
 

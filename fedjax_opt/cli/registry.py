@@ -69,8 +69,9 @@ PSEUDO = {
 WIRED = ("loss_fn", "num_clients", "num_examples", "client_map", "client_optimizer", "server_optimizer", "graph",
          "aggregator", "storage_dtype", "prox", "finetune_client_optimizer", "finetune_server_optimizer",
          "personalize_optimizer", "schedule", "validation_data", "validation_mask", "apply_fn", "public_data",
-         "digest_optimizer", "architecture_of", "layers", "hypotheses", "true_hypothesis")
-"""Factory parameters the command line fills itself (never `--set`)."""
+         "digest_optimizer", "architecture_of", "layers", "hypotheses", "true_hypothesis", "compressor")
+"""Factory parameters the command line fills itself, or leaves to the library's default (CQ-GGADMM's `compressor=`,
+set on the command line through its `bits`): never `--set`."""
 
 FAMILIES = {
     "averaging": "one global model; evaluated on every client's test split",
@@ -126,20 +127,11 @@ class Spec:
       (optimizers, derived step sizes); the rest of `hyper` is passed by name.
     graph: the factory's `graph=`: None (it takes none), "topology" (the run's `--topology`, `Context.graph`)
       or the name of a `fo.graphs` builder called with the run's N (e.g. "chain", "ring").
-    server_lr: the hyper-parameter `--server-lr` sets (None: the algorithm has no server step size).
-    evaluation: "global" (state.params on every client's test split), "table" (also each client's stored
-      model: `fo.personalized_params`) or "adapt" (also the global model adapted on each client:
-      `algorithm.personalize`).
     sampling: "clients" (C sampled clients, S steps of B examples), "full" (every client, its whole train
       split as one batch, every round), "full_fixed" (the same, examples in slot order: per-example tables),
       "nodes" (every client every round, S steps of B examples: decentralized), "all" (the same, for a
       server-based algorithm that needs every client: CFL's splits) or "events" (every client's
       S steps of B examples every server event, of which the arriving client's are used: asynchronous).
-    messages: (model-sized uploads per client taking part, broadcasts) per round, counted when
-      `communication` is "rounds"; "bits": the algorithm's `bits` metric; "bytes": the algorithm's
-      `bytes_sent` per node (decentralized); "metrics": the round's `bits_up` per client taking part and
-      `bits_down` once, as one broadcast (IFCA's K models, FedMD's scores, FedMA's layers, L2GD / L2SGD+ only
-      in the iterations that communicate).
     objective: None, "pooled" (the example-weighted pooled risk of state.params) or "mixture" (the mixture
       objective of the per-client table, `fo.objectives.mixture`), for the objective gap.
     data_steps: `data_steps(hyper, S) -> S'`, the batches per client and round the algorithm needs when the
@@ -160,6 +152,10 @@ class Spec:
       row (P2P Bayes' beliefs on the fit).
     reference: None, or `reference(hyper, batches) -> F*` (or None), the minimum of the pooled objective when
       L-BFGS on it does not apply (CoCoA+'s hinge loss, which is not smooth: the maximum of its dual).
+
+  Read from the factory's declarations (`core.execution.accepts_policy_keywords`), not repeated here:
+  `evaluation`, `messages` and `communication` (`factory.exchanges`), `server_lr` (`factory.hyperparameters`),
+  `aggregation`.
   """
 
   family: str
@@ -168,11 +164,7 @@ class Spec:
   defaults: Mapping[str, Any]
   wire: Callable[[Context, dict], dict] = lambda ctx, hyper: {}
   graph: str | None = None
-  server_lr: str | None = None
-  evaluation: str = "global"
   sampling: str = "clients"
-  messages: tuple[int, int] = (1, 1)
-  communication: str = "rounds"
   objective: str | None = None
   data_steps: Callable[[dict, int], int] | None = None
   eval_model: Callable[[Any], Any] | None = None
@@ -199,6 +191,44 @@ class Spec:
     from fedjax_opt.core.per_client import personalized_params
 
     return personalized_params
+
+  @property
+  def evaluation(self) -> str:
+    """"global" (state.params on every client's test split), "table" (also each client's stored model:
+    `fo.personalized_params`) or "adapt" (also the global model adapted on each client: `algorithm.personalize`):
+    the factory's declaration, `factory.evaluation`."""
+    return self.factory.evaluation
+
+  @property
+  def communication(self) -> str:
+    """How a round's bits are counted, from the factory's `exchanges`: "rounds" (`messages` model-sized vectors);
+    "bits": the algorithm's `bits` metric; "bytes": its `bytes_sent` per node (decentralized); "metrics": the
+    round's `bits_up` per client taking part and `bits_down` once, as one broadcast (IFCA's K models, FedMD's
+    scores, FedMA's layers, L2GD / L2SGD+ only in the iterations that communicate)."""
+    exchanges = self.factory.exchanges
+    return "rounds" if isinstance(exchanges, tuple) else exchanges
+
+  @property
+  def messages(self) -> tuple[int, int]:
+    """(model-sized uploads per client taking part, broadcasts) per round, the factory's `exchanges`, counted when
+    `communication` is "rounds" ((1, 1) otherwise, unused)."""
+    exchanges = self.factory.exchanges
+    return exchanges if isinstance(exchanges, tuple) else (1, 1)
+
+  @property
+  def server_lr(self) -> str | None:
+    """The hyper-parameter `--server-lr` sets (None: the algorithm has no server step size): the factory's parameter
+    declared the server step size (SCAFFOLD's `eta_g`), else the `PSEUDO` `server_lr` where this entry sets it (it
+    builds the factory's declared server optimizer)."""
+    from fedjax_opt.core import execution
+
+    roles = self.factory.hyperparameters
+    named = [name for name, role in roles.items() if role == execution.SERVER_STEP_SIZE]
+    if named:
+      return named[0]
+    if "server_lr" in self.defaults and execution.SERVER_OPTIMIZER in roles.values():
+      return "server_lr"
+    return None
 
   @property
   def aggregation(self) -> str:
@@ -267,7 +297,7 @@ def _fedopt(optimizer: str, server_lr: float, description: str) -> Spec:
 
   return Spec("averaging", description, algorithms.fedavg,
               {"client_lr": CLIENT_LR, "server_optimizer": optimizer, "server_lr": server_lr},
-              _client_server, server_lr="server_lr")
+              _client_server)
 
 
 def _fedavg_finetune_wire(ctx, hyper):
@@ -566,10 +596,12 @@ def cocoa(loss_fn: Callable, lam: Any, gamma: Any = 1.0, *, loss: str = "squared
 
 
 def _declaring(wrapper: Callable, factory: Callable) -> Callable:
-  """`wrapper` (the command line's own call of `factory`) with `factory`'s declarations `aggregation` and
-  `default_aggregator`."""
-  wrapper.aggregation = factory.aggregation
-  wrapper.default_aggregator = factory.default_aggregator
+  """`wrapper` (the command line's own call of `factory`) with `factory`'s declarations
+  (`core.execution.DECLARATIONS`: aggregation, default aggregator, evaluation, exchanges, hyper-parameters)."""
+  from fedjax_opt.core import execution
+
+  for name in execution.DECLARATIONS:
+    setattr(wrapper, name, getattr(factory, name))
   return wrapper
 
 
@@ -692,8 +724,7 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       # ---- averaging -------------------------------------------------------------------------------------------
       "fedsgd": lambda a: Spec(
           "averaging", "one full-batch gradient per client, server SGD (McMahan et al. 2017)", a.fedsgd,
-          {"server_lr": 0.5}, lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])},
-          server_lr="server_lr"),
+          {"server_lr": 0.5}, lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])}),
       "fedavg": lambda a: _fedopt("fedavg", 1.0, "local SGD, weighted average of deltas (McMahan et al. 2017)"),
       "fedavgm": lambda a: _fedopt("fedavgm", 0.3, "FedAvg with server momentum 0.9 (Hsu et al. 2019)"),
       "fedadagrad": lambda a: _fedopt("fedadagrad", 0.03, "FedOpt with server Adagrad (Reddi et al. 2021)"),
@@ -702,14 +733,14 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       "fedprox": lambda a: Spec(
           "averaging", "local steps on f_k + (μ/2)‖x − x_t‖² (Li et al. 2020)", a.fedprox,
           {"mu": 0.01, "client_lr": CLIENT_LR, "server_optimizer": "fedavg", "server_lr": 1.0},
-          _client_server, server_lr="server_lr"),
+          _client_server),
       "scaffold": lambda a: Spec(
           "averaging", "control variates correct client drift (Karimireddy et al. 2020)", a.scaffold,
-          {"eta_l": CLIENT_LR, "eta_g": 1.0}, server_lr="eta_g", messages=(2, 2)),
+          {"eta_l": CLIENT_LR, "eta_g": 1.0}),
       "fednova": lambda a: Spec(
           "averaging", "normalized averaging of heterogeneous local work (Wang et al. 2020)", a.fednova,
           {"eta": CLIENT_LR, "rho": 0.0, "server_lr": 1.0},
-          lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])}, server_lr="server_lr"),
+          lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])}),
       "feddyn": lambda a: Spec(
           "averaging", "dynamic regularization (Acar et al. 2021); no server step size", a.feddyn,
           {"alpha": 0.01, "client_lr": CLIENT_LR}, _client),
@@ -718,16 +749,15 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           "personalized", "FedAvg for w, proximal personal models v_k (Li et al. 2021)", a.ditto,
           {"lam": 0.1, "eta": CLIENT_LR, "personal_steps": 5, "client_lr": CLIENT_LR,
            "server_optimizer": "fedavg", "server_lr": 1.0},
-          _client_server, server_lr="server_lr", evaluation="table"),
+          _client_server),
       "pfedme": lambda a: Spec(
           "personalized", "Moreau-envelope personal models (Dinh et al. 2020)", a.pfedme,
           {"lam": 15.0, "eta": CLIENT_LR, "beta": 1.0, "inner_steps": 5, "inner_lr": 0.03},
-          lambda ctx, h: {"local_steps": ctx.local_steps}, evaluation="table"),
+          lambda ctx, h: {"local_steps": ctx.local_steps}),
       "per_fedavg": lambda a: Spec(
           "personalized", "MAML-style meta-learning, first-order (Fallah et al. 2020)", a.per_fedavg,
           {"alpha": 0.1, "beta": CLIENT_LR},
           lambda ctx, h: {"local_steps": max(1, ctx.local_steps // _per_fedavg_batches(h))},
-          evaluation="adapt",
           data_steps=lambda h, s: _per_fedavg_batches(h) * max(1, s // _per_fedavg_batches(h))),
       "fedavg_ft": lambda a: Spec(
           "personalized", "FedAvgM, then FedAvg, then local fine-tuning (Jiang et al. 2019)",
@@ -735,132 +765,120 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           {"client_lr": CLIENT_LR, "server_optimizer": "fedavgm", "server_lr": 0.3,
            "switch_round": None, "personalize_steps": 10, "finetune_lr": 0.025,
            "personalize_lr": CLIENT_LR},
-          _fedavg_finetune_wire, server_lr="server_lr", evaluation="adapt"),
+          _fedavg_finetune_wire),
       "fedem": lambda a: Spec(
           "personalized", "M shared component models, per-client mixture weights by EM (Marfoq et al. "
           "2021)", a.fedem, {"num_components": 3, "client_lr": CLIENT_LR, "server_optimizer": "fedavg",
-                             "server_lr": 1.0}, _client_server, server_lr="server_lr",
-          evaluation="adapt", eval_model=a.fedem_mixture_model),
+                             "server_lr": 1.0}, _client_server, eval_model=a.fedem_mixture_model),
       "ifca": lambda a: Spec(
           "personalized", "K cluster models, each client trains the one of lowest loss (Ghosh et al. 2020)",
           a.ifca, {"num_clusters": 4, "client_lr": CLIENT_LR, "averaging": "model", "server_lr": 1.0},
           lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]),
                           **({"server_optimizer": _sgd(h["server_lr"])} if h["averaging"] == "gradient"
-                             else {})},
-          server_lr="server_lr", evaluation="table", communication="metrics"),
+                             else {})}),
       "clustered_fl": lambda a: Spec(
           "personalized", "FedAvg per cluster, split by the cosine similarity of updates at a "
           "stationary point (Sattler et al. 2020)", a.clustered_fl,
-          {"eps_1": 0.4, "eps_2": 1.6, "max_clusters": 8, "client_lr": CLIENT_LR}, _client,
-          evaluation="table", sampling="all"),
+          {"eps_1": 0.4, "eps_2": 1.6, "max_clusters": 8, "client_lr": CLIENT_LR}, _client, sampling="all"),
       "fedmd": lambda a: Spec(
           "personalized", "no model is shared: clients distil towards the mean of their scores on "
           "public examples, then train on their own (Li & Wang 2019); test acc is client 0's model", a.fedmd,
           {"public_size": 1000, "public_per_round": 500, "digest_steps": 10, "digest_batch_size": 50,
-           "client_lr": CLIENT_LR, "architectures": None}, _fedmd_wire, evaluation="table", sampling="all",
-          communication="metrics", wrap=_fedmd_wrap, scorer=_fedmd_scorer, tables=_fedmd_tables),
+           "client_lr": CLIENT_LR, "architectures": None}, _fedmd_wire, sampling="all", wrap=_fedmd_wrap,
+          scorer=_fedmd_scorer, tables=_fedmd_tables),
       "l2gd": lambda a: Spec(
           "personalized", "mixture of global and local models, full gradients (Hanzely & Richtárik 2020)",
-          a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire,
-          evaluation="table", sampling="full", communication="metrics"),
+          a.l2gd, {"lam": 0.1, "alpha": None, "p": 0.2, "local_lr": CLIENT_LR}, _l2gd_wire, sampling="full"),
       "l2sgd_plus": lambda a: Spec(
           "personalized", "L2GD with per-example variance reduction (Hanzely & Richtárik 2020)",
           a.l2sgd_plus, {"lam": 0.1, "alpha": None, "p": 0.2, "example_lr": 0.003},
-          _l2sgd_plus_wire, evaluation="table", sampling="full_fixed", communication="metrics"),
+          _l2sgd_plus_wire, sampling="full_fixed"),
       "fedu": lambda a: Spec(
           "personalized", "decentralized Laplacian-regularized personal models on a ring (Dinh et al. 2021)",
           a.fedu, {"lam": 0.1, "eta": CLIENT_LR}, lambda ctx, h: {"local_steps": ctx.local_steps},
-          graph="ring", evaluation="table", messages=(1, 0)),
+          graph="ring"),
       "easgd": lambda a: Spec(
           "personalized", "elastic averaging of local models and a center (Zhang et al. 2015)", a.easgd,
-          {"alpha": 0.1, "client_lr": CLIENT_LR}, _client, evaluation="table"),
+          {"alpha": 0.1, "client_lr": CLIENT_LR}, _client),
       # ---- ADMM (convex) ---------------------------------------------------------------------------------------
       "admm_consensus": lambda a: Spec(
           "admm", "consensus ADMM, inexact local steps, pooled-risk objective (Boyd et al. 2011)",
           a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local}, _client_local,
-          sampling="full", messages=(1, 1), objective="pooled", convex=True),
+          sampling="full", objective="pooled", convex=True),
       "gadmm": lambda a: Spec(
           "admm", "group ADMM on a chain of workers, no server (Elgabli et al. 2020)", a.gadmm,
           {"rho": 0.1, "objective": "examples", **admm_local}, _client_local, graph="chain",
-          sampling="full", messages=(1, 0), objective="pooled", convex=True),
+          sampling="full", objective="pooled", convex=True),
       "cq_ggadmm": lambda a: Spec(
           "admm", "censored and quantized GADMM on a chain (Issaid et al. 2020)", a.cq_ggadmm,
           {"rho": 0.1, "tau0": 0.5, "xi": 0.9, "bits": 8, "objective": "examples", **admm_local},
-          _client_local, graph="chain", sampling="full", communication="bits", objective="pooled", convex=True),
+          _client_local, graph="chain", sampling="full", objective="pooled", convex=True),
       "mixture_admm": lambda a: Spec(
           "admm", "ADMM on the mixture of global and local models (personalized)", a.mixture_admm,
-          {"lam": 0.1, "rho": 0.1, **admm_local}, _client_local,
-          evaluation="table", sampling="full", messages=(1, 1), objective="mixture", convex=True),
+          {"lam": 0.1, "rho": 0.1, **admm_local}, _client_local, sampling="full", objective="mixture",
+          convex=True),
       # ---- classical distributed baselines (convex) -------------------------------------------------------------
       "dane": lambda a: Spec(
           "distributed", "each client minimises its loss corrected to first order towards the global one, the "
           "solutions averaged (Shamir et al. 2014); Newton local solver", a.dane,
           {"eta": 1.0, "mu": 0.1, "local_steps": 3, "cg_iters": None, **distributed}, _newton_wire,
-          sampling="full", communication="metrics", objective="pooled", convex=True),
+          sampling="full", objective="pooled", convex=True),
       "feddane": lambda a: Spec(
           "distributed", "DANE with η = 1 on the round's sampled clients (Li et al. 2019); Newton local solver "
           "on each client's --local-steps × --batch-size examples", a.feddane,
-          {"mu": 0.1, "local_steps": 3, "cg_iters": None, **distributed}, _newton_wire,
-          communication="metrics", objective="pooled", convex=True),
+          {"mu": 0.1, "local_steps": 3, "cg_iters": None, **distributed}, _newton_wire, objective="pooled",
+          convex=True),
       "fadl": lambda a: Spec(
           "distributed", "DANE's local problem (η = 1), then Armijo's line search along the averaged direction "
           "(Mahajan et al. 2013)", a.fadl,
           {"mu": 0.01, "local_steps": 3, "cg_iters": None, "line_search_steps": 10, "armijo": 1e-4,
-           **distributed}, _newton_wire, sampling="full", communication="metrics", objective="pooled",
-          convex=True),
+           **distributed}, _newton_wire, sampling="full", objective="pooled", convex=True),
       "giant": lambda a: Spec(
           "distributed", "the average of the clients' Newton directions (conjugate gradient), Armijo's line search "
           "(Wang et al. 2018)", a.giant,
           {"cg_iters": 20, "line_search_steps": 10, "armijo": 1e-4, **distributed},
-          sampling="full", communication="metrics", objective="pooled", convex=True),
+          sampling="full", objective="pooled", convex=True),
       "cocoa": lambda a: Spec(
           "distributed", "CoCoA+: local SDCA on each client's dual block, the updates added (Ma et al. 2015); two "
           "classes, a linear model with the squared (ridge) or hinge (SVM) loss, λ = l2", _declaring(cocoa, a.cocoa),
-          {"gamma": 1.0, "loss": "squared", **distributed}, _cocoa_wire, sampling="full_fixed",
-          communication="metrics", objective="pooled", convex=True, wrap=_cocoa_wrap, scorer=_cocoa_scorer,
-          reference=_cocoa_reference),
+          {"gamma": 1.0, "loss": "squared", **distributed}, _cocoa_wire, sampling="full_fixed", objective="pooled",
+          convex=True, wrap=_cocoa_wrap, scorer=_cocoa_scorer, reference=_cocoa_reference),
       "one_shot_average": lambda a: Spec(
           "distributed", "every client solves its own problem (Newton), the server averages the solutions once "
           "(Zhang et al. 2013)", a.one_shot_average, {"local_steps": 5, "cg_iters": None, **distributed},
-          _newton_wire, sampling="full", communication="metrics", objective="pooled", convex=True,
-          wrap=_one_shot_wrap),
+          _newton_wire, sampling="full", objective="pooled", convex=True, wrap=_one_shot_wrap),
       # ---- decentralized (--topology) -------------------------------------------------------------------------
       "gossip": lambda a: Spec(
           "decentralized", "local SGD, then averaging with the neighbours: x ← W(x + Δ) (decentralized "
-          "FedAvg)", a.gossip, {"eta": CLIENT_LR}, graph="topology", evaluation="table",
-          sampling="nodes", communication="bytes"),
+          "FedAvg)", a.gossip, {"eta": CLIENT_LR}, graph="topology", sampling="nodes"),
       "dpsgd": lambda a: Spec(
           "decentralized", "D-PSGD: x_i ← Σ_j W_ij x_j − η ∇f_i(x_i), one step per batch "
-          "(Lian et al. 2017)", a.dpsgd, {"eta": CLIENT_LR}, graph="topology", evaluation="table", sampling="nodes",
-          communication="bytes"),
+          "(Lian et al. 2017)", a.dpsgd, {"eta": CLIENT_LR}, graph="topology", sampling="nodes"),
       "gradient_tracking": lambda a: Spec(
           "decentralized", "DIGing: tracks the average gradient, exact under heterogeneity "
-          "(Nedić et al. 2017)", a.gradient_tracking, {"eta": CLIENT_LR}, graph="topology",
-          evaluation="table", sampling="nodes", communication="bytes"),
+          "(Nedić et al. 2017)", a.gradient_tracking, {"eta": CLIENT_LR}, graph="topology", sampling="nodes"),
       "d_fedem": lambda a: Spec(
           "decentralized", "FedEM without a server: each node's components averaged with its "
           "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
-          _client, graph="topology", evaluation="table", sampling="nodes", communication="bytes",
-          eval_model=a.fedem_mixture_model),
+          _client, graph="topology", sampling="nodes", eval_model=a.fedem_mixture_model),
       "p2p_bayes": lambda a: Spec(
           "decentralized", "beliefs over K candidate models (the fit and K − 1 moved away from it): Bayes' "
           "rule on each node's batches, then geometric averaging with the neighbours (Lalitha et al. 2019)",
           a.p2p_bayes, {"num_hypotheses": 8, "spread": 0.5, "fit_l2": 1e-3, "concentration": 0.99}, _p2p_wire,
-          graph="topology", evaluation="table", sampling="nodes", communication="bytes", convex=True,
-          summary=_p2p_summary),
+          graph="topology", sampling="nodes", convex=True, summary=_p2p_summary),
       # ---- matched averaging (host-driven) --------------------------------------------------------------------
       "fedma": lambda a: Spec(
           "matched", "match hidden units layer by layer (BBP-MAP, Hungarian), average, retrain the layers "
           "above; each client restarts from its matched units (Wang et al. 2020); widths follow the matching",
           a.fedma,
           {"client_lr": CLIENT_LR, "sigma": 1.0, "sigma0": 1.0, "gamma": 1.0, "iterations": 3},
-          _fedma_wire, communication="metrics", eval_model=_fedma_model, train_model=_fedma_model),
+          _fedma_wire, eval_model=_fedma_model, train_model=_fedma_model),
       # ---- asynchronous (--async) ------------------------------------------------------------------------------
       "fedbuff": lambda a: Spec(
           "asynchronous", "buffer K stale deltas, then a server step (Nguyen et al. 2022); K default C/2",
           a.fedbuff, {"client_lr": CLIENT_LR, "buffer_size": None, "staleness_weight": "polynomial",
                       "server_optimizer": "fedavg", "server_lr": 1.0, "history_size": None},
-          _fedbuff_wire, server_lr="server_lr", sampling="events"),
+          _fedbuff_wire, sampling="events"),
       "fedasync": lambda a: Spec(
           "asynchronous", "mix each arriving model in by a staleness weight (Xie et al. 2019)",
           a.fedasync, {"alpha": 0.6, "client_lr": CLIENT_LR, "staleness_weight": "polynomial",
@@ -874,9 +892,7 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       "zeno_plus_plus": lambda a: Spec(
           "asynchronous", "apply a stale gradient only if it passes a validation test (Xie et "
           "al. 2020); 64 pooled train examples on the server", a.zeno_plus_plus,
-          {"gamma": 0.2, "rho": 0.01, "eps": 0.2, "history_size": None}, _zeno_wire,
-          server_lr="gamma",
-          sampling="events"),
+          {"gamma": 0.2, "rho": 0.01, "eps": 0.2, "history_size": None}, _zeno_wire, sampling="events"),
   }
 
 
@@ -930,13 +946,23 @@ def refuse_aggregation(flag: str, names) -> str | None:
 
 def check_registry() -> None:
   """Every default names a factory parameter or a `PSEUDO` one; `server_lr` names a default; every factory declares
-  how it treats `aggregator=`."""
+  how it treats `aggregator=`, its evaluation and its exchanges."""
+  from fedjax_opt.core import execution
+
   for name, spec in REGISTRY.items():
     params = inspect.signature(spec.factory).parameters
     declared = getattr(spec.factory, "aggregation", None)
     if not isinstance(declared, str) or "\n" in declared or not declared.strip():
       raise AssertionError(f"{name}: {spec.factory.__name__} declares no aggregation (core.execution."
                            f"accepts_policy_keywords: factory.aggregation); got {declared!r}")
+    for what in ("evaluation", "exchanges"):
+      if getattr(spec.factory, what, None) is None:
+        raise AssertionError(f"{name}: {spec.factory.__name__} declares no {what} (core.execution."
+                             f"accepts_policy_keywords(..., {what}=...))")
+    if "server_lr" in spec.defaults and spec.server_lr != "server_lr" and (
+        execution.SERVER_OPTIMIZER not in spec.factory.hyperparameters.values()):
+      raise AssertionError(f"{name}: the default server_lr builds a server optimizer, but "
+                           f"{spec.factory.__name__} declares none (hyperparameters: {execution.SERVER_OPTIMIZER!r})")
     for key in spec.defaults:
       if key not in params and key not in PSEUDO:
         raise AssertionError(f"{name}: default {key!r} is neither a parameter of {spec.factory.__name__} "

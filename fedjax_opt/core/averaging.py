@@ -24,8 +24,12 @@ each client inside `core.rounds.client_round`, with its per-client tables in
 `aggregator_state`. The bits each client sends and receives are in
 `state.metrics` (`bits_up`, `bits_down`).
 
-Downlink: compressing what the server sends back (`averaging_algorithm(...,
-downlink=...)`, made by `fo.compression.downlink`). Every client holds a copy
+Downlink: compressing what the server sends back (the aggregator's server
+stage, `Aggregator.downlink`: `fo.aggregators.chain(..., aggregator,
+fo.compression.downlink(compressor))`; FedAvg's, FedSGD's and FedProx's
+`downlink=` is the same chain). `server_step` applies it, for every algorithm
+built here and for Ditto and pFedMe, whose servers move one broadcast model
+by an optimizer step too. Every client holds a copy
 x̂_t of the model and trains from it; the server keeps x̂_t (it is
 `state.params`) and an error e_t (`state.downlink_error`, e_0 = 0, x̂_0 the
 initial model, which every client is assumed to hold). In round t, with u_t =
@@ -54,7 +58,7 @@ clients' and the aggregator's draws are those of the run without a downlink.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -66,32 +70,14 @@ from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.rounds import ClientOutput, Round, client_round, init_aggregator_state
 from fedjax_opt.core.server import apply_server_update, check_aggregator, initial_round_metrics
 from fedjax_opt.core.tree import select_tree
-from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm, PyTree
+from fedjax_opt.core.types import Aggregator, ClientBatches, Downlink, FederatedAlgorithm, PyTree
 from fedjax_opt.core.validation import check_client_batches, check_key, check_optimizer
 
 __all__ = ["AveragingState", "DOWNLINK_STREAM", "Downlink", "aggregated_round", "averaging_algorithm",
-           "broadcast_update", "initial_fields"]
+           "broadcast_update", "initial_downlink_error", "initial_fields", "server_step"]
 
 DOWNLINK_STREAM = 0x646F776E
 """Folded into the round's state key to make the downlink compressor's key (ASCII "down")."""
-
-
-class Downlink(NamedTuple):
-  """Server-to-client compression of the broadcast model delta, with its server-side error (module docstring).
-
-  `fedjax_opt.compression.downlink(compressor, error_feedback=...)` makes one.
-
-  Attributes:
-    init: `init(params) -> error`, e_0: zeros like the model with error feedback, None without.
-    apply: `apply(key, update, error) -> (sent, new error, bits)`: with an error, v = update + error,
-      sent = C(v), new error v − sent; with `error` None, sent = C(update) and new error None; `bits`
-      a float32 scalar, the compressor's count of `sent`.
-    name: a short label ("downlink(top_k(0.1), error_feedback)").
-  """
-
-  init: Callable[[PyTree], PyTree]
-  apply: Callable[[jax.Array, PyTree, PyTree], tuple[PyTree, PyTree, jax.Array]]
-  name: str
 
 
 @flax.struct.dataclass
@@ -168,7 +154,6 @@ def averaging_algorithm(
     personalize: Callable[[PyTree, PyTree, jax.Array], PyTree] | None = None,
     server_delta: Callable[[Round], tuple[PyTree, dict[str, jax.Array]]] | None = None,
     extra_metrics: tuple[str, ...] = (),
-    downlink: Downlink | None = None,
 ) -> FederatedAlgorithm:
   """Builds init/step of an algorithm that trains clients locally and averages their deltas.
 
@@ -186,18 +171,16 @@ def averaging_algorithm(
       `core.rounds.Round` (FedNova's τ_eff rescaling), and the metrics it adds.
     extra_metrics: the names of the metrics `server_delta` adds (float32 zeros
       in the initial state).
-    downlink: None (the server broadcasts its model), or a `Downlink`: the
-      server broadcasts the compressed model delta, with its error feedback
-      (module docstring, "Downlink").
+
+  The aggregator's downlink (`Aggregator.downlink`, chained last by
+  `fo.aggregators.chain`), when it has one, compresses the broadcast, with its
+  error feedback (module docstring, "Downlink"; `server_step`).
 
   Returns:
     `FederatedAlgorithm(init, step, personalize)` with state `AveragingState`.
   """
   check_optimizer(server_optimizer, "server_optimizer")
   check_aggregator(aggregator)
-  if downlink is not None and not isinstance(downlink, Downlink):
-    raise TypeError(f"downlink must be a core.averaging.Downlink (fo.compression.downlink(compressor)) or None; "
-                    f"got {type(downlink).__name__}.")
   mode = client_map_lib.resolve(client_map)
 
   def one_client(params, data, mask):
@@ -207,20 +190,12 @@ def averaging_algorithm(
   def init(params: PyTree, key: jax.Array) -> AveragingState:
     return AveragingState(**initial_fields(params, key, aggregator, extra_metrics),
                           server_opt_state=server_optimizer.init(params),
-                          downlink_error=None if downlink is None else downlink.init(params))
+                          downlink_error=initial_downlink_error(aggregator, params))
 
   def step(state: AveragingState, batches: ClientBatches) -> AveragingState:
     key, out = aggregated_round(mode, one_client, state.params, state, batches, aggregator)
     delta, extra = (out.agg.update, {}) if server_delta is None else server_delta(out)
-    error = state.downlink_error
-    if downlink is None:
-      params, server_opt_state = apply_server_update(
-          server_optimizer, state.params, state.server_opt_state, delta, out.agg.accepted)
-    else:
-      params, server_opt_state, error, bits_down = broadcast_update(
-          downlink, jax.random.fold_in(state.key, DOWNLINK_STREAM), server_optimizer, state.params,
-          state.server_opt_state, error, delta, out.agg.accepted)
-      out = out._replace(bits_down=bits_down)
+    params, server_opt_state, error, out = server_step(aggregator, server_optimizer, state, delta, out)
     return AveragingState(
         params=params,
         server_opt_state=server_opt_state,
@@ -232,6 +207,35 @@ def averaging_algorithm(
     )
 
   return FederatedAlgorithm(init, step, personalize)
+
+
+def initial_downlink_error(aggregator: Aggregator, params: PyTree) -> PyTree:
+  """e_0 of the aggregator's downlink (zeros like the model with error feedback), None without one or without its
+  error feedback: a state's `downlink_error` field."""
+  return None if aggregator.downlink is None else aggregator.downlink.init(params)
+
+
+def server_step(aggregator: Aggregator, optimizer: optax.GradientTransformation, state: Any, delta: PyTree,
+                out: Round) -> tuple[PyTree, Any, PyTree, Round]:
+  """The server's step from Δ_t and its broadcast: the one place an algorithm with one broadcast model applies
+  its aggregator's downlink.
+
+  `state` has `params` (x̂_t), `server_opt_state`, `downlink_error` (e_t) and `key` (the round's, before it is
+  split). Without a downlink, x_{t+1} = x_t + ServerOpt(−Δ_t) (unchanged in a rejected round); with one,
+  `broadcast_update` with key fold_in(state.key, DOWNLINK_STREAM), and the round's `bits_down` becomes the
+  compressor's count.
+
+  Returns:
+    `(params, server optimizer state, downlink_error, out)`, `out` with its `bits_down` replaced under a downlink.
+  """
+  accepted = out.agg.accepted
+  if aggregator.downlink is None:
+    params, opt_state = apply_server_update(optimizer, state.params, state.server_opt_state, delta, accepted)
+    return params, opt_state, state.downlink_error, out
+  params, opt_state, error, bits_down = broadcast_update(
+      aggregator.downlink, jax.random.fold_in(state.key, DOWNLINK_STREAM), optimizer, state.params,
+      state.server_opt_state, state.downlink_error, delta, accepted)
+  return params, opt_state, error, out._replace(bits_down=bits_down)
 
 
 def broadcast_update(downlink: Downlink, key: jax.Array, optimizer: optax.GradientTransformation, params: PyTree,

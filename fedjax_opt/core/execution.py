@@ -48,13 +48,17 @@ import contextvars
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable, Iterator
+import types
+from typing import Any, Callable, Iterator, Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["POLICY_KEYWORDS", "PRECISIONS", "Policy", "TAKES_AGGREGATOR", "accepts_policy_keywords", "compute_dtype",
-           "current", "execution", "with_execution"]
+__all__ = ["CLIENT_OPTIMIZER", "CLIENT_STEP_SIZE", "COUNT", "DECLARATIONS", "EVALUATIONS", "HYPERPARAMETER_ROLES",
+           "MIXING_WEIGHT", "MOMENTUM", "PENALTY", "POLICY_KEYWORDS", "PRECISIONS", "PRIOR", "PROBABILITY",
+           "PROBLEM_CONSTANT", "Policy", "REGULARIZER", "REPORTED_EXCHANGES", "SCALE", "SERVER_OPTIMIZER",
+           "SERVER_STEP_SIZE", "STALENESS", "STEP_SIZE", "TAKES_AGGREGATOR", "TAKES_DOWNLINK", "THRESHOLD",
+           "accepts_policy_keywords", "compute_dtype", "current", "execution", "with_execution"]
 
 PRECISIONS = ("float32", "bfloat16")
 """The client compute precisions `execution(precision=...)` accepts."""
@@ -211,6 +215,11 @@ _KEYWORD_DOCS = {
 """The paragraph each keyword gets in a decorated factory's docstring."""
 
 
+TAKES_DOWNLINK = "applies the aggregator's downlink"
+"""`factory.downlink` of a factory whose server step applies a downlink chained in its `aggregator=`
+(`fo.aggregators.chain(..., aggregator, fo.compression.downlink(...))`); any other factory holds the reason it takes
+none (`accepts_policy_keywords(..., refuses_downlink=...)`, or, taking no aggregator, its `aggregation` reason)."""
+
 TAKES_AGGREGATOR = "takes aggregator="
 """`factory.aggregation` of a factory that takes `aggregator=` (its own signature has it); a factory that takes none
 holds the reason it declared instead (`accepts_policy_keywords(..., refuses_aggregator=...)`)."""
@@ -245,7 +254,10 @@ def _constructor_label(constructor: Any) -> str:
 
 def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
                             refuses_aggregator: str | None = None,
-                            default_aggregator: Callable[[], Any] | None = None) -> Callable:
+                            default_aggregator: Callable[[], Any] | None = None,
+                            refuses_downlink: str | None = None,
+                            evaluation: str | None = None, exchanges: tuple[int, int] | str | None = None,
+                            hyperparameters: Mapping[str, str] | None = None) -> Callable:
   """`factory` that also takes the execution policy's keywords: `client_map=` (and, with `storage_dtype=True`,
   `storage_dtype=`), keyword-only, default None; and that declares, as data, how it treats `aggregator=`.
 
@@ -276,6 +288,32 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
   factory's default algorithm, and the command line reads it from here. Required exactly when the factory takes
   `aggregator=` and refused otherwise: a TypeError when the decorator is applied.
 
+  What the algorithm is, as data (`result.evaluation`, `result.exchanges`, `result.hyperparameters`; the command
+  line reads them, `fedjax_opt/cli/registry.py`):
+
+    evaluation: what its state offers to evaluate, a key of `EVALUATIONS`: "global" (`state.params`), "table"
+      (a model per client, `fo.personalized_params(state)`, N rows) or "adapt" (the global model adapted on
+      each client, `algorithm.personalize`).
+    exchanges: what one round sends: `(uploads, broadcasts)`, model-sized uploads per client taking part and
+      model-sized broadcasts (FedAvg `(1, 1)`, SCAFFOLD `(2, 2)`), or, for an algorithm whose own metrics count
+      its communication, a key of `REPORTED_EXCHANGES` ("metrics": `bits_up` / `bits_down`; "bits"; "bytes":
+      `bytes_sent` per node).
+    hyperparameters: `{parameter: role}` for the factory's hyper-parameters, each role one of
+      `HYPERPARAMETER_ROLES` (`CLIENT_STEP_SIZE`, `SERVER_STEP_SIZE`, `REGULARIZER`, `MIXING_WEIGHT`, `COUNT` ...);
+      at most one parameter is the server step size.
+
+  Each is optional here (None: not declared; `result.hyperparameters` is then empty); the convention test requires
+  evaluation and exchanges of every factory. A key that is not a parameter of the factory, an unknown role, kind
+  of evaluation or exchange is a TypeError in one line when the decorator is applied.
+
+  Downlink. A factory that takes `aggregator=` applies the aggregator's server stage, its downlink
+  (`Aggregator.downlink`, chained last: `core.averaging.server_step`), unless it declares why it cannot,
+  `refuses_downlink="..."` (one line: it broadcasts more than one model, or its method needs the exact broadcast);
+  then an aggregator with a downlink is refused with a ValueError in one line naming the factory and the reason,
+  before the factory runs. `result.downlink` is `TAKES_DOWNLINK` or that reason (for a factory that takes no
+  aggregator, its aggregation reason: there is nothing to chain a downlink to). The convention test checks that
+  every factory declared `TAKES_DOWNLINK` compresses its broadcast with the chained downlink.
+
   Applied by a call after the definition, `fedavg = execution.accepts_policy_keywords(fedavg,
   default_aggregator=_DEFAULT_AGGREGATOR)` (with `storage_dtype=True` for factories that keep per-client tables,
   `refuses_aggregator="why"` instead of `default_aggregator=` for those that take no aggregator), not as `@`
@@ -302,6 +340,9 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
     if default_aggregator is not None:
       raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} takes no aggregator=, so it cannot declare "
                       f"default_aggregator={_constructor_label(default_aggregator)}.")
+    if refuses_downlink is not None:
+      raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} takes no aggregator=, so it has no downlink "
+                      f"to refuse (its aggregation reason says why).")
   else:
     if default_aggregator is None:
       raise TypeError(f"accepts_policy_keywords: {factory.__qualname__} takes aggregator=; declare the rule it uses "
@@ -312,6 +353,12 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
                       f"zero-argument constructor of an aggregator (aggregators.weighted_mean); got "
                       f"{_constructor_label(default_aggregator)}.")
 
+  if refuses_downlink is not None and (not isinstance(refuses_downlink, str) or not refuses_downlink.strip()
+                                       or "\n" in refuses_downlink):
+    raise TypeError(f"accepts_policy_keywords: refuses_downlink must be a non-empty one-line str (the reason "
+                    f"{factory.__qualname__} takes no downlink); got {refuses_downlink!r}.")
+  declared = _declarations(factory, own, evaluation, exchanges, hyperparameters)
+
   @functools.wraps(factory)
   def build(*args, **kwargs):
     given = {name: kwargs.pop(name, None) for name in names}
@@ -320,6 +367,15 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
       if aggregator is not None:
         raise ValueError(f"{factory.__name__} takes no aggregator= (got {_aggregator_label(aggregator)}): "
                          f"{refuses_aggregator}")
+    elif refuses_downlink is not None:
+      try:
+        aggregator = own.bind_partial(*args, **kwargs).arguments.get("aggregator")
+      except TypeError:
+        aggregator = None  # the factory's own call says what is wrong with the arguments
+      downlink = getattr(aggregator, "downlink", None)
+      if downlink is not None:
+        raise ValueError(f"{factory.__name__} takes no downlink (got {getattr(downlink, 'name', downlink)} chained in "
+                         f"aggregator=): {refuses_downlink}")
     if given["client_map"] is not None:
       from fedjax_opt.core.client_map import modes  # pylint: disable=import-outside-toplevel  (modes reads the policy)
       if isinstance(modes.resolve(given["client_map"]), modes.FromPolicy):
@@ -334,6 +390,8 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
       for name in names)])
   build.aggregation = TAKES_AGGREGATOR if takes else refuses_aggregator
   build.default_aggregator = default_aggregator
+  build.downlink = (TAKES_DOWNLINK if refuses_downlink is None else refuses_downlink) if takes else refuses_aggregator
+  build.evaluation, build.exchanges, build.hyperparameters = declared
   doc = ((factory.__doc__ or "").rstrip() + "\n\n  Execution policy keywords "
          "(`core.execution.accepts_policy_keywords`), each overriding the policy for this algorithm:\n"
          + "".join(f"    {_KEYWORD_DOCS[name]}\n" for name in names))
@@ -341,5 +399,93 @@ def accepts_policy_keywords(factory: Callable, *, storage_dtype: bool = False,
     doc += ("\n  Aggregation (`core.execution.accepts_policy_keywords`; `.aggregation` holds it): takes no "
             "`aggregator=`\n  (None changes nothing; any aggregator is refused in one line):\n    "
             + refuses_aggregator + "\n")
+  if takes and refuses_downlink is not None:
+    doc += ("\n  Downlink (`core.execution.accepts_policy_keywords`; `.downlink` holds it): refuses an aggregator= "
+            "with a\n  downlink chained last (in one line):\n    " + refuses_downlink + "\n")
   build.__doc__ = doc
   return build
+
+
+EVALUATIONS = {
+    "global": "state.params, the one global model",
+    "table": "a model per client: the state's per-client table, fo.personalized_params(state) (N rows)",
+    "adapt": "the global model adapted on each client: algorithm.personalize",
+}
+"""What a factory's state offers to evaluate (`accepts_policy_keywords(..., evaluation=)`, `factory.evaluation`)."""
+
+REPORTED_EXCHANGES = {
+    "metrics": "the round's metrics bits_up (per client taking part) and bits_down (once, as one broadcast)",
+    "bits": "the round's metric bits (every bit sent)",
+    "bytes": "the round's metric bytes_sent (per node: no server)",
+}
+"""`factory.exchanges` of an algorithm whose own metrics count its communication (its messages are not a fixed
+number of model-sized vectors); any other factory declares `(uploads, broadcasts)`."""
+
+CLIENT_STEP_SIZE = "client step size"
+SERVER_STEP_SIZE = "server step size"
+STEP_SIZE = "step size"
+CLIENT_OPTIMIZER = "client optimizer"
+SERVER_OPTIMIZER = "server optimizer"
+REGULARIZER = "regularizer"
+PENALTY = "penalty"
+MIXING_WEIGHT = "mixing weight"
+MOMENTUM = "momentum"
+PROBABILITY = "probability"
+STALENESS = "staleness weighting"
+COUNT = "count"
+THRESHOLD = "threshold"
+SCALE = "scale"
+PRIOR = "prior"
+PROBLEM_CONSTANT = "problem constant"
+
+HYPERPARAMETER_ROLES = {
+    CLIENT_STEP_SIZE: "a step size of the clients' (nodes') local updates",
+    SERVER_STEP_SIZE: "the step size of the server's update of the global model (what --server-lr sets)",
+    STEP_SIZE: "the step size of a method without a client/server split of its update (L2GD's alpha, DANE's eta)",
+    CLIENT_OPTIMIZER: "an optax optimizer of the clients' local steps (its learning rate a client step size)",
+    SERVER_OPTIMIZER: "an optax optimizer of the server's update (its learning rate the server step size)",
+    REGULARIZER: "the weight of a penalty term (proximal, ridge, elastic, Laplacian, mixture; Zeno++ score's rho)",
+    PENALTY: "an augmented Lagrangian's penalty rho (ADMM)",
+    MIXING_WEIGHT: "a weight that mixes two models or updates (a convex combination, or one extrapolating past it)",
+    MOMENTUM: "a heavy-ball momentum coefficient",
+    PROBABILITY: "a probability (of communicating, of a step)",
+    STALENESS: "a parameter of the staleness weighting of asynchronous updates",
+    COUNT: "a whole number: of steps, iterations, clusters, components, examples, bits, rounds",
+    THRESHOLD: "a threshold, tolerance or bound a test compares against (or its schedule)",
+    SCALE: "a scale: of an initial noise, a temperature, a finite difference, a factor",
+    PRIOR: "a parameter of a prior (its mean, spread or concentration)",
+    PROBLEM_CONSTANT: "a constant of the problem the method is tuned to (smoothness L, strong convexity mu)",
+}
+"""The closed vocabulary of `accepts_policy_keywords(..., hyperparameters={parameter: role})`: role -> meaning."""
+
+DECLARATIONS = ("aggregation", "default_aggregator", "downlink", "evaluation", "exchanges", "hyperparameters")
+"""The attributes `accepts_policy_keywords` sets on a factory: what it declares, as data."""
+
+
+def _declarations(factory: Callable, own: inspect.Signature, evaluation: Any, exchanges: Any,
+                  hyperparameters: Any) -> tuple[Any, Any, Mapping[str, str]]:
+  """(evaluation, exchanges, hyperparameters) of `factory` checked (a TypeError in one line), the last read-only."""
+  where = f"accepts_policy_keywords: {factory.__qualname__}"
+  if evaluation is not None and evaluation not in EVALUATIONS:
+    raise TypeError(f"{where}: evaluation must be one of {', '.join(map(repr, EVALUATIONS))}; got {evaluation!r}.")
+  if exchanges is not None and not (
+      (isinstance(exchanges, str) and exchanges in REPORTED_EXCHANGES)
+      or (isinstance(exchanges, tuple) and len(exchanges) == 2
+          and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in exchanges))):
+    raise TypeError(f"{where}: exchanges must be (uploads, broadcasts), two whole numbers >= 0, or one of "
+                    f"{', '.join(map(repr, REPORTED_EXCHANGES))}; got {exchanges!r}.")
+  if hyperparameters is None:
+    hyperparameters = {}
+  if not isinstance(hyperparameters, Mapping):
+    raise TypeError(f"{where}: hyperparameters must be a mapping {{parameter: role}}; got {hyperparameters!r}.")
+  for name, role in hyperparameters.items():
+    if name not in own.parameters:
+      raise TypeError(f"{where}: hyperparameters names {name!r}, which is not a parameter of the factory "
+                      f"({', '.join(own.parameters)}).")
+    if role not in HYPERPARAMETER_ROLES:
+      raise TypeError(f"{where}: hyperparameters[{name!r}] = {role!r} is not a role; roles: "
+                      f"{', '.join(map(repr, HYPERPARAMETER_ROLES))}.")
+  servers = [name for name, role in hyperparameters.items() if role == SERVER_STEP_SIZE]
+  if len(servers) > 1:
+    raise TypeError(f"{where}: {', '.join(servers)} are each declared the {SERVER_STEP_SIZE}; at most one is.")
+  return evaluation, exchanges, types.MappingProxyType(dict(hyperparameters))

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from fedjax_opt.core.tree import global_norm, select_rows, select_tree, tree_bits
-from fedjax_opt.core.types import Aggregator, ClientStage, Traits
+from fedjax_opt.core.types import Aggregator, ClientStage, NoisedState, Traits
 
 __all__ = ["Aggregated", "ROUND_METRICS", "Received", "aggregate_updates", "aggregator_name", "apply_server_update",
            "check_aggregator", "check_stacked_updates", "client_is_finite", "finish_aggregation", "finite_clients",
@@ -152,6 +152,12 @@ def refuse_client_stage(aggregator: Aggregator, who: str, why: str) -> None:
     raise ValueError(f"{who} cannot compose with the aggregator's client stage {aggregator.client.name}: {why}")
 
 
+def refuse_downlink(aggregator: Aggregator, who: str, why: str) -> None:
+  """Raises ValueError, naming `who` and the downlink, when `aggregator` has a downlink that `who` cannot take."""
+  if aggregator.downlink is not None:
+    raise ValueError(f"{who} cannot compose with the aggregator's downlink {aggregator.downlink.name}: {why}")
+
+
 def aggregator_name(aggregator: Aggregator) -> str:
   """A label for `aggregator` in a message: its declared `traits.name`, or, for a piece without traits, what its
   `aggregate` is called (text only: nothing is recognised by it)."""
@@ -213,9 +219,7 @@ def check_declared_privacy(aggregator: Aggregator, state: Any) -> None:
 
   Called by `core.rounds.init_aggregator_state`, which every algorithm calls for its aggregator's state.
   """
-  from fedjax_opt.privacy.dp import DPMeanState  # privacy builds on core: imported when first needed
-
-  is_dp = lambda x: isinstance(x, DPMeanState)
+  is_dp = lambda x: isinstance(x, NoisedState)  # fo.privacy.DPMeanState is one (privacy builds on the core)
   held = [x for x in jax.tree.leaves(state, is_leaf=is_dp) if is_dp(x)]
   traits = aggregator.traits
   name = aggregator_name(aggregator)

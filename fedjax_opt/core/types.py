@@ -49,8 +49,10 @@ from typing import Any, Callable, NamedTuple, Protocol
 import flax.struct
 import jax
 
-__all__ = ["Aggregator", "ClientBatches", "ClientStage", "DeferredData", "FederatedAlgorithm", "LossFn", "PyTree",
-           "ServerState", "StagedState", "StreamingSum", "Traits", "has_local_split", "materialize", "with_local_split"]
+__all__ = ["Aggregator", "ClientBatches", "ClientStage", "DeferredData", "Downlink", "FederatedAlgorithm", "LossFn",
+           "NoisedState", "PyTree",
+           "ServerState", "StagedState", "StreamingSum", "Traits", "has_local_split", "materialize",
+           "with_local_split"]
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -409,6 +411,38 @@ def _static_number(value: Any, name: str) -> float | None:
     return None
 
 
+class NoisedState:
+  """A marker base class: the state of a piece that adds calibrated noise an accountant reads (σ and m).
+
+  `fedjax_opt.privacy.DPMeanState` (the state of `dp_mean`) is one. The core checks that a piece whose state is
+  one declares itself private (`Traits.private`) and the converse (`core.server.check_declared_privacy`) without
+  importing the privacy package, which builds on the core.
+  """
+
+  __slots__ = ()
+
+
+class Downlink(NamedTuple):
+  """A server stage: compression of what the server broadcasts, with the server's error (the last piece of the seam).
+
+  `fedjax_opt.compression.downlink(compressor, error_feedback=...)` makes one; `fedjax_opt.aggregators.chain(...,
+  aggregator, downlink)` attaches it to an aggregator (`Aggregator.downlink`), after the rule, as the client stage
+  is attached before it. The server's step u_t = ServerOpt(−Δ_t) is broadcast as m_t = C(u_t + e_t), e_{t+1} =
+  u_t + e_t − m_t, and every client's model moves by m_t (`core.averaging`'s module docstring, "Downlink").
+
+  Attributes:
+    init: `init(params) -> error`, e_0: zeros like the model with error feedback, None without.
+    apply: `apply(key, update, error) -> (sent, new error, bits)`: with an error, v = update + error,
+      sent = C(v), new error v − sent; with `error` None, sent = C(update) and new error None; `bits`
+      a float32 scalar, the compressor's count of `sent`.
+    name: a short label ("downlink(top_k(0.1), error_feedback)").
+  """
+
+  init: Callable[[PyTree], PyTree]
+  apply: Callable[[jax.Array, PyTree, PyTree], tuple[PyTree, PyTree, jax.Array]]
+  name: str
+
+
 @dataclasses.dataclass(frozen=True)
 class Traits:
   """What an aggregator does to the clients' updates, declared as data on the piece (`Aggregator.traits`).
@@ -448,6 +482,8 @@ class Traits:
     client_stage: the name of the client stage every message passes before it
       is sent (compression, attached by `fo.aggregators.chain`); None without one.
     inner: the traits of the piece this one wraps; None for a piece that wraps none.
+    downlink: the name of the server stage the broadcast passes (downlink
+      compression, `fo.compression.downlink`, attached last by `fo.aggregators.chain`); None without one.
   """
 
   name: str
@@ -460,6 +496,7 @@ class Traits:
   attack: bool = False
   client_stage: str | None = None
   inner: Traits | None = None
+  downlink: str | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -475,6 +512,9 @@ class Traits:
     if self.client_stage is not None and not isinstance(self.client_stage, str):
       raise TypeError(f"Traits({self.name!r}): client_stage must be the stage's name or None; got "
                       f"{type(self.client_stage).__name__}.")
+    if self.downlink is not None and not isinstance(self.downlink, str):
+      raise TypeError(f"Traits({self.name!r}): downlink must be the server stage's name or None; got "
+                      f"{type(self.downlink).__name__}.")
     if self.inner is not None and not isinstance(self.inner, Traits):
       raise TypeError(f"Traits({self.name!r}): inner must be the wrapped piece's Traits or None; got "
                       f"{type(self.inner).__name__}.")
@@ -486,24 +526,25 @@ class Traits:
 
     Each flag is the wrapper's own or the inner piece's; `linear` is the
     inner's when not given (a secure sum of a mean is that mean); the inner's
-    σ, clip norm and client stage carry over.
+    σ, clip norm, client stage and downlink carry over.
     """
     if inner is None:
       return None
     return cls(name=name, linear=inner.linear if linear is None else linear, private=private or inner.private,
                noise_multiplier=inner.noise_multiplier, clip_norm=inner.clip_norm, secure=secure or inner.secure,
                robust=robust or inner.robust, attack=attack or inner.attack, client_stage=inner.client_stage,
-               inner=inner)
+               inner=inner, downlink=inner.downlink)
 
   def describe(self) -> str:
-    """The pieces: the client stage, then the outermost to the innermost,
-    "compress(top_k(k=1)) → secure_aggregation(dp_mean)"."""
+    """The pieces: the client stage, then the outermost to the innermost, then the downlink,
+    "compress(top_k(k=1)) → secure_aggregation(dp_mean) → downlink(top_k(k=1))"."""
     names, inner = [self.name], self.inner
     while inner is not None:
       names.append(inner.name)
       inner = inner.inner
     pieces = "(".join(names) + ")" * (len(names) - 1)
-    return pieces if self.client_stage is None else f"{self.client_stage} → {pieces}"
+    pieces = pieces if self.client_stage is None else f"{self.client_stage} → {pieces}"
+    return pieces if self.downlink is None else f"{pieces} → {self.downlink}"
 
 
 class Aggregator(NamedTuple):
@@ -539,6 +580,14 @@ class Aggregator(NamedTuple):
   Every factory of the library declares them; None means unknown (a piece
   the library did not make), which code that must know refuses (SCAFFOLD,
   FedDyn).
+
+  `downlink` (optional) is a `Downlink`, the server stage: what the server
+  broadcasts after the round passes it (downlink compression with the
+  server's error; `fedjax_opt.aggregators.chain(..., aggregator, downlink)`
+  attaches one). The algorithms whose server step is one broadcast model
+  apply it (`core.averaging.server_step`); every other factory that takes
+  `aggregator=` declares why it takes no downlink and refuses one
+  (`factory.downlink`, `core.execution.accepts_policy_keywords`).
   """
 
   init: Callable[[PyTree], Any]
@@ -547,3 +596,4 @@ class Aggregator(NamedTuple):
   always_releases: bool = False
   client: ClientStage | None = None
   traits: Traits | None = None
+  downlink: Downlink | None = None

@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_opt.core.server import check_stacked_updates
-from fedjax_opt.core.types import Aggregator, PyTree, StreamingSum, Traits
+from fedjax_opt.core.types import Aggregator, NoisedState, PyTree, StreamingSum, Traits
 from fedjax_opt.core.validation import is_concrete
 
 __all__ = ["AdaptiveClipping", "DPMeanState", "clip_by_global_norm", "dp_mean", "update_noise_multiplier"]
@@ -97,7 +97,7 @@ class AdaptiveClipping:
 
 
 @flax.struct.dataclass
-class DPMeanState:
+class DPMeanState(NoisedState):
   """State of `dp_mean`.
 
   Attributes:

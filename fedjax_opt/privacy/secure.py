@@ -159,7 +159,7 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry_2x32
 
-from fedjax_opt.core.server import aggregator_name, check_stacked_updates, refuse_client_stage
+from fedjax_opt.core.server import aggregator_name, check_stacked_updates, refuse_client_stage, refuse_downlink
 from fedjax_opt.core.tree import select_tree
 from fedjax_opt.core.types import Aggregator, PyTree, Traits
 from fedjax_opt.core.validation import is_concrete
@@ -682,6 +682,9 @@ def secure_aggregation(
                        else f"{type(inner).__name__}."))
   refuse_client_stage(inner, "secure_aggregation", "the stage runs on the clients, before the secure sum; chain "
                       "it in front of the wrapper: fo.aggregators.chain(stage, fo.privacy.secure_aggregation(...)).")
+  refuse_downlink(inner, "secure_aggregation", "the server compresses its broadcast after the secure sum is "
+                  "released; chain the downlink after the wrapper: fo.aggregators.chain(fo.privacy.secure_aggregation("
+                  "...), downlink).")
   _check(frac_bits, bound, threshold, dropout)
   term, finalize = inner.streaming
 

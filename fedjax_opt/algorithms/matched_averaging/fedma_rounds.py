@@ -357,4 +357,7 @@ def fedma(
 
 fedma = execution.accepts_policy_keywords(fedma, refuses_aggregator=(
     "FedMA matches the clients' neurons layer by layer (a BBP-MAP assignment) and averages matched neurons, "
-    "not stacked updates a rule could combine"))
+    "not stacked updates a rule could combine"),
+    evaluation="global", exchanges="metrics", hyperparameters={"client_optimizer": execution.CLIENT_OPTIMIZER,
+        "sigma": execution.SCALE, "sigma0": execution.PRIOR, "gamma": execution.PRIOR, "mu0": execution.PRIOR,
+        "iterations": execution.COUNT, "max_width": execution.COUNT, "max_growth": execution.THRESHOLD})
