@@ -154,8 +154,8 @@ def test_every_aggregator_factory_declares_its_traits():
     got = (traits.linear, traits.private, traits.secure, traits.robust, traits.attack)
     assert got == WANT[name], (name, got)
     assert traits.client_stage is None, name
-    # The trait that says "a sum over clients" agrees with the form that sums client by client.
-    assert not traits.linear or aggregator.streaming is not None or name == "secure_aggregation", name
+    # The trait that says "a sum over clients" is the form that sums client by client, declared.
+    assert traits.sums == (aggregator.streaming is not None), name
 
 
 def test_every_aggregator_built_in_the_library_states_its_traits():
@@ -383,3 +383,21 @@ def test_a_hand_made_piece_declared_private_is_accounted_by_its_own_sigma():
   event = dp_accounting.SampledWithoutReplacementDpEvent(n, m, dp_accounting.GaussianDpEvent(noise / 2))
   accountant.compose(dp_accounting.SelfComposedDpEvent(event, rounds))
   np.testing.assert_allclose(history.eval_series("dp_epsilon")[1], [accountant.get_epsilon(delta)], rtol=1e-9)
+
+
+def test_majority_vote_is_declared_a_sum_so_a_secure_sum_of_votes_composes_from_traits():
+  """signSGD's vote is the sign of a sum of signs: not linear, but a sum over clients (`Traits.sums`), so the
+  composition rules (traits only) let `secure_aggregation` wrap it, as its constructor does; the vote from the
+  secure sum equals NumPy's sign(Σ_c sign(Δ_c)) on the weighted clients."""
+  vote = A.majority_vote()
+  assert vote.traits.sums and not vote.traits.linear
+  assert fo.aggregators.composition._is_sum(vote.traits)  # pylint: disable=protected-access
+  secure = fo.privacy.secure_aggregation(vote, bound=2.0)
+  assert secure.traits.secure and not secure.traits.sums
+  rng = np.random.default_rng(0)
+  updates = {"w": rng.normal(size=(5, 7)).astype(np.float32)}
+  weights = np.array([1.0, 1.0, 0.0, 1.0, 1.0], np.float32)
+  out, _ = secure.aggregate(updates, jnp.asarray(weights), secure.init({"w": jnp.zeros(7)}), KEY)
+  votes = np.sign(updates["w"]) + (updates["w"] == 0)  # a 1-bit code has no zero: sgn(0) = +1
+  want = np.sign((weights[:, None] * votes).sum(0))
+  np.testing.assert_array_equal(np.sign(np.asarray(out["w"])), want)

@@ -97,7 +97,7 @@ def weighted_mean() -> Aggregator:
     return normalized_sum(updates, weights), state
 
   return Aggregator(stateless_init, aggregate, _normalized_streaming(lambda w: w.astype(jnp.float32)),
-                    traits=Traits(name="weighted_mean", linear=True))
+                    traits=Traits(name="weighted_mean", linear=True, sums=True))
 
 
 def mean() -> Aggregator:
@@ -115,7 +115,7 @@ def mean() -> Aggregator:
     return normalized_sum(updates, taking_part), state
 
   return Aggregator(stateless_init, aggregate, _normalized_streaming(lambda w: (w > 0).astype(jnp.float32)),
-                    traits=Traits(name="mean", linear=True))
+                    traits=Traits(name="mean", linear=True, sums=True))
 
 
 def resolve(aggregator: Aggregator | None, default: Callable[[], Aggregator]) -> Aggregator:

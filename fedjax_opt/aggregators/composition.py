@@ -33,7 +33,7 @@ the constructors apply them (the first refusal wins):
   with D is refused where the same stack without D is.
 * `corrupt(X)` with X carrying a client stage (`corrupt`).
 * `secure_aggregation(X)` with X not a sum over clients (`secure_aggregation`:
-  a sum is linear or private, and not itself secure, an attack or robust),
+  `Traits.sums`, the piece has a streaming form),
   then with X carrying a client stage.
 * the algorithm: a downlink, where the factory declares it takes none
   (`factory.downlink`, read from the factory: SCAFFOLD and FedDyn; checked
@@ -148,9 +148,9 @@ PIECES: dict[str, Piece] = {
     "SA": Piece("SA", "wrapper", "fo.privacy.secure_aggregation(inner, bound=1.0, frac_bits=16)", _build_secure,
                 lambda inner, s: Traits.wrap(inner, name="secure_aggregation", secure=True)),
     "M": Piece("M", "rule", "fo.aggregators.mean()", _build_mean,
-               lambda inner, s: Traits(name="mean", linear=True)),
+               lambda inner, s: Traits(name="mean", linear=True, sums=True)),
     "DP": Piece("DP", "rule", "fo.privacy.dp_mean(0.05, 0.0, expected_clients=5)", _build_dp,
-                lambda inner, s: Traits(name="dp_mean", private=True, noise_multiplier=s.noise_multiplier,
+                lambda inner, s: Traits(name="dp_mean", sums=True, private=True, noise_multiplier=s.noise_multiplier,
                                         clip_norm=s.clip_norm)),
     "R": Piece("R", "rule", "fo.aggregators.marginal_median()", _build_robust,
                lambda inner, s: Traits(name="marginal_median", robust=True)),
@@ -261,9 +261,9 @@ def expression(stack: Sequence[str]) -> str:
 
 
 def _is_sum(traits: Traits) -> bool:
-  """A sum over clients (a `StreamingSum`), read from traits: linear or private, and not a secure sum, an attack or
-  a robust rule (none of those has a streaming form)."""
-  return (traits.linear or traits.private) and not (traits.secure or traits.attack or traits.robust)
+  """A sum over clients (a `StreamingSum`), read from the declared `Traits.sums` (a secure sum, an attack and a
+  robust rule declare none: they have no streaming form)."""
+  return traits.sums
 
 
 def _stack_traits(stack: tuple[str, ...], s: Settings) -> Verdict:

@@ -70,4 +70,4 @@ def majority_vote() -> Aggregator:
 
   # A sum of the clients' votes, not of their updates: not linear. Not declared robust: its fault tolerance (the
   # paper's, against adversaries that flip their votes) is not a Byzantine rule's bound; SCAFFOLD and FedDyn take it.
-  return Aggregator(init, aggregate, StreamingSum(term, finalize), traits=Traits(name="majority_vote"))
+  return Aggregator(init, aggregate, StreamingSum(term, finalize), traits=Traits(name="majority_vote", sums=True))

@@ -471,6 +471,11 @@ class Traits:
       Σ_c a_c Δ_c / Σ_c a_c with a_c from the weights alone (`mean`,
       `weighted_mean`; a secure sum of one): a rule that can be summed
       client by client. Clipping, noise, votes and robust rules are not.
+    sums: the update is a function of one sum over clients,
+      finalize(Σ_c term(Δ_c, w_c)), and the piece has that form
+      (`Aggregator.streaming`): it streams client by client and can run
+      inside a secure sum (`mean`, `weighted_mean`, `dp_mean`, and
+      `majority_vote`, the sign of a sum of signs, which is not linear).
     private: differentially private: the updates are clipped and noised
       (`dp_mean`), on its own or inside a wrapper.
     noise_multiplier: σ of a private piece (the accountant's), when it was
@@ -488,6 +493,7 @@ class Traits:
 
   name: str
   linear: bool = False
+  sums: bool = False
   private: bool = False
   noise_multiplier: float | None = None
   clip_norm: float | None = None
@@ -501,7 +507,7 @@ class Traits:
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
       raise TypeError(f"Traits: name must be a non-empty string (the factory that built the piece); got {self.name!r}.")
-    for field in ("linear", "private", "secure", "robust", "attack"):
+    for field in ("linear", "sums", "private", "secure", "robust", "attack"):
       if not isinstance(getattr(self, field), bool):
         raise TypeError(f"Traits({self.name!r}): {field} must be a bool; got {getattr(self, field)!r}.")
     for field in ("noise_multiplier", "clip_norm"):
@@ -525,8 +531,9 @@ class Traits:
     """The traits of a piece `name` wrapped around a piece with traits `inner`; None when `inner` is None.
 
     Each flag is the wrapper's own or the inner piece's; `linear` is the
-    inner's when not given (a secure sum of a mean is that mean); the inner's
-    σ, clip norm, client stage and downlink carry over.
+    inner's when not given (a secure sum of a mean is that mean); `sums` is
+    the wrapper's own (no wrapper of the library has a streaming form); the
+    inner's σ, clip norm, client stage and downlink carry over.
     """
     if inner is None:
       return None

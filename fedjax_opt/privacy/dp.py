@@ -274,5 +274,5 @@ def dp_mean(
     return jax.tree.map(lambda o, u: o.astype(u.dtype), out, updates), new_state
 
   return Aggregator(init, aggregate, StreamingSum(term, finalize), always_releases=True,
-                    traits=Traits(name="dp_mean", private=True, noise_multiplier=noise_multiplier,
+                    traits=Traits(name="dp_mean", sums=True, private=True, noise_multiplier=noise_multiplier,
                                              clip_norm=clip_norm))
