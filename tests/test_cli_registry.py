@@ -157,7 +157,9 @@ def test_a_setting_overrides_the_wiring_and_none_keeps_it(digits):
   spec = registry.REGISTRY["l2gd"]
   original = spec.factory
   try:
-    object.__setattr__(spec, "factory", lambda loss, **kw: captured.update(kw))
+    stub = lambda loss, **kw: captured.update(kw)  # noqa: E731  (the factory's declarations, its call recorded)
+    stub.hyperparameters = original.hyperparameters
+    object.__setattr__(spec, "factory", stub)
     registry.build("l2gd", ctx, registry.resolve("l2gd", {"alpha": 0.7}, None))
   finally:
     object.__setattr__(spec, "factory", original)
@@ -250,3 +252,40 @@ def test_fedmd_with_three_architectures_steps_and_scores_each_client_with_its_ow
     np.testing.assert_array_equal(scored.accuracy_fn(row, batch), own.accuracy_fn(params, batch))
   client0 = fo.algorithms.fedmd_client_params(state, 0, np.arange(6) % 3)
   np.testing.assert_array_equal(scored.loss_fn(state.params, batch), mlp.loss_fn(client0, batch))
+
+
+def _recorded_build(name, hyper, ctx):
+  """The keyword arguments `registry.build` hands `name`'s factory (the factory's call recorded, not run)."""
+  spec, captured = registry.REGISTRY[name], {}
+  original = spec.factory
+  stub = lambda *args, **kw: captured.update(kw)  # noqa: E731
+  stub.hyperparameters = original.hyperparameters
+  try:
+    object.__setattr__(spec, "factory", stub)
+    registry.build(name, ctx, hyper)
+  finally:
+    object.__setattr__(spec, "factory", original)
+  return captured
+
+
+@pytest.mark.parametrize("name", [n for n in registry.REGISTRY if n not in ("fedmd", "fedma", "p2p_bayes", "cocoa")])
+def test_the_optimizers_a_factory_declares_are_built_from_the_run_s_step_sizes(name):
+  """The CLI reads `factory.hyperparameters`: a `client_optimizer` declared a client optimizer is SGD at the run's
+  client_lr, a `server_optimizer` declared a server optimizer is the entry's named server optimizer at server_lr
+  (or SGD at server_lr): checked by the step each takes on a gradient of ones from zero."""
+  import optax
+  ctx = registry.Context(loss_fn=lambda p, b: 0.0, num_clients=6, max_train=10, local_steps=4, rounds=10,
+                         client_map="vmap", clients_per_round=3)
+  hyper = registry.resolve(name, {}, 0.07)
+  kwargs = _recorded_build(name, hyper, ctx)
+  roles = registry.REGISTRY[name].factory.hyperparameters
+  step = lambda opt: float(opt.update({"w": np.ones(1)}, opt.init({"w": np.zeros(1)}), {"w": np.zeros(1)})[0]["w"][0])
+  if roles.get("client_optimizer") == "client optimizer" and "client_lr" in hyper:
+    assert step(kwargs["client_optimizer"]) == pytest.approx(-0.07)
+  if roles.get("server_optimizer") == "server optimizer" and kwargs.get("server_optimizer") is not None:
+    if "server_optimizer" in hyper:
+      from fedjax_opt import server_optimizers
+      want = server_optimizers.get(hyper["server_optimizer"], learning_rate=hyper["server_lr"])
+    else:
+      want = optax.sgd(hyper["server_lr"])
+    assert step(kwargs["server_optimizer"]) == pytest.approx(step(want))

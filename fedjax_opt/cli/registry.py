@@ -280,29 +280,39 @@ def _ridge(loss_fn: Callable, l2: float) -> Callable:
   return loss
 
 
-def _client(ctx, hyper):
-  return {"client_optimizer": _sgd(hyper["client_lr"])}
+def declared_wiring(spec: "Spec", hyper: dict) -> dict:
+  """The optimizers the factory's declared roles ask for (`factory.hyperparameters`), built from the run's step
+  sizes: a parameter `client_optimizer` declared `CLIENT_OPTIMIZER` is `optax.sgd(client_lr)`; one
+  `server_optimizer` declared `SERVER_OPTIMIZER` is the named server optimizer at `server_lr`
+  (`server_optimizers.get`) when the entry has `server_optimizer`, else `optax.sgd(server_lr)` when it has
+  `server_lr`. An entry's `wire` wins over these (it may give None: the factory's own default)."""
+  from fedjax_opt.core import execution
+
+  roles = spec.factory.hyperparameters
+  out = {}
+  if roles.get("client_optimizer") == execution.CLIENT_OPTIMIZER and "client_lr" in hyper:
+    out["client_optimizer"] = _sgd(hyper["client_lr"])
+  if roles.get("server_optimizer") == execution.SERVER_OPTIMIZER:
+    if "server_optimizer" in hyper:
+      out["server_optimizer"] = _server(hyper)
+    elif "server_lr" in hyper:
+      out["server_optimizer"] = _sgd(hyper["server_lr"])
+  return out
 
 
-def _client_local(ctx, hyper):
-  return {"client_optimizer": _sgd(hyper["client_lr"]), "local_steps": ctx.local_steps}
-
-
-def _client_server(ctx, hyper):
-  return {"client_optimizer": _sgd(hyper["client_lr"]), "server_optimizer": _server(hyper)}
+def _local(ctx, hyper):
+  return {"local_steps": ctx.local_steps}
 
 
 def _fedopt(optimizer: str, server_lr: float, description: str) -> Spec:
   from fedjax_opt import algorithms
 
   return Spec("averaging", description, algorithms.fedavg,
-              {"client_lr": CLIENT_LR, "server_optimizer": optimizer, "server_lr": server_lr},
-              _client_server)
+              {"client_lr": CLIENT_LR, "server_optimizer": optimizer, "server_lr": server_lr})
 
 
 def _fedavg_finetune_wire(ctx, hyper):
-  return {"client_optimizer": _sgd(hyper["client_lr"]), "finetune_client_optimizer": _sgd(hyper["finetune_lr"]),
-          "server_optimizer": _server(hyper), "personalize_optimizer": _sgd(hyper["personalize_lr"]),
+  return {"finetune_client_optimizer": _sgd(hyper["finetune_lr"]), "personalize_optimizer": _sgd(hyper["personalize_lr"]),
           "switch_round": hyper["switch_round"] if hyper["switch_round"] is not None else ctx.rounds // 2}
 
 
@@ -325,10 +335,6 @@ def _async_wire(ctx, hyper):
   out = {"num_clients": ctx.num_clients, "schedule": ctx.schedule}
   if hyper.get("history_size") is None:  # about 4 × the clients in flight: an update is rarely too stale to use
     out["history_size"] = max(16, 4 * ctx.clients_per_round)
-  if "client_lr" in hyper:
-    out["client_optimizer"] = _sgd(hyper["client_lr"])
-  if "server_optimizer" in hyper:
-    out["server_optimizer"] = _server(hyper)
   return out
 
 
@@ -398,8 +404,7 @@ def _fedmd_models(ctx, hyper) -> list | None:
 
 
 def _fedmd_wire(ctx, hyper):
-  out = {"apply_fn": ctx.apply_fn, "public_data": ctx.pooled(hyper["public_size"]),
-         "client_optimizer": _sgd(hyper["client_lr"])}
+  out = {"apply_fn": ctx.apply_fn, "public_data": ctx.pooled(hyper["public_size"])}
   models = _fedmd_models(ctx, hyper)
   if models is not None:  # client k has architecture k mod A
     import numpy as np
@@ -558,7 +563,7 @@ def _fedma_model(model):
 def _fedma_wire(ctx, hyper):
   from fedjax_opt import algorithms
 
-  return {"layers": algorithms.fedma_model(ctx.model)[1], "client_optimizer": _sgd(hyper["client_lr"])}
+  return {"layers": algorithms.fedma_model(ctx.model)[1]}
 
 
 NEWTON_DIRECT_MAX = 2000
@@ -724,7 +729,7 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       # ---- averaging -------------------------------------------------------------------------------------------
       "fedsgd": lambda a: Spec(
           "averaging", "one full-batch gradient per client, server SGD (McMahan et al. 2017)", a.fedsgd,
-          {"server_lr": 0.5}, lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])}),
+          {"server_lr": 0.5}),
       "fedavg": lambda a: _fedopt("fedavg", 1.0, "local SGD, weighted average of deltas (McMahan et al. 2017)"),
       "fedavgm": lambda a: _fedopt("fedavgm", 0.3, "FedAvg with server momentum 0.9 (Hsu et al. 2019)"),
       "fedadagrad": lambda a: _fedopt("fedadagrad", 0.03, "FedOpt with server Adagrad (Reddi et al. 2021)"),
@@ -732,24 +737,21 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       "fedyogi": lambda a: _fedopt("fedyogi", 0.003, "FedOpt with server Yogi (Reddi et al. 2021)"),
       "fedprox": lambda a: Spec(
           "averaging", "local steps on f_k + (μ/2)‖x − x_t‖² (Li et al. 2020)", a.fedprox,
-          {"mu": 0.01, "client_lr": CLIENT_LR, "server_optimizer": "fedavg", "server_lr": 1.0},
-          _client_server),
+          {"mu": 0.01, "client_lr": CLIENT_LR, "server_optimizer": "fedavg", "server_lr": 1.0}),
       "scaffold": lambda a: Spec(
           "averaging", "control variates correct client drift (Karimireddy et al. 2020)", a.scaffold,
           {"eta_l": CLIENT_LR, "eta_g": 1.0}),
       "fednova": lambda a: Spec(
           "averaging", "normalized averaging of heterogeneous local work (Wang et al. 2020)", a.fednova,
-          {"eta": CLIENT_LR, "rho": 0.0, "server_lr": 1.0},
-          lambda ctx, h: {"server_optimizer": _sgd(h["server_lr"])}),
+          {"eta": CLIENT_LR, "rho": 0.0, "server_lr": 1.0}),
       "feddyn": lambda a: Spec(
           "averaging", "dynamic regularization (Acar et al. 2021); no server step size", a.feddyn,
-          {"alpha": 0.01, "client_lr": CLIENT_LR}, _client),
+          {"alpha": 0.01, "client_lr": CLIENT_LR}),
       # ---- personalized ----------------------------------------------------------------------------------------
       "ditto": lambda a: Spec(
           "personalized", "FedAvg for w, proximal personal models v_k (Li et al. 2021)", a.ditto,
           {"lam": 0.1, "eta": CLIENT_LR, "personal_steps": 5, "client_lr": CLIENT_LR,
-           "server_optimizer": "fedavg", "server_lr": 1.0},
-          _client_server),
+           "server_optimizer": "fedavg", "server_lr": 1.0}),
       "pfedme": lambda a: Spec(
           "personalized", "Moreau-envelope personal models (Dinh et al. 2020)", a.pfedme,
           {"lam": 15.0, "eta": CLIENT_LR, "beta": 1.0, "inner_steps": 5, "inner_lr": 0.03},
@@ -769,17 +771,15 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       "fedem": lambda a: Spec(
           "personalized", "M shared component models, per-client mixture weights by EM (Marfoq et al. "
           "2021)", a.fedem, {"num_components": 3, "client_lr": CLIENT_LR, "server_optimizer": "fedavg",
-                             "server_lr": 1.0}, _client_server, eval_model=a.fedem_mixture_model),
+                             "server_lr": 1.0}, eval_model=a.fedem_mixture_model),
       "ifca": lambda a: Spec(
           "personalized", "K cluster models, each client trains the one of lowest loss (Ghosh et al. 2020)",
           a.ifca, {"num_clusters": 4, "client_lr": CLIENT_LR, "averaging": "model", "server_lr": 1.0},
-          lambda ctx, h: {"client_optimizer": _sgd(h["client_lr"]),
-                          **({"server_optimizer": _sgd(h["server_lr"])} if h["averaging"] == "gradient"
-                             else {})}),
+          lambda ctx, h: {} if h["averaging"] == "gradient" else {"server_optimizer": None}),
       "clustered_fl": lambda a: Spec(
           "personalized", "FedAvg per cluster, split by the cosine similarity of updates at a "
           "stationary point (Sattler et al. 2020)", a.clustered_fl,
-          {"eps_1": 0.4, "eps_2": 1.6, "max_clusters": 8, "client_lr": CLIENT_LR}, _client, sampling="all"),
+          {"eps_1": 0.4, "eps_2": 1.6, "max_clusters": 8, "client_lr": CLIENT_LR}, sampling="all"),
       "fedmd": lambda a: Spec(
           "personalized", "no model is shared: clients distil towards the mean of their scores on "
           "public examples, then train on their own (Li & Wang 2019); test acc is client 0's model", a.fedmd,
@@ -799,23 +799,23 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           graph="ring"),
       "easgd": lambda a: Spec(
           "personalized", "elastic averaging of local models and a center (Zhang et al. 2015)", a.easgd,
-          {"alpha": 0.1, "client_lr": CLIENT_LR}, _client),
+          {"alpha": 0.1, "client_lr": CLIENT_LR}),
       # ---- ADMM (convex) ---------------------------------------------------------------------------------------
       "admm_consensus": lambda a: Spec(
           "admm", "consensus ADMM, inexact local steps, pooled-risk objective (Boyd et al. 2011)",
-          a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local}, _client_local,
+          a.admm_consensus, {"rho": 0.1, "objective": "examples", **admm_local}, _local,
           sampling="full", objective="pooled", convex=True),
       "gadmm": lambda a: Spec(
           "admm", "group ADMM on a chain of workers, no server (Elgabli et al. 2020)", a.gadmm,
-          {"rho": 0.1, "objective": "examples", **admm_local}, _client_local, graph="chain",
+          {"rho": 0.1, "objective": "examples", **admm_local}, _local, graph="chain",
           sampling="full", objective="pooled", convex=True),
       "cq_ggadmm": lambda a: Spec(
           "admm", "censored and quantized GADMM on a chain (Issaid et al. 2020)", a.cq_ggadmm,
           {"rho": 0.1, "tau0": 0.5, "xi": 0.9, "bits": 8, "objective": "examples", **admm_local},
-          _client_local, graph="chain", sampling="full", objective="pooled", convex=True),
+          _local, graph="chain", sampling="full", objective="pooled", convex=True),
       "mixture_admm": lambda a: Spec(
           "admm", "ADMM on the mixture of global and local models (personalized)", a.mixture_admm,
-          {"lam": 0.1, "rho": 0.1, **admm_local}, _client_local, sampling="full", objective="mixture",
+          {"lam": 0.1, "rho": 0.1, **admm_local}, _local, sampling="full", objective="mixture",
           convex=True),
       # ---- classical distributed baselines (convex) -------------------------------------------------------------
       "dane": lambda a: Spec(
@@ -860,7 +860,7 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
       "d_fedem": lambda a: Spec(
           "decentralized", "FedEM without a server: each node's components averaged with its "
           "neighbours (Marfoq et al. 2021)", a.d_fedem, {"num_components": 3, "client_lr": CLIENT_LR},
-          _client, graph="topology", sampling="nodes", eval_model=a.fedem_mixture_model),
+          graph="topology", sampling="nodes", eval_model=a.fedem_mixture_model),
       "p2p_bayes": lambda a: Spec(
           "decentralized", "beliefs over K candidate models (the fit and K − 1 moved away from it): Bayes' "
           "rule on each node's batches, then geometric averaging with the neighbours (Lalitha et al. 2019)",
@@ -1044,7 +1044,7 @@ def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
   try:
     loss_fn = _ridge(ctx.loss_fn if spec.train_model is None else spec.train_model(ctx.model).loss_fn,
                      hyper.get("l2", 0.0))
-    kwargs = spec.wire(ctx, hyper)
+    kwargs = {**declared_wiring(spec, hyper), **spec.wire(ctx, hyper)}
     loss_fn = kwargs.pop("loss_fn", loss_fn)
     if spec.graph is not None:
       kwargs["graph"] = ctx.graph if spec.graph == "topology" else _builder_graph(spec.graph, ctx.num_clients)
