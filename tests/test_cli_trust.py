@@ -146,6 +146,7 @@ def test_secure_aggregation_is_the_library_s_wrapper_with_the_documented_bound(c
   assert row["hyper_parameters"]["secure_aggregation"] == {"inner": "weighted_mean", "bound": bound,
                                                            "frac_bits": 16, "dropout": 0.2}
   assert row["secure_upload_bits"] == float(state.aggregator_state.upload_bits)
+  assert row["secure_frac_bits"] == int(state.aggregator_state.frac_bits) == 16  # no adaptive clip: the grid's f
   assert row["bits_up"] == 32 * 650  # the update itself: the protocol's extra words are secure_upload_bits
 
 

@@ -142,18 +142,22 @@ def steps_per_round(spec: registry.Spec, config: dict[str, Any]) -> int:
 
 
 def bits_per_round(spec: registry.Spec, round_metrics: dict, num_params: int, clients: int,
-                   num_clients: int) -> Any:
-  """`[R]` bits sent in each round: every message counted once, when sent (a broadcast is one message)."""
+                   num_clients: int, communication: str | None = None) -> Any:
+  """`[R]` bits sent in each round: every message counted once, when sent (a broadcast is one message).
+
+  `communication` overrides `spec.communication` (the factory's declaration): "metrics" for a run whose client
+  stage or secure sum makes the round's `bits_up` what the clients send."""
   import numpy as np
 
   member0 = _member0
+  communication = spec.communication if communication is None else communication
   scalar = min(round_metrics.values(), key=np.ndim)  # [R], or [K, R] for a sweep (vector metrics have one more)
   rounds = len(member0(scalar))
-  if spec.communication == "bits":
+  if communication == "bits":
     return member0(round_metrics["bits"])
-  if spec.communication == "metrics":
+  if communication == "metrics":
     return member0(round_metrics["bits_up"]) * clients + member0(round_metrics["bits_down"])  # one broadcast
-  if spec.communication == "bytes":
+  if communication == "bytes":
     return member0(round_metrics["bytes_sent"]) * 8 * num_clients
   uploads, broadcasts = spec.messages
   return np.full(rounds, (clients * uploads + broadcasts) * FLOAT_BITS * num_params, np.float64)
@@ -706,11 +710,11 @@ def train_and_report(config: dict[str, Any], out: str, resume: bool, overwrite: 
       if spec.objective is not None and diverged is None:
         row.update(objective_gap(spec, hyper, scored, state, dataset, config["seeds"], solved, row=row,
                                  say=lambda text, name=name: say(f"[{name}] {text}")))
-      counted = spec  # with a client stage or a secure sum, what the clients send is the round's bits_up metric
-      if trust.enabled(config) and spec.communication == "rounds":
-        counted = dataclasses.replace(spec, communication="metrics")
-      bits = bits_per_round(counted, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
-                            dataset.num_clients)
+      counted = spec.communication  # with a client stage or a secure sum, what the clients send is bits_up
+      if trust.enabled(config) and counted == "rounds":
+        counted = "metrics"
+      bits = bits_per_round(spec, history.round_metrics, num_params, clients_taking_part(spec, config, dataset),
+                            dataset.num_clients, communication=counted)
       if trust.enabled(config):
         row["bits_up"] = float(np.mean(_member0(history.round_metrics["bits_up"])))
         row.update(trust.secure_report(state, config["seeds"]))

@@ -34,7 +34,9 @@ The bits a client sends are then the run's `bits_up` metric (the
 compressor's count), which the table shows and "MB sent" counts, with
 `bits_down` once per round for the broadcast. Secure aggregation's own
 upload (the masked words, keys and shares) is reported as
-`secure_upload_bits`, the last round's `SecureAggregationState.upload_bits`.
+`secure_upload_bits`, the last round's `SecureAggregationState.upload_bits`,
+and the grid it was encoded on as `secure_frac_bits` (`.frac_bits`: f, or
+f + k_t once an adaptive DP clip has shrunk and the grid followed it).
 """
 
 from __future__ import annotations
@@ -250,7 +252,7 @@ def secure_report(state, seeds: int) -> dict[str, Any]:
   s = found[0]
   first = (lambda v: np.asarray(v).reshape(-1)[0]) if seeds > 1 else np.asarray
   return {"secure_upload_bits": float(first(s.upload_bits)), "secure_num_dropped": int(first(s.num_dropped)),
-          "secure_num_clipped": int(first(s.num_clipped))}
+          "secure_num_clipped": int(first(s.num_clipped)), "secure_frac_bits": int(first(s.frac_bits))}
 
 
 def describe(config: dict[str, Any]) -> str:
