@@ -41,7 +41,11 @@ FedAvg's Δ_k does (a client stage, DP, secure summation, a robust rule such
 as `aggregators.trimmed_mean(β)`), and w̄ = w_0 + Aggregate(ŵ_k − w_0).
 Nothing else leaves a client, so every piece composes. The aggregator's
 state (`state.aggregator_state`, with a client stage its tables) moves in
-the exchange only: later steps send nothing and leave it as it is.
+the exchange only: later steps send nothing and leave it as it is. With
+`fo.privacy.dp_mean`, only the exchange releases anything, but `fo.train`'s
+accountant counts every round it runs as a release: train one round (the
+exchange) for the ε of the release itself; over more rounds the ε reported
+is an upper bound.
 
 Communication (`metrics["bits_up"]`, `["bits_down"]`, per client, float32):
 in the exchange a client receives the initial model (32 P) and sends ŵ_k
