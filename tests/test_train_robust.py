@@ -69,6 +69,24 @@ def test_no_readable_checkpoint_is_one_clear_error(setup, tmp_path):
     _run(setup, 15, fo.Checkpointing(str(tmp_path), resume=True))
 
 
+def test_a_checkpoint_without_a_field_the_state_now_has_names_the_field(setup, tmp_path):
+  """A state that gained a field (here the server's downlink error, when the aggregator gains a downlink; likewise
+  a state saved by an older version of an algorithm) cannot be filled from the checkpoint: the one line says which
+  field is missing, and nothing is deleted."""
+  _run(setup, 10, fo.Checkpointing(str(tmp_path)))
+  dataset, algo, params, fns = setup
+  down = fo.aggregators.chain(fo.aggregators.weighted_mean(), fo.compression.downlink(fo.compression.top_k(k=5)))
+  other = fo.algorithms.fedavg(fns["loss"], client_optimizer=optax.sgd(0.05),
+                               server_optimizer=fo.server_optimizers.fedadam(0.01), aggregator=down)
+  with pytest.raises(train_lib.CheckpointError) as raised:
+    train_lib.train(other, other.init(params, jax.random.key(1)), dataset, 15, SAMPLING,
+                    evaluation=fo.Evaluation(every=5, metric_fns=fns), progress=False,
+                    checkpointing=fo.Checkpointing(str(tmp_path), resume=True))
+  message = str(raised.value)
+  assert "\n" not in message and "the checkpoint holds no state.downlink_error" in message, message
+  assert sorted(int(d) for d in os.listdir(tmp_path) if d.isdigit()) == [5, 10]
+
+
 def _interrupt(original, n):
   """`original`, except that its n-th call raises KeyboardInterrupt (a plain function: binds as a method)."""
   calls = []

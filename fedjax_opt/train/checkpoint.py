@@ -53,9 +53,13 @@ def _saved_like(restored: Any, template: PyTree) -> PyTree:
 
   def find(path, _):
     node = restored
-    for entry in path:
-      name = getattr(entry, "name", getattr(entry, "key", getattr(entry, "idx", None)))
-      node = node[name] if name in node or not isinstance(node, dict) else node[str(name)]
+    try:
+      for entry in path:
+        name = getattr(entry, "name", getattr(entry, "key", getattr(entry, "idx", None)))
+        node = node[name] if name in node or not isinstance(node, dict) else node[str(name)]
+    except (KeyError, IndexError, TypeError):
+      raise ValueError(f"the checkpoint holds no state{jax.tree_util.keystr(path)}, which this algorithm's state has "
+                     f"(saved from another algorithm, or by a version whose state lacked it)") from None
     return node
 
   return jax.tree_util.tree_map_with_path(find, template)
@@ -117,8 +121,16 @@ class Checkpointer:
           state=ocp.args.StandardRestore(), history=ocp.args.JsonRestore()))
       restored = dict(restored, state=_saved_like(restored["state"], to_raw(template)))
     else:
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(to_raw(template)), history=ocp.args.JsonRestore()))
+      try:
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(to_raw(template)), history=ocp.args.JsonRestore()))
+      except ValueError as e:
+        if "structure" not in str(e):
+          raise
+        bare = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), history=ocp.args.JsonRestore()))
+        _saved_like(bare["state"], to_raw(template))  # names the field the checkpoint lacks, if one is missing
+        raise
     raw = jax.tree.map(_placed_like, restored["state"], to_raw(template))
     state = from_raw(raw, template)
     history = History.from_dict(restored["history"])
