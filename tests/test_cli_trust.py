@@ -51,6 +51,13 @@ SMALL = ["--dataset", "digits", "--num-clients", "20", "--clients-per-round", "5
     (["--secure-aggregation", "frac_bits=30"], "the ring Z_(2^32) cannot hold the sum of 5 contributions"),
     (["--dp-noise", "1", "--dp-clip", "0.5", "--secure-aggregation", "frac_bits=0"],
      "frac_bits = 0 cannot encode dp_mean's centred count bit"),
+    (["--downlink", "gzip:3"], "unknown compressor 'gzip' in --downlink gzip:3; give qsgd:BITS, top_k:"),
+    (["--downlink", "top_k:1.5"], "--downlink top_k:1.5: top_k: fraction must lie in the open interval (0, 1)"),
+    (["--algorithms", "fedavg,scaffold", "--downlink", "top_k:0.1:ef"],
+     "--downlink top_k:0.1:ef needs algorithms whose server compresses one broadcast model; scaffold takes no "
+     "downlink: SCAFFOLD broadcasts the control variate c"),
+    (["--algorithms", "gossip", "--topology", "ring", "--downlink", "sign"],
+     "--downlink sign needs algorithms whose factory takes aggregator=; gossip takes none: gossip has no server"),
 ])
 def test_bad_trust_flags_exit_2_with_one_line_and_create_nothing(cli, tmp_path, args, needle):
   out = tmp_path / "run"
@@ -130,6 +137,26 @@ def test_top_k_with_error_feedback_is_the_library_s_chain_and_the_table_shows_it
   assert row["megabytes_sent"] == pytest.approx(3 * (5 * 65 * 42 + 32 * 650) / 8e6, rel=1e-12)
   assert row["hyper_parameters"]["compression"] == {"spec": "top_k:0.1:ef", "compressor": "top_k(0.1)",
                                                     "error_feedback": True}
+
+
+@pytest.mark.slow  # a short run and its Python twin
+def test_downlink_is_the_library_s_chained_downlink_and_counts_its_bits_down(cli, tmp_path):
+  """`--downlink top_k:0.1:ef` is `fo.aggregators.chain(weighted_mean(), fo.compression.downlink(top_k(0.1)))`:
+  the same history to the last digit, and MB sent counts each round's compressed broadcast once (the round's
+  bits_down, the compressor's count: 10% of the 650 coordinates, 32 bits and a 10-bit index each)."""
+  out = tmp_path / "run"
+  result = cli("run", *SMALL, "--algorithms", "fedavg", "--rounds", "2", "--eval-every", "2",
+               "--downlink", "top_k:0.1:ef", "--out", out)
+  assert result.returncode == 0, result.stderr
+  aggregator = fo.aggregators.chain(fo.aggregators.weighted_mean(),
+                                    fo.compression.downlink(fo.compression.top_k(0.1), error_feedback=True))
+  state, history = _python_run(aggregator, 2)
+  row = _same_run(out, "fedavg", history)
+  assert row["hyper_parameters"]["downlink"] == {"spec": "top_k:0.1:ef", "compressor": "top_k(0.1)",
+                                                 "error_feedback": True}
+  bits_down = 65 * (32 + 10)  # k = 65 of P = 650, each a float32 and a ⌈log2 650⌉-bit index
+  assert np.asarray(history.round_metrics["bits_down"]).tolist() == [bits_down, bits_down]
+  assert row["megabytes_sent"] == pytest.approx(2 * (5 * 32 * 650 + bits_down) / 8e6)
 
 
 @pytest.mark.slow  # two more short runs

@@ -44,7 +44,7 @@ DEFAULTS: dict[str, Any] = dict(
     aggregator=None, attack=None, attackers=None, compile_cache=None, devices="auto",
     dp_noise=None, dp_clip=None, dp_delta=None, dp_epsilon=None, dp_accountant=None, dp_sampling=None,
     dp_quantile=None, dp_clip_lr=None, dp_count_noise=None, dp_noise_multiplier=None,
-    compression=None, secure_aggregation=None,
+    compression=None, secure_aggregation=None, downlink=None,
     topology=None, asynchronous=False, delay=None, planted=None,
 )
 """The keys of `config.json` and their defaults (None: chosen from the dataset, see `finish`)."""
@@ -268,6 +268,10 @@ def _add_run_flags(add) -> None:
       help="compress what each client uploads (docs/privacy.md): qsgd:BITS, top_k:FRACTION[:ef], rand_k:FRACTION or "
            "sign[:ef]; :ef keeps a residual per client (error feedback); the table's bits up is the compressor's "
            "count")
+  add("--downlink", metavar="SPEC",
+      help="compress what the server broadcasts back (its step; docs/privacy.md), with the same SPEC as "
+           "--compression; :ef keeps the server's error (error feedback); MB sent counts each broadcast by the "
+           "compressor's count")
   add("--secure-aggregation", metavar="bound=B,frac_bits=F,dropout=Q", nargs="?", const="",
       help="the server learns only the sum of the uploads (simulated secure aggregation, Bonawitz et al. 2017), "
            "around the mean, the weighted mean or the DP mean; each option may be left out (bound: see docs/cli.md; "

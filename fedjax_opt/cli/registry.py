@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 __all__ = ["ARCHITECTURES", "Architectures", "CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES",
            "HyperParameterError", "NEWTON_CG_ITERS", "NEWTON_DIRECT_MAX", "PSEUDO", "REGISTRY", "Spec", "WIRED",
            "architecture_model", "binary_linear_model", "build", "candidates_fit", "check_registry", "cocoa",
-           "describe_defaults", "refuse_aggregation", "resolve"]
+           "declared_wiring", "describe_defaults", "refuse_aggregation", "refuse_downlink", "resolve"]
 
 
 class _RunClientLR:
@@ -942,6 +942,18 @@ def refuse_aggregation(flag: str, names) -> str | None:
     return None
   return f"{flag} needs algorithms whose factory takes aggregator=; " + "; ".join(
       f"{name} takes none: {REGISTRY[name].aggregation}" for name in refused)
+
+
+def refuse_downlink(flag: str, names) -> str | None:
+  """None when every algorithm of `names` applies a downlink chained in its aggregator (`factory.downlink`);
+  otherwise the refusal of `flag`, one line quoting each refusing factory's declared reason."""
+  from fedjax_opt.core.execution import TAKES_DOWNLINK
+
+  refused = [name for name in names if REGISTRY[name].factory.downlink != TAKES_DOWNLINK]
+  if not refused:
+    return None
+  return f"{flag} needs algorithms whose server compresses one broadcast model; " + "; ".join(
+      f"{name} takes no downlink: {REGISTRY[name].factory.downlink}" for name in refused)
 
 
 def check_registry() -> None:

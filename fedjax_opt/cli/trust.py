@@ -1,4 +1,5 @@
-"""`--compression` and `--secure-aggregation`: the client stage and the secure sum on the command line.
+"""`--compression`, `--secure-aggregation` and `--downlink`: the client stage, the secure sum and the compressed
+broadcast on the command line.
 
 Each flag is the library's construction (docs/privacy.md), assembled in the
 order of the aggregator seam, for every chosen algorithm:
@@ -8,6 +9,7 @@ order of the aggregator seam, for every chosen algorithm:
     rule     = fo.attacks.corrupt(rule, attack, ...)                                    an update --attack
     aggregator = fo.aggregators.chain(fo.compression.compress(C, error_feedback=EF,     --compression
                                                               num_clients=N), rule)
+    aggregator = fo.aggregators.chain(aggregator, fo.compression.downlink(D, error_feedback=EF))   --downlink
 
 * `--compression qsgd:BITS` is `fo.compression.qsgd(bits=BITS)`,
   `top_k:FRACTION[:ef]` `top_k(FRACTION)`, `rand_k:FRACTION` `rand_k(FRACTION)`,
@@ -16,6 +18,13 @@ order of the aggregator seam, for every chosen algorithm:
   contractions (top-k, the scaled sign) only: with QSGD's or rand-k's
   variance the residual grows without bound (docs/privacy.md, "Error
   feedback"); use them unbiased.
+* `--downlink SPEC` (the same grammar) compresses what the server
+  broadcasts back, its step, with the server's error feedback when `:ef` is
+  given (DoubleSqueeze's server side; docs/privacy.md, "Server to client").
+  The algorithms whose factory applies a downlink take it (`factory.downlink`:
+  FedAvg and FedOpt, FedSGD, FedProx, FedNova, Per-FedAvg, FedAvg + fine-tuning,
+  Ditto, pFedMe); any other is refused in one line quoting its declared reason.
+  The table's bits down are then the compressor's count.
 * `--secure-aggregation [bound=B,frac_bits=F,dropout=Q]` wraps the rule,
   which must be a sum (the mean, the weighted mean or the DP mean; the
   library refuses a robust rule). B defaults to what the rule's sums need:
@@ -60,7 +69,7 @@ class TrustError(ValueError):
 
 
 def enabled(config: dict[str, Any]) -> bool:
-  return config.get("compression") is not None or config.get("secure_aggregation") is not None
+  return any(config.get(key) is not None for key in ("compression", "secure_aggregation", "downlink"))
 
 
 def shorten(message: str) -> str:
@@ -76,8 +85,8 @@ def _first_line(e: Exception) -> str:
   return shorten(str(e)) if str(e) else type(e).__name__
 
 
-def compressor_of(spec: str):
-  """(`fo.compression` compressor, error feedback) for a --compression spec, or a TrustError."""
+def compressor_of(spec: str, flag: str = "--compression"):
+  """(`fo.compression` compressor, error feedback) for a --compression (or --downlink) spec, or a TrustError."""
   from fedjax_opt import compression
 
   parts = str(spec).strip().split(":")
@@ -86,14 +95,14 @@ def compressor_of(spec: str):
   if ef:
     args = args[:-1]
     if kind in ("qsgd", "rand_k"):
-      raise TrustError(f"--compression {spec}: error feedback (:ef) needs a contraction (top_k, sign); {kind} is "
+      raise TrustError(f"{flag} {spec}: error feedback (:ef) needs a contraction (top_k, sign); {kind} is "
                        f"unbiased, its error can exceed the message (few bits, a small fraction) and the residual "
-                       f"then grows: drop :ef (fo.compression.compress takes it in Python)")
+                       f"then grows: drop :ef (fo.compression takes it in Python)")
   what = {"qsgd": "qsgd:BITS", "top_k": "top_k:FRACTION[:ef]", "rand_k": "rand_k:FRACTION", "sign": "sign[:ef]"}
   if kind not in what:
-    raise TrustError(f"unknown compressor {kind!r} in --compression {spec}; give {COMPRESSION_GRAMMAR}")
+    raise TrustError(f"unknown compressor {kind!r} in {flag} {spec}; give {COMPRESSION_GRAMMAR}")
   if len(args) != (0 if kind == "sign" else 1):
-    raise TrustError(f"--compression {spec}: {kind} takes {what[kind]}")
+    raise TrustError(f"{flag} {spec}: {kind} takes {what[kind]}")
   try:
     if kind == "sign":
       return compression.sign(), ef
@@ -101,17 +110,17 @@ def compressor_of(spec: str):
       try:
         bits = int(args[0])
       except ValueError:
-        raise TrustError(f"--compression {spec}: qsgd takes qsgd:BITS, an integer number of bits") from None
+        raise TrustError(f"{flag} {spec}: qsgd takes qsgd:BITS, an integer number of bits") from None
       return compression.qsgd(bits=bits), ef
     try:
       fraction = float(args[0])
     except ValueError:
-      raise TrustError(f"--compression {spec}: {what[kind]}, FRACTION a number in (0, 1]") from None
+      raise TrustError(f"{flag} {spec}: {what[kind]}, FRACTION a number in (0, 1]") from None
     return getattr(compression, kind)(fraction), ef
   except (ValueError, TypeError) as e:
     if isinstance(e, TrustError):
       raise
-    raise TrustError(f"--compression {spec}: {_first_line(e)}") from None
+    raise TrustError(f"{flag} {spec}: {_first_line(e)}") from None
 
 
 def secure_options(value: Any) -> dict[str, Any]:
@@ -147,6 +156,11 @@ def check(config: dict[str, Any], names: list[str], registry) -> None:
       raise TrustError(f"--compression takes {COMPRESSION_GRAMMAR}; got {config['compression']!r}")
     config["compression"] = config["compression"].strip()
     compressor_of(config["compression"])
+  if config.get("downlink") is not None:
+    if not isinstance(config["downlink"], str):
+      raise TrustError(f"--downlink takes {COMPRESSION_GRAMMAR}; got {config['downlink']!r}")
+    config["downlink"] = config["downlink"].strip()
+    compressor_of(config["downlink"], "--downlink")
   secure = config.get("secure_aggregation")
   if secure is False:
     config["secure_aggregation"] = None
@@ -158,10 +172,15 @@ def check(config: dict[str, Any], names: list[str], registry) -> None:
   if not enabled(config):
     return
   what = (f"--compression {config['compression']}" if config.get("compression") is not None else
-          " ".join(filter(None, ("--secure-aggregation", config["secure_aggregation"]))))
+          " ".join(filter(None, ("--secure-aggregation", config["secure_aggregation"])))
+          if config.get("secure_aggregation") is not None else f"--downlink {config['downlink']}")
   refusal = registry.refuse_aggregation(what, names)
   if refusal:
     raise TrustError(refusal)
+  if config.get("downlink") is not None:
+    refusal = registry.refuse_downlink(f"--downlink {config['downlink']}", names)
+    if refusal:
+      raise TrustError(refusal)
 
 
 def default_rule(name: str):
@@ -235,6 +254,13 @@ def assemble(name: str, config: dict[str, Any], rule, corrupt, *, params, num_cl
     except (ValueError, TypeError) as e:
       raise TrustError(f"--compression {config['compression']}: {_first_line(e)}") from None
     used["compression"] = {"spec": config["compression"], "compressor": compressor.name, "error_feedback": ef}
+  if config.get("downlink") is not None:
+    compressor, ef = compressor_of(config["downlink"], "--downlink")
+    try:
+      rule = aggregators.chain(rule, compression.downlink(compressor, error_feedback=ef))
+    except (ValueError, TypeError) as e:
+      raise TrustError(f"--downlink {config['downlink']}: {_first_line(e)}") from None
+    used["downlink"] = {"spec": config["downlink"], "compressor": compressor.name, "error_feedback": ef}
   return rule, used
 
 
@@ -256,10 +282,13 @@ def secure_report(state, seeds: int) -> dict[str, Any]:
 
 
 def describe(config: dict[str, Any]) -> str:
-  """`, compression top_k:0.1:ef, secure aggregation` for the plots' titles; empty without either."""
+  """`, compression top_k:0.1:ef, secure aggregation, downlink top_k:0.1` for the plots' titles; empty without
+  any."""
   out = ""
   if config.get("compression") is not None:
     out += f", compression {config['compression']}"
+  if config.get("downlink") is not None:
+    out += f", downlink {config['downlink']}"
   if config.get("secure_aggregation") is not None:
     out += ", secure aggregation" + (f" ({config['secure_aggregation']})" if config["secure_aggregation"] else "")
   return out
