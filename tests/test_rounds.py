@@ -101,6 +101,30 @@ def test_without_an_aggregator_finiteness_is_judged_on_the_rows(rng):
   np.testing.assert_array_equal(out.write, [True, True, True, False])
 
 
+def test_without_an_aggregator_what_a_client_computed_beside_its_rows_is_judged_too(rng):
+  """`ClientOutput.checked`: a client whose rows are finite but whose loss is not (a value the algorithm reads) is
+  dropped and counted, and writes nothing; `every_client` makes every client take part, with data or not (weight
+  1, one step each with `full_participation_output`)."""
+  from fedjax_opt.core.rounds import every_client, full_participation_output
+  batches = _batches(rng, empty=(1,)).replace(weight=jnp.zeros((C,), jnp.float32))
+  params = {"w": jnp.zeros((D,), jnp.float32)}
+  table = per_client.init(params, N)
+
+  def update(shared, data, mask, row):
+    loss = jnp.where(jnp.sum(data["x"][0, 0]) > 0, jnp.inf, 0.0)  # not finite for some clients, by their data
+    return full_participation_output(row, (jax.tree.map(lambda r: r + 1.0, row),), loss, mask, checked=loss)
+
+  out = client_round("vmap", update, params, every_client(batches), tables=(table,), like=params)
+  x = np.asarray(batches.data["x"])
+  bad = np.sum(x[:, 0, 0], axis=-1) > 0
+  np.testing.assert_array_equal(np.asarray(out.agg.finite), ~bad)
+  assert int(out.agg.num_nonfinite) == int(bad.sum()) and bool(out.agg.accepted) == bool((~bad).any())
+  np.testing.assert_array_equal(np.asarray(out.write), ~bad)  # client 1, without data, took part and wrote if finite
+  np.testing.assert_array_equal(np.asarray(out.weights), np.ones(C))
+  stored = np.asarray(out.stored[0].table["w"])[np.asarray(batches.client_id)]
+  np.testing.assert_array_equal(stored, np.where(bad[:, None], 0.0, np.ones((C, D))))
+
+
 def test_fedavg_gives_a_client_without_steps_no_weight(rng):
   """FedAvg's new model is the weighted mean of the clients that stepped, not diluted by an empty one."""
   batches = _batches(rng, empty=(2,))

@@ -19,10 +19,13 @@ only to its neighbours, through a mixing matrix W `[N, N]` (symmetric,
 nonnegative, doubly stochastic, W_ij > 0 only on edges and the diagonal), or
 a time-varying sequence `[T, N, N]` used as W^(k) = W[k mod T] in round k.
 The factories take it as `graph=` (see `gossip`). Nodes are the client axis: `step`
-takes every node's data (C = N, `client_id = arange(N)`), computes the local
-work of all nodes through `core.client_map` (so it shards over devices like
-every other algorithm), and gossips with one matmul over the node axis
-(`core.mixing.mix`). Writing x `[N, ...]` for the stacked models, one round k:
+takes every node's data (C = N, `client_id = arange(N)`) and runs the local
+work of all nodes as one `core.rounds.client_round` without an aggregator
+(each node's model x_i, and for gradient tracking its last gradient, is its
+row of a per-node table; the nodes are mapped by the execution policy, so they
+shard over devices like every other algorithm). There is no server: the
+exchange is an aggregation over the graph, x ← W x, one matmul over the node
+axis (`core.mixing.mix`). Writing x `[N, ...]` for the stacked models, one round k:
 
 * `gossip` (adapt, then combine; decentralized FedAvg):
   x^{k+1} = W^(k) (x^k + Δ^k), Δ_i^k = the change of R local SGD(η) steps of
@@ -54,8 +57,13 @@ every other algorithm), and gossips with one matmul over the node axis
   example in a round keeps its previous gradient (no new information).
 
 A node whose local work is not finite (Δ_i, ∇f_i(x_i^k) or its loss) follows
-the library's rule (docs/architecture.md, "The round"): it keeps its rows
-(x_i, and y_i and its last gradient for gradient tracking). Our form of it
+the library's rule (docs/architecture.md, "The round"), in the form
+`core/rounds.py` states for a round without an aggregator: every node takes
+part every round, with data or not (`core.rounds.every_client`: its batch
+weight is not read), a node is finite when its new rows (x_i + Δ_i, or x_i and
+∇f_i(x_i^k)) and its loss are (`ClientOutput.checked`), and a node that is not
+is counted in `num_nonfinite` and keeps its rows (x_i, and y_i and its last
+gradient for gradient tracking). Our form of it
 for a graph (the papers do not treat it): the node is cut out of the graph
 for the round (`core.mixing.exclude`), its edges' weight moved onto the
 diagonal of its neighbours' rows, W̃_ii = W_ii + Σ_{j failed} W_ij. W̃ is
@@ -85,7 +93,7 @@ out of the graph sends and receives nothing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -96,9 +104,10 @@ from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core import per_client
-from fedjax_opt.core.local import cycle_steps, local_train, masked_mean_loss
-from fedjax_opt.core.server import finite_clients, finite_mean, keep_rows, zero_rows
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
+from fedjax_opt.core.local import LocalResult, cycle_steps, local_train, masked_mean_loss
+from fedjax_opt.core.rounds import ClientOutput, Round, client_round, every_client
+from fedjax_opt.core.server import finite_mean, keep_rows, zero_rows
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_full_participation, check_key, check_loss_fn, check_optional_int,
                                         check_positive, check_scalar)
 
@@ -144,19 +153,19 @@ def consensus_distance(table: PyTree) -> jax.Array:
   return mixing_lib.consensus_distance(table)
 
 
-def _metrics(loss: jax.Array, count: jax.Array, ok: jax.Array, dropped: jax.Array, table: PyTree, sent: jax.Array, received: jax.Array,
+def _metrics(out: Round, table: PyTree, sent: jax.Array, received: jax.Array,
              message_bytes: int) -> dict[str, jax.Array]:
-  """The round's `DECENTRALIZED_METRICS`; `ok` / `dropped` from `core.server.finite_clients`; `sent` / `received`
-  `[N]` count each node's messages of `message_bytes`."""
-  used = ok & (count > 0)
+  """The round's `DECENTRALIZED_METRICS` after the nodes' `client_round` `out`; `sent` / `received` `[N]` count each
+  node's messages of `message_bytes`."""
+  used = out.agg.finite & (out.results.num_examples > 0)
   mean_sent = jnp.mean(sent.astype(jnp.float32))
   values = {
-      "client_loss": finite_mean(loss, used),
+      "client_loss": finite_mean(out.results.loss, used),
       "consensus_distance": mixing_lib.consensus_distance(table),
       "bytes_sent": mean_sent * message_bytes,
       "bits_up": mean_sent * (8 * message_bytes),
       "bits_down": jnp.mean(received.astype(jnp.float32)) * (8 * message_bytes),
-      "num_nonfinite": dropped,
+      "num_nonfinite": out.agg.num_nonfinite,
   }
   return {name: jnp.asarray(values[name]).astype(dtype) for name, dtype in DECENTRALIZED_METRICS.items()}
 
@@ -187,6 +196,18 @@ def _check_step(name: str, batches: ClientBatches, n: int) -> None:
   check_full_participation(batches, n, ordered=True)
 
 
+def _node_round(mode: Any, node_update: Callable[..., ClientOutput], batches: ClientBatches, tables: tuple) -> Round:
+  """`core.rounds.client_round` of every node's local work (module docstring): every node takes part
+  (`every_client`, a step even without data) and its loss is judged with its new rows (`ClientOutput.checked`);
+  `node_update(data, mask, *rows) -> ClientOutput`."""
+
+  def update(_, data, mask, *rows):
+    out = node_update(data, mask, *rows)
+    return out._replace(result=out.result._replace(num_steps=jnp.ones((), jnp.int32)), checked=out.result.loss)
+
+  return client_round(mode, update, None, every_client(batches), tables=tables)
+
+
 def _local_sgd(name: str, loss_fn: LossFn, eta: Any, graph: Any, local_steps: int | None, adapt_then_combine: bool,
                allow_zero_eta: bool) -> FederatedAlgorithm:
   """`gossip` (adapt, then combine) and `dpsgd` (combine and adapt from x^k)."""
@@ -199,12 +220,11 @@ def _local_sgd(name: str, loss_fn: LossFn, eta: Any, graph: Any, local_steps: in
   mode = client_map_lib.FromPolicy()
   optimizer = optax.sgd(eta)
 
-  def node_update(_, node):
-    data, mask, x = node
+  def node_update(data, mask, x):
     if local_steps is not None:
       data, mask = cycle_steps(data, mask, local_steps)
     result = local_train(loss_fn, optimizer, x, data, mask)
-    return result.delta, result.loss, result.num_examples
+    return ClientOutput(result, rows=(jax.tree.map(jnp.add, x, result.delta),), extras=result.delta)
 
   def init(params: PyTree, key: jax.Array) -> DecentralizedState:
     return _initial_state(params, key, n, tracking=False)
@@ -213,16 +233,15 @@ def _local_sgd(name: str, loss_fn: LossFn, eta: Any, graph: Any, local_steps: in
     _check_step(name, batches, n)
     x = state.local_params
     dtype = jnp.result_type(*jax.tree.leaves(x))
-    delta, loss, count = client_map_lib.map_clients(mode, node_update, None, (materialize(batches.data), batches.mask, x))
-    ok, dropped = finite_clients(delta, loss)
-    delta = zero_rows(ok, delta)  # a NaN times a zero weight is still NaN
+    out = _node_round(mode, node_update, batches, (x,))
+    ok = out.agg.finite
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
-    if adapt_then_combine:
-      new = mixing_lib.mix(w, jax.tree.map(jnp.add, x, delta))
-    else:
-      new = jax.tree.map(jnp.add, mixing_lib.mix(w, x), delta)
+    if adapt_then_combine:  # x + Δ, written by the round where finite (x kept elsewhere)
+      new = mixing_lib.mix(w, out.stored[0].table)
+    else:  # a NaN times a zero weight is still NaN: a dropped node's Δ is zeroed
+      new = jax.tree.map(jnp.add, mixing_lib.mix(w, x), zero_rows(ok, out.extras))
     table = keep_rows(ok, new, x)
-    metrics = _metrics(loss, count, ok, dropped, table, mixing_lib.messages_sent(w), mixing_lib.messages_received(w),
+    metrics = _metrics(out, table, mixing_lib.messages_sent(w), mixing_lib.messages_received(w),
                        mixing_lib.model_bytes(state.params))
     return state.replace(params=_average(table, state.params), local_params=table, round=state.round + 1,
                          metrics=metrics)
@@ -357,11 +376,11 @@ def gradient_tracking(
   mode = client_map_lib.FromPolicy()
   grad_fn = jax.value_and_grad(masked_mean_loss, argnums=1, has_aux=True)
 
-  def node_gradient(_, node):
-    data, mask, x = node
+  def node_gradient(data, mask, x, _):
     batch = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), data)
     (loss, count), g = grad_fn(loss_fn, x, batch, mask.reshape(-1))
-    return g, loss, count
+    result = LocalResult(delta=g, loss=loss, num_examples=count, num_steps=None)
+    return ClientOutput(result, rows=(x, g), writes=count > 0)  # no data: the last gradient (no change to y)
 
   def init(params: PyTree, key: jax.Array) -> DecentralizedState:
     return _initial_state(params, key, n, tracking=True)
@@ -370,9 +389,8 @@ def gradient_tracking(
     _check_step("gradient_tracking", batches, n)
     x, y, g_old = state.local_params, state.tracker, state.gradients
     dtype = jnp.result_type(*jax.tree.leaves(x))
-    g, loss, count = client_map_lib.map_clients(mode, node_gradient, None, (materialize(batches.data), batches.mask, x))
-    ok, dropped = finite_clients(g, loss)
-    g = keep_rows(ok & (count > 0), g, g_old)  # no data, or not finite: the last gradient (no change to y)
+    out = _node_round(mode, node_gradient, batches, (x, g_old))
+    ok, g = out.agg.finite, out.stored[1].table  # ∇f_i(x_i) where finite with data, else the last one
     w_x = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, dtype), ok)
     w_y = mixing_lib.exclude(mixing_lib.at_round(mix, state.round - 1, dtype), ok)
     y_new = jax.tree.map(lambda a, b, c: a + b - c, mixing_lib.mix(w_y, y), g, g_old)
@@ -382,7 +400,7 @@ def gradient_tracking(
     tracker = keep_rows(ok, y_new, y)
     sent = mixing_lib.messages_sent(w_x) + mixing_lib.messages_sent(w_y)
     received = mixing_lib.messages_received(w_x) + mixing_lib.messages_received(w_y)
-    metrics = _metrics(loss, count, ok, dropped, table, sent, received, mixing_lib.model_bytes(state.params))
+    metrics = _metrics(out, table, sent, received, mixing_lib.model_bytes(state.params))
     return state.replace(params=_average(table, state.params), local_params=table, tracker=tracker, gradients=g,
                          round=state.round + 1, metrics=metrics)
 

@@ -59,7 +59,10 @@ between the components).
 
 D-FedEM (`d_fedem`), the paper's fully decentralized variant: no server,
 every node keeps its own components and averages them with its neighbours
-through the graph's mixing matrix after its local EM step (see `d_fedem`). Its metrics
+through the graph's mixing matrix after its local EM step (see `d_fedem`): the
+local steps are one `core.rounds.client_round` without an aggregator (a node's
+Θ_t and π_t are its rows of per-node tables), and the exchange is an
+aggregation over the graph, Θ ← W (Θ + Δ) (`core.mixing.mix`). Its metrics
 (`DFedEMState`) count what a node sends as in `gossip`, its M components per
 message: `bytes_sent` = (1/N) Σ_j #{i ≠ j : W̃_ij ≠ 0} × 4 M P (P the
 parameters of one component, float32), `bits_up` = 8 × `bytes_sent`, and
@@ -85,9 +88,8 @@ from fedjax_opt.core import mixing as mixing_lib
 from fedjax_opt.core.averaging import initial_fields
 from fedjax_opt.core.local import LocalResult, local_train
 from fedjax_opt.core.rounds import ClientOutput, client_round
-from fedjax_opt.core.server import apply_server_update, finite_clients, finite_mean, keep_rows, zero_rows
-from fedjax_opt.core.types import (ClientBatches, FederatedAlgorithm, LossFn, PyTree, has_local_split, materialize,
-                                   with_local_split)
+from fedjax_opt.core.server import apply_server_update, finite_mean, keep_rows
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, has_local_split, with_local_split
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_full_participation, check_int,
                                         check_key, check_loss_fn, check_num_clients, check_optimizer, check_positive)
 
@@ -386,8 +388,11 @@ def d_fedem(
 
   with W^(k) the mixing matrix of `graph` over the N nodes; π_t never leaves node t. With W = 11ᵀ/N every
   node holds the same components after each round and the round is FedEM's with uniform weights (equal n_t:
-  FedEM's own). A node whose step is not finite follows the library's rule (docs/architecture.md, "The
-  round"), keeping Θ_t and π_t, and is cut out of the graph for the round as in `gossip`.
+  FedEM's own). The client step is `core.rounds.client_round` without an aggregator, under its rules for
+  such a round (docs/architecture.md, "The round") with every node taking part every round (with data or
+  not; the batch weight is not read): a node is finite when its new rows Θ_t + Δ_t and π_t and its loss
+  (`ClientOutput.checked`) are; one that is not is counted in `num_nonfinite`, keeps Θ_t and π_t, and
+  is cut out of the graph for the round as in `gossip`.
 
   Args:
     loss_fn: per-example loss −log p_θ(y | x) of one component.
@@ -411,10 +416,10 @@ def d_fedem(
   n = mix.num_nodes
   mode = client_map_lib.FromPolicy()
 
-  def node_update(local, _, node):
-    data, mask, comps, pi = node
+  def node_update(local, _, data, mask, comps, pi):
     result, new_pi = _client_em(loss_fn, client_optimizer, comps, data, mask, pi, local)
-    return result.delta, new_pi, result.loss, result.num_examples
+    every_node = result._replace(num_steps=jnp.ones((), jnp.int32))  # every node takes part, with data or not
+    return ClientOutput(every_node, rows=(jax.tree.map(jnp.add, comps, result.delta), new_pi), checked=result.loss)
 
   def summary(table):
     return {"components": jax.tree.map(lambda t: jnp.mean(t, axis=0), table["components"]),
@@ -439,15 +444,13 @@ def d_fedem(
     check_full_participation(batches, n, ordered=True)
     comps, weights = state.local_params["components"], state.local_params["weights"]
     data, local = _round_data("d_fedem", e_step, batches.data)
-    delta, new_pi, loss, count = client_map_lib.map_clients(
-        mode, functools.partial(node_update, local), None, (materialize(data), batches.mask, comps, weights))
-    ok, num_nonfinite = finite_clients(delta, new_pi, loss)
-    rows = lambda new, old: keep_rows(ok, new, old)  # noqa: E731
-    delta = zero_rows(ok, delta)
+    out = client_round(mode, functools.partial(node_update, local), None,
+                       batches.replace(data=data, weight=jnp.ones_like(batches.weight)), tables=(comps, weights))
+    ok, num_nonfinite, loss = out.agg.finite, out.agg.num_nonfinite, out.results.loss
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, jnp.result_type(*jax.tree.leaves(comps))), ok)
-    new_comps = rows(mixing_lib.mix(w, jax.tree.map(jnp.add, comps, delta)), comps)
-    table = {"components": new_comps, "weights": rows(new_pi, weights)}
-    used = ok & (count > 0)
+    new_comps = keep_rows(ok, mixing_lib.mix(w, out.stored[0].table), comps)  # Θ + Δ written where finite
+    table = {"components": new_comps, "weights": out.stored[1].table}
+    used = ok & (out.results.num_examples > 0)
     message_bytes = mixing_lib.model_bytes(jax.tree.map(lambda t: t[0], comps))  # one node's M components
     sent = jnp.mean(mixing_lib.messages_sent(w).astype(jnp.float32)) * message_bytes
     received = jnp.mean(mixing_lib.messages_received(w).astype(jnp.float32)) * message_bytes

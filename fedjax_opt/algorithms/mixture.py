@@ -69,13 +69,21 @@ uniformly. `state.params` is the average model x̄ (what a global evaluation
 sees); the personalized models are `state.local_params` (leaves `[n, ...]`),
 read with `fo.personalized_params(state, client_id)`.
 
-Non-finite clients (all three; the library's rule, docs/architecture.md
-"The round", in these algorithms' terms). Every iteration each client computes its gradient
-(∇f_i(x_i), or ∇f_ij(x_i)) and its candidate new x_i (L2SGD+: also its new
-Ψ_i = λ(x_i − x̄), and its new J_ij is the gradient). A client for which any of
-these holds a NaN or Inf (`core.server.finite_clients`) sits the iteration
-out, whatever the coin: it keeps its last finite x_i and its J_i and Ψ_i rows
-(`per_client.scatter` with a write mask). Its stored x_i, finite, still counts in
+The round (all three) is `core.rounds.client_round` without an aggregator
+(the server averages no update: x̄ is the exact mean of the table), every
+client taking part every iteration whatever its data or `weight`
+(`core.rounds.every_client`, `full_participation_output`). Non-finite clients (the library's rule,
+docs/architecture.md "The round", in these algorithms' terms): every
+iteration each client computes its gradient (∇f_i(x_i), or ∇f_ij(x_i)) and
+its candidate new x_i (L2SGD+: also its new Ψ_i = λ(x_i − x̄), and its new
+J_ij is the gradient). A client for which any of these holds a NaN or Inf
+sits the iteration out, whatever the coin: the round's rule without an
+aggregator (a client is finite when its new rows and what else it computed,
+`ClientOutput.checked`, are) drops it, counts it in `num_nonfinite` and
+keeps its last finite x_i and Ψ_i rows (a local step hands Ψ_i back unchanged: the round
+writes x_i and Ψ_i under one mask); its J_ij is not written either (L2SGD+
+writes the one sampled row J_ij after the round, under the round's mask).
+Its stored x_i, finite, still counts in
 x̄ = (1/n) Σ_i x_i: it is the client's last finite model. So the tables, x̄ and
 `state.params` never hold a non-finite value and no other client's model is
 touched. With every client finite, the iterates are unchanged bit for bit.
@@ -102,9 +110,10 @@ from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core.differentiation import refuse_derivative
 from fedjax_opt.core.local import as_single_step, local_train, masked_mean_loss
-from fedjax_opt.core.server import finite_clients, finite_mean
-from fedjax_opt.core.tree import tree_bits
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
+from fedjax_opt.core.rounds import client_round, every_client, full_participation_output
+from fedjax_opt.core.server import finite_mean
+from fedjax_opt.core.tree import select_tree, tree_bits
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key, check_loss_fn,
                                         check_num_clients, check_positive, check_probability, is_concrete)
 from fedjax_opt.objectives import average, consensus_penalty
@@ -307,45 +316,21 @@ def _initial_communication_metrics() -> dict[str, jax.Array]:
           "bits_up": jnp.zeros((), jnp.float32), "bits_down": jnp.zeros((), jnp.float32)}
 
 
-def _full_gradient(loss_fn: LossFn):
-  """Client function: (∇f_i(x_i), f_i(x_i)) over all the client's real examples."""
-
-  def fn(_, client):
-    x, data, mask = client
-    result = local_train(loss_fn, optax.sgd(1.0), x, *as_single_step(data, mask))
-    return jax.tree.map(jnp.negative, result.delta), result.loss
-
-  return fn
-
-
 def _flatten_examples(data: PyTree, mask: jax.Array) -> tuple[PyTree, jax.Array]:
   """A client's `[S, B, ...]` slots as `[m, ...]` examples, m = S·B."""
   folded, folded_mask = as_single_step(data, mask)
   return jax.tree.map(lambda a: a[0], folded), folded_mask[0]
 
 
-def _sample_example(key: jax.Array, mask: jax.Array) -> jax.Array:
-  """j uniform over the real examples (`mask` `[m]`); 0 when there is none."""
-  logits = jnp.where(mask | ~jnp.any(mask), 0.0, -jnp.inf)
-  return jax.random.categorical(key, logits)
-
-
-def _example_gradient(loss_fn: LossFn, x: PyTree, examples: PyTree, j: jax.Array, has_data: jax.Array) -> PyTree:
-  """∇f_ij(x), zero for a client with no real example."""
+def _sampled_gradient(loss_fn: LossFn, x: PyTree, data: PyTree, mask: jax.Array,
+                      key: jax.Array) -> tuple[jax.Array, PyTree, jax.Array]:
+  """(j, ∇f_ij(x), m): j uniform over the client's real examples (0 when there is none, and then ∇ = 0),
+  m `[S·B]` the mask of its example slots."""
+  examples, m = _flatten_examples(data, mask)
+  j = jax.random.categorical(key, jnp.where(m | ~jnp.any(m), 0.0, -jnp.inf))
   one = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=True), examples)
   grad = jax.grad(lambda w: masked_mean_loss(loss_fn, w, one, jnp.ones((1,), bool))[0])(x)
-  return jax.tree.map(lambda g: jnp.where(has_data, g, jnp.zeros_like(g)), grad)
-
-
-def _sampled_gradient(loss_fn: LossFn):
-  """Client function: ∇f_ij(x_i) for one example j drawn uniformly from the client's real examples."""
-
-  def fn(_, client):
-    x, data, mask, key = client
-    examples, m = _flatten_examples(data, mask)
-    return _example_gradient(loss_fn, x, examples, _sample_example(key, m), jnp.any(m))
-
-  return fn
+  return j, jax.tree.map(lambda g: jnp.where(jnp.any(m), g, jnp.zeros_like(g)), grad), m
 
 
 def _move(x: PyTree, direction: PyTree, scale: Any) -> PyTree:
@@ -377,27 +362,30 @@ def _loopless_local(loss_fn, lam, alpha, p, num_clients, stochastic, smoothness)
         metrics=metrics,
     )
 
+  def client_update(shared, data, mask, x):
+    x_bar, coin = shared
+    if stochastic:
+      data, key = data
+      _, grad, _ = _sampled_gradient(loss_fn, x, data, mask, key)
+      loss = jnp.zeros((), jnp.float32)  # unused: L2SGD reports no objective
+    else:
+      result = local_train(loss_fn, optax.sgd(1.0), x, *as_single_step(data, mask))
+      grad, loss = jax.tree.map(jnp.negative, result.delta), result.loss
+    local = _move(x, grad, alpha / (n * (1.0 - p)))
+    toward = _move(x, jax.tree.map(jnp.subtract, x, x_bar), alpha * lam / (n * p))
+    return full_participation_output(x, (select_tree(coin, toward, local),), loss, mask, checked=grad)
+
   def step(state: L2GDState, batches: ClientBatches) -> L2GDState:
     check_full_participation(batches, n)
     key, coin, sample_key = _flip_coin(state, p)
-    x = per_client.gather(state.local_params, batches.client_id)
-    if stochastic:
-      keys = jax.random.split(sample_key, n)
-      grads = client_map_lib.map_clients(mode, _sampled_gradient(loss_fn), None,
-                                         (x, materialize(batches.data), batches.mask, keys))
-    else:
-      grads, losses = client_map_lib.map_clients(mode, _full_gradient(loss_fn), None,
-                                                 (x, materialize(batches.data), batches.mask))
-    x_bar = average(state.local_params)
-    local = _move(x, grads, alpha / (n * (1.0 - p)))
-    toward = _move(x, jax.tree.map(jnp.subtract, x, x_bar), alpha * lam / (n * p))
-    new_x = jax.tree.map(lambda a, b: jnp.where(coin, a, b), toward, local)
-    finite, num_nonfinite = finite_clients(grads, new_x)
-    table = per_client.scatter(state.local_params, batches.client_id, new_x, finite).table
-    metrics = {**_communication_metrics(state, coin), "num_nonfinite": num_nonfinite}
+    keys = (jax.random.split(sample_key, n),) if stochastic else ()
+    out = client_round(mode, client_update, (average(state.local_params), coin), every_client(batches, *keys),
+                       tables=(state.local_params,))
+    table = out.stored[0].table
+    metrics = {**_communication_metrics(state, coin), "num_nonfinite": out.agg.num_nonfinite}
     metrics.update(_bits_metrics(metrics["communicated"], 1, state.params))
     if not stochastic:
-      objective = finite_mean(losses) + lam * consensus_penalty(state.local_params)
+      objective = finite_mean(out.results.loss) + lam * consensus_penalty(state.local_params)
       metrics["objective"] = objective.astype(state.metrics["objective"].dtype)
     return L2GDState(params=average(table), local_params=table, previous_coin=coin, round=state.round + 1,
                      key=key, metrics=metrics)
@@ -462,27 +450,6 @@ l2sgd = execution.accepts_policy_keywords(l2sgd, refuses_aggregator=(
 
 
 # ----------------------------------------------------------------------------- L2SGD+
-
-
-def _sampled_with_table(loss_fn: LossFn):
-  """Client function for L2SGD+: (j, ∇f_ij(x_i), J_ij, J̄_i), j uniform over the client's real examples.
-
-  The table is only read here; the new J_ij is written outside the client map,
-  one row per client (`_write_sampled_rows`), so an iteration writes n rows of
-  J, not n·m.
-  """
-
-  def fn(_, client):
-    x, data, mask, key, table = client
-    examples, m = _flatten_examples(data, mask)
-    j = _sample_example(key, m)
-    grad = _example_gradient(loss_fn, x, examples, j, jnp.any(m))
-    old = jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, j, keepdims=False), table)
-    count = jnp.maximum(jnp.sum(m), 1)
-    mean = jax.tree.map(lambda t: jnp.tensordot(m.astype(t.dtype), t, axes=1) / count.astype(t.dtype), table)
-    return j, grad, old, mean
-
-  return fn
 
 
 def _write_sampled_rows(table: PyTree, client_id: jax.Array, example: jax.Array, rows: PyTree,
@@ -626,6 +593,21 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
         **master,
     )
 
+  def client_update(shared, data, mask, x, psi):
+    x_bar, coin = shared
+    data, key, table = data  # J_i is only read here; its one new row J_ij is written after the round
+    j, grad, m = _sampled_gradient(loss_fn, x, data, mask, key)
+    old = jax.tree.map(lambda t: jax.lax.dynamic_index_in_dim(t, j, keepdims=False), table)
+    count = jnp.maximum(jnp.sum(m), 1)
+    mean = jax.tree.map(lambda t: jnp.tensordot(m.astype(t.dtype), t, axes=1) / count.astype(t.dtype), table)
+    pull = jax.tree.map(lambda a, b: lam * (a - b), x, x_bar)  # λ(x_i − x̄)
+    local = jax.tree.map(lambda g, o, jm, ps: (g - o) / (1.0 - p) + jm + ps, grad, old, mean, psi)
+    toward = jax.tree.map(lambda pl, jm, ps: (pl - ps) / p + jm + ps, pull, mean, psi)
+    new_x = _move(x, select_tree(coin, toward, local), alpha / n)
+    # Ψ_i ← λ(x_i − x̄) at an aggregation step; a local step hands the row back unchanged.
+    return full_participation_output(x, (new_x, select_tree(coin, pull, psi)), jnp.zeros((), jnp.float32), mask,
+                                     checked=(grad, pull), extras=(j, grad))
+
   def step(state: L2SGDPlusState, batches: ClientBatches) -> L2SGDPlusState:
     check_full_participation(batches, n)
     if batches.local_steps * batches.batch_size != m:
@@ -633,12 +615,6 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
                        f"S·B = {batches.local_steps}·{batches.batch_size}.")
     key, coin, sample_key = _flip_coin(state, p)
     ids = batches.client_id
-    x = per_client.gather(state.local_params, ids)
-    psi = per_client.gather(state.aggregation_control, ids)
-    table = per_client.gather(state.gradient_table, ids)
-    keys = jax.random.split(sample_key, n)
-    j, grad, old, mean = client_map_lib.map_clients(
-        mode, _sampled_with_table(loss_fn), None, (x, materialize(batches.data), batches.mask, keys, table))
     x_bar = average(state.local_params)
     metrics = _communication_metrics(state, coin)
     if efficient:
@@ -649,23 +625,22 @@ def l2sgd_plus(loss_fn: LossFn, lam: Any, alpha: Any, p: Any, *, num_clients: in
     metrics["num_vectors_sent"] = state.metrics["num_vectors_sent"] + vectors_per_communication * (
         metrics["communicated"].astype(jnp.int32))
     metrics.update(_bits_metrics(metrics["communicated"], vectors_per_communication, state.params))
-    pull = jax.tree.map(lambda a, b: lam * (a - b), x, x_bar)  # λ(x_i − x̄)
-    local = jax.tree.map(lambda g, o, jm, ps: (g - o) / (1.0 - p) + jm + ps, grad, old, mean, psi)
-    toward = jax.tree.map(lambda pl, jm, ps: (pl - ps) / p + jm + ps, pull, mean, psi)
-    direction = jax.tree.map(lambda a, b: jnp.where(coin, a, b), toward, local)
-    new_x = _move(x, direction, alpha / n)
-    finite, metrics["num_nonfinite"] = finite_clients(grad, pull, new_x)
+    inputs = (jax.random.split(sample_key, n), per_client.gather(state.gradient_table, ids))
+    out = client_round(mode, client_update, (x_bar, coin), every_client(batches, *inputs),
+                       tables=(state.local_params, state.aggregation_control))
+    j, grad = out.extras
+    metrics["num_nonfinite"] = out.agg.num_nonfinite
     master = {}
     if efficient:
-      known, drift_known, centered = _master_knowledge(state, coin, first, jnp.all(finite))
+      known, drift_known, centered = _master_knowledge(state, coin, first, jnp.all(out.write))
       master = dict(master_average=x_bar, master_drift=drift, average_known=known, drift_known=drift_known,
                     control_centered=centered)
-    local_params = per_client.scatter(state.local_params, ids, new_x, finite).table
+    local_params = out.stored[0].table
     return L2SGDPlusState(
         params=average(local_params),
         local_params=local_params,
-        gradient_table=_write_sampled_rows(state.gradient_table, ids, j, grad, finite & ~coin),
-        aggregation_control=per_client.scatter(state.aggregation_control, ids, pull, finite & coin).table,
+        gradient_table=_write_sampled_rows(state.gradient_table, ids, j, grad, out.write & ~coin),
+        aggregation_control=out.stored[1].table,
         previous_coin=coin,
         round=state.round + 1,
         key=key,

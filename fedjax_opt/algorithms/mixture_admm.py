@@ -118,9 +118,14 @@ max_i ‖x_i − x̄ + (1/λ)∇f_i(x_i)‖ at x^{k+1} (+inf when λ = 0) and
 defined at λ = 0), `bits_up` and `bits_down` (32 P each, float32; above).
 The residuals cost one extra gradient per client per round.
 
+The clients' round is `core.rounds.client_round` without an aggregator (the
+z-update reads the exact mean x̄ of the table), every client taking part every
+round whatever its data or `weight`, as in `algorithms/mixture.py`.
 Non-finite clients (the library's rule, docs/architecture.md "The round", in
-ADMM terms). A client whose x_i^{k+1} or gradient holds a NaN or Inf (a NaN
-in its data, say) makes no step: its x_i stays at its last finite value (in
+ADMM terms, applied by the round: a client is finite when its new x_i, its
+loss and its gradient are, `ClientOutput.checked`). A
+client whose x_i^{k+1}, loss or gradient holds a NaN or Inf (a NaN in its
+data, say) makes no step: its x_i stays at its last finite value (in
 the table, and so in x̄ = (1/n) Σ_i x_i, where the block of a
 client that did not move belongs: x_i is a variable of Φ whichever value it
 holds, and ADMM with one block's update replaced by "keep x_i" is still the
@@ -152,9 +157,10 @@ from fedjax_opt.core import execution
 from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core.local import masked_mean_loss
-from fedjax_opt.core.server import finite_clients, finite_mean
+from fedjax_opt.core.rounds import client_round, every_client, full_participation_output
+from fedjax_opt.core.server import finite_mean
 from fedjax_opt.core.tree import global_norm, tree_bits
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_key, check_loss_fn,
                                         check_num_clients, check_positive, is_concrete)
 from fedjax_opt.objectives import average, consensus_penalty
@@ -264,11 +270,12 @@ def mixture_admm(
   mode = client_map_lib.FromPolicy()
   value_and_grad = jax.value_and_grad(masked_mean_loss, argnums=1, has_aux=True)
 
-  def client_update(penalty, client):
-    data, mask, x_i, v_i = client
+  def client_update(shared, data, mask, x_i):
+    penalty, broadcast = shared
+    v_i = jax.tree.map(lambda xi, b: (rho * xi + b) / penalty, x_i, broadcast)
     new_x = prox_lib.prox_update(loss_fn, prox, client_optimizer, local_steps, v_i, penalty, x_i, data, mask)
     (loss, _), grad = value_and_grad(loss_fn, new_x, *prox_lib.client_examples(data, mask))
-    return new_x, loss, grad
+    return full_participation_output(x_i, (new_x,), loss, mask, checked=(loss, grad), extras=grad)
 
   def init(params: PyTree, key: jax.Array) -> MixtureADMMState:
     check_key(key)
@@ -284,18 +291,14 @@ def mixture_admm(
 
   def step(state: MixtureADMMState, batches: ClientBatches) -> MixtureADMMState:
     check_full_participation(batches, n)
-    ids = batches.client_id
     z, y = state.params, state.dual
-    x = per_client.gather(state.local_params, ids)
-    x_bar = average(state.local_params)
-    penalty = lam + rho
     # v_i = (ρ(x_i + κ(z − x̄)) − y)/(λ+ρ): the server broadcasts ρκ(z − x̄) − y.
-    broadcast = jax.tree.map(lambda zz, xb, yy: rho * kappa * (zz - xb) - yy, z, x_bar, y)
-    v = jax.tree.map(lambda xi, b: (rho * xi + b) / penalty, x, broadcast)
-    new_x, losses, grads = client_map_lib.map_clients(mode, client_update, penalty,
-                                                      (materialize(batches.data), batches.mask, x, v))
-    finite, num_nonfinite = finite_clients(new_x, losses, grads)  # a non-finite client keeps its x_i (docstring)
-    local_params = per_client.scatter(state.local_params, ids, new_x, finite).table
+    broadcast = jax.tree.map(lambda zz, xb, yy: rho * kappa * (zz - xb) - yy, z, average(state.local_params), y)
+    out = client_round(mode, client_update, (lam + rho, broadcast), every_client(batches),
+                       tables=(state.local_params,))
+    finite, grads, losses = out.write, out.extras, out.results.loss  # a non-finite client keeps its x_i (docstring)
+    local_params = out.stored[0].table
+    new_x = per_client.gather(local_params, batches.client_id)  # x_i^{k+1} as stored, in batch order
     new_x_bar = average(local_params)
     new_z = jax.tree.map(lambda yy, xb, zz: ((yy / kappa + rho * xb) / (rho - lam / kappa)).astype(zz.dtype),
                          y, new_x_bar, z)
@@ -315,7 +318,7 @@ def mixture_admm(
         "dual_residual": rho * np.sqrt(n) * global_norm(jax.tree.map(jnp.subtract, new_z, z)),
         "stationarity": stationarity,
         "gradient_residual": gradient_residual,
-        "num_nonfinite": num_nonfinite,
+        "num_nonfinite": out.agg.num_nonfinite,
         "bits_up": message,
         "bits_down": message,
     }

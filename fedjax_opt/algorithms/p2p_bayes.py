@@ -39,8 +39,16 @@ doubly stochastic W is uniform; Lalitha et al. 2018, Theorem 1, with
 v_j = 1/N): the belief on every wrong hypothesis decays exponentially, at
 the network-average KL rate, at every node.
 
-A node whose log-likelihoods of the round are not all finite follows the
-library's rule (docs/architecture.md, "The round"): it keeps its belief, and
+The local update is one `core.rounds.client_round` without an aggregator
+(node i's log b_i is its row of the per-node table of beliefs; its new row is
+log b̃_i), and there is no server: the geometric averaging is the exchange,
+an aggregation over the graph, log b ← W log b̃ (`core.mixing.mix`), then
+normalized. A node whose log-likelihoods of the round are not all finite
+follows the library's rule (docs/architecture.md, "The round"), in the form
+`core/rounds.py` states for a round without an aggregator (every node takes
+part every round, with data or not, its batch weight not read; it is finite
+when its new row log b̃_i = log b_i + log-likelihoods, normalized, is): it is
+counted in `num_nonfinite`, keeps its belief, and
 (our form for a graph; the paper does not treat it) is cut out of the graph
 for the round as in `gossip` (`core.mixing.exclude`), so nothing of it
 spreads. A likelihood of exactly 0 (log = −∞) counts as non-finite: give
@@ -72,8 +80,10 @@ import numpy as np
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
 from fedjax_opt.core import mixing as mixing_lib
-from fedjax_opt.core.server import finite_clients, keep_rows, zero_rows
-from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
+from fedjax_opt.core.local import LocalResult
+from fedjax_opt.core.rounds import ClientOutput, client_round
+from fedjax_opt.core.server import keep_rows
+from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree
 from fedjax_opt.core.validation import (check_full_participation, check_int, check_key, check_loss_fn,
                                         check_per_example_loss, is_concrete)
 
@@ -207,8 +217,7 @@ def p2p_bayes(
   mode = client_map_lib.FromPolicy()
   one = jax.tree.map(lambda h: jax.ShapeDtypeStruct(jnp.shape(h)[1:], jnp.result_type(h)), hypotheses)
 
-  def node_log_likelihood(thetas, node):
-    data, mask = node
+  def node_update(thetas, data, mask, old):
     batch = jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), data)
     m = mask.reshape(-1)
 
@@ -217,7 +226,11 @@ def p2p_bayes(
       check_per_example_loss(losses, m.shape[0])
       return -jnp.sum(jnp.where(m, losses, jnp.zeros_like(losses)))
 
-    return jax.vmap(one_hypothesis)(thetas)  # over the K hypotheses, inside one node (nodes go through client_map)
+    log_lik = jax.vmap(one_hypothesis)(thetas).astype(old.dtype)  # over the K hypotheses, inside one node
+    local = old + log_lik  # the local posterior log b̃_i: not finite where a log-likelihood is not
+    result = LocalResult(delta=log_lik, loss=jnp.zeros(()), num_examples=jnp.sum(m, dtype=old.dtype),
+                         num_steps=jnp.ones((), jnp.int32))  # every node takes part (no example: b̃_i = b_i)
+    return ClientOutput(result, rows=(local - jax.scipy.special.logsumexp(local),))
 
   def summarize(log_beliefs, like):
     node_map = jnp.argmax(log_beliefs, axis=1)
@@ -248,13 +261,11 @@ def p2p_bayes(
                        f"C = N = {n} (row i = node i); got C = {batches.num_clients}.")
     check_full_participation(batches, n, ordered=True)
     old = state.log_beliefs
-    log_lik = client_map_lib.map_clients(mode, node_log_likelihood, hypotheses, (materialize(batches.data), batches.mask))
-    log_lik = log_lik.astype(old.dtype)
-    ok, num_nonfinite = finite_clients(log_lik)
-    local = old + zero_rows(ok, log_lik)
-    local = local - jax.scipy.special.logsumexp(local, axis=1, keepdims=True)
+    out = client_round(mode, node_update, hypotheses, batches.replace(weight=jnp.ones_like(batches.weight)),
+                       tables=(old,))
+    ok, num_nonfinite = out.agg.finite, out.agg.num_nonfinite
     w = mixing_lib.exclude(mixing_lib.at_round(mix, state.round, old.dtype), ok)
-    mixed = jnp.matmul(w, local, precision=jax.lax.Precision.HIGHEST)
+    mixed = mixing_lib.mix(w, out.stored[0].table)  # b̃_i written where finite; a dropped node's b_i is cut out
     mixed = mixed - jax.scipy.special.logsumexp(mixed, axis=1, keepdims=True)
     log_beliefs = keep_rows(ok, mixed, old)
     best, table, agree = summarize(log_beliefs, state.params)

@@ -45,9 +45,14 @@ The rules, the same for every algorithm:
   gathers its own clients' examples from the shared store inside the loop,
   so the round never holds the `[C, S, B, ...]` batch; otherwise the data is
   gathered once, before the map, as any other data.
-* Without an aggregator (EASGD, FedU: the server does not average updates)
-  a client is finite when its new rows are, and the round is accepted when
-  at least one client wrote.
+* Without an aggregator (EASGD, FedU, the mixtures, the decentralized nodes:
+  the server does not average updates) a client is finite when its new rows
+  are, and whatever else it computed that the algorithm reads
+  (`ClientOutput.checked`), and the round is accepted when at least one
+  client wrote. A family in which every client takes part every round
+  whatever its data (the mixtures, a graph's nodes) gives the round
+  `every_client(batches)` and has each client report one step
+  (`full_participation_output`).
 * The client stage (`Aggregator.client`, e.g. `fedjax_opt.compression.compress`
   chained before the aggregator by `fedjax_opt.aggregators.chain`): the
   first piece of the seam, before the aggregator (and so before DP clipping
@@ -103,9 +108,11 @@ from fedjax_opt.core.local import LocalResult
 from fedjax_opt.core.server import (Aggregated, aggregate_updates, check_declared_privacy, client_is_finite,
                                     finish_aggregation, finite_clients, round_metrics, zero_nonfinite)
 from fedjax_opt.core.tree import tree_bits
-from fedjax_opt.core.types import Aggregator, ClientBatches, ClientStage, DeferredData, PyTree, StagedState
+from fedjax_opt.core.types import (Aggregator, ClientBatches, ClientStage, DeferredData, PyTree, StagedState,
+                                   materialize)
 
-__all__ = ["ClientOutput", "Round", "client_round", "init_aggregator_state"]
+__all__ = ["ClientOutput", "Round", "client_round", "every_client", "full_participation_output",
+           "init_aggregator_state"]
 
 MESSAGE_STREAMS = (0x636F6D70, 0x6374726C)
 """Folded into the round's aggregator key to make the client stage's keys, one per kind of message: the
@@ -128,6 +135,10 @@ class ClientOutput(NamedTuple):
     slot: optional scalar int, the slot its messages belong to (IFCA's cluster
       choice), for a client stage whose rows are `[K, ...]` (module docstring);
       None: each row is shaped like its message.
+    checked: what else the client computed that must be finite for it to
+      count, without an aggregator (a gradient or a loss the algorithm reads
+      beside its new rows: a mixture's ∇f_i at an aggregation step); None:
+      its rows alone.
   """
 
   result: LocalResult
@@ -137,6 +148,7 @@ class ClientOutput(NamedTuple):
   writes: jax.Array | None = None
   uploads: tuple = ()
   slot: jax.Array | None = None
+  checked: PyTree = None
 
 
 class Round(NamedTuple):
@@ -175,6 +187,24 @@ class Round(NamedTuple):
     agg = self.agg if update is None else self.agg._replace(update=update)
     return round_metrics(self.results.loss, self.results.num_examples, self.weights, agg,
                          bits_up=self.bits_up, bits_down=self.bits_down)
+
+
+def every_client(batches: ClientBatches, *inputs: PyTree) -> ClientBatches:
+  """`batches` for a family whose every client takes part every round whatever its data (a mixture's clients, a
+  graph's nodes): weight 1 each (such objectives weight clients uniformly; the clients report a step with
+  `full_participation_output`), and `inputs` (leaves `[C, ...]`, row c for slot c: per-client keys, rows of a
+  table the client only reads) riding with each client's data, `(data, *inputs)`, materialized."""
+  data = (materialize(batches.data),) + inputs if inputs else batches.data
+  return batches.replace(data=data, weight=jnp.ones_like(batches.weight))
+
+
+def full_participation_output(model: PyTree, rows: tuple, loss: jax.Array, mask: jax.Array, *,
+                              checked: PyTree = None, extras: Any = None) -> ClientOutput:
+  """One client's `ClientOutput` in a round of `every_client`: it takes part (one step, whatever its data), its
+  delta is `rows[0] − model`, and it counts when `rows` and `checked` are finite (the non-finite rule)."""
+  result = LocalResult(delta=jax.tree.map(jnp.subtract, rows[0], model), loss=loss,
+                       num_examples=jnp.sum(mask).astype(jnp.float32), num_steps=jnp.ones((), jnp.int32))
+  return ClientOutput(result, rows=tuple(rows), extras=extras, checked=checked)
 
 
 def init_aggregator_state(aggregator: Aggregator, params: PyTree, messages: int = 1, *, slots: bool = False) -> Any:
@@ -295,7 +325,8 @@ def client_round(
   else:
     one_update = jax.tree.map(lambda u: jax.ShapeDtypeStruct(u.shape[1:], u.dtype), results.delta)
     taking_part = weights > 0
-    finite, num_nonfinite = finite_clients(out.rows if tables else results.delta, taking_part=taking_part)
+    finite, num_nonfinite = finite_clients(out.rows if tables else results.delta, out.checked,
+                                           taking_part=taking_part)
     agg = Aggregated(update=None, state=None, finite=finite, num_nonfinite=num_nonfinite,
                      accepted=jnp.any(taking_part & finite))
     round_ok = finite
