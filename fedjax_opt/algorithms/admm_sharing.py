@@ -74,7 +74,11 @@ server. With every client finite (c = 0 exactly, N_F = N) this is the
 iteration above (equal up to floating-point rounding). The residuals are then ‖r‖ = √N_F ‖h̄ − t‖ and
 ‖s‖ = ρ √N ‖\\bar{z}^{k+1} − \\bar{z}^k‖. An iteration with no finite client
 changes nothing. The labels are the server's (client 0's `targets`) and are
-not guarded.
+not guarded. The clients' part of an iteration is `core.rounds.client_round`
+without an aggregator, every client taking part (`weight` is ignored; each
+client counts one step): its rows are x_i, h_i (written into its offset row,
+which the server then turns into d_i = h_i + t − h̄ − p_i) and p_i = A_i x_i,
+and, by that round's rule, a client is finite, and writes them, when all three are.
 
 Communication (`metrics["bits_up"]`, `metrics["bits_down"]`, float32, per
 client; every client takes part in every iteration). Messages are vectors
@@ -96,9 +100,9 @@ import numpy as np
 
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
-from fedjax_opt.core import per_client
 from fedjax_opt.core import prox as prox_lib
-from fedjax_opt.core.server import finite_clients, keep_rows
+from fedjax_opt.core.local import LocalResult
+from fedjax_opt.core.rounds import ClientOutput, client_round, every_client
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, materialize
 from fedjax_opt.core.validation import (check_choice, check_client_batches, check_int, check_key, check_positive,
                                         is_concrete)
@@ -261,10 +265,10 @@ def admm_sharing(
   m_max = check_int(num_samples, "num_samples")
   mode = client_map_lib.FromPolicy()
 
-  def client_update(shared, client):
+  def client_update(shared, data, mask, x, offset, stored):
     u, rho_k = shared
-    a, row_mask, x, offset = client
-    a = jnp.where(row_mask[:, None], a, 0)
+    row_mask = mask[0]
+    a = jnp.where(row_mask[:, None], data[features][0].astype(x.dtype), 0)
     share = a @ x + offset  # z_i^k
     target = share - u
     lipschitz = rho_k * jnp.square(jnp.linalg.norm(a, 2)) + l2
@@ -276,7 +280,12 @@ def admm_sharing(
 
     new_x, _ = jax.lax.scan(ista, x, None, length=inner_steps)
     prediction = a @ new_x
-    return new_x, prediction, relaxation * prediction + (1 - relaxation) * share
+    relaxed = relaxation * prediction + (1 - relaxation) * share
+    # Every client takes part in every iteration (one step, whatever its mask); it writes h_i into its offset
+    # row, which the server then corrects to d_i = h_i + t − h̄ − A_i x_i (`step`).
+    result = LocalResult(delta=new_x - x, loss=jnp.zeros((), x.dtype), num_examples=jnp.sum(row_mask, dtype=x.dtype),
+                         num_steps=jnp.ones((), jnp.int32))
+    return ClientOutput(result, rows=(new_x, relaxed, prediction), extras=(prediction, relaxed, stored))
 
   def init(params: jax.Array, key: jax.Array) -> ADMMSharingState:
     check_key(key)
@@ -297,24 +306,21 @@ def admm_sharing(
     if data[features].shape != (n, 1, m_max, d):
       raise ValueError(f"batches.data[{features!r}] must be [N, 1, m, d_max] = ({n}, 1, {m_max}, {d}) (one local "
                        f"step: the whole sample axis); got {tuple(data[features].shape)}.")
-    a = data[features][:, 0].astype(state.params.dtype)  # the model's dtype, as the labels b below
-    row_mask = batches.mask[:, 0]
-    real = row_mask[0]
+    real = batches.mask[0, 0]
     labels = data[targets][0, 0]
     if loss == "logistic":
       _check_binary_labels(labels, real, f"batches.data[{targets!r}][0, 0]")
     b = jnp.where(real, labels, 0).astype(state.params.dtype)
     m = jnp.maximum(jnp.sum(real, dtype=b.dtype), 1)
     rho_k = jnp.asarray(rho, b.dtype)
-    x = per_client.gather(state.params, batches.client_id)
-    offsets = per_client.gather(state.share_offsets, batches.client_id)
-    stored = per_client.gather(state.predictions, batches.client_id)
-    new_x, predictions, relaxed = client_map_lib.map_clients(mode, client_update, (state.scaled_dual, rho_k),
-                                                             (a, row_mask, x, offsets))
+    # Every client takes part (vertical FL: `weight` is ignored); the rows x_i, h_i, p_i go through the round's rules.
+    out = client_round(mode, client_update, (state.scaled_dual, rho_k), every_client(batches.replace(data=data)),
+                       tables=(state.params, state.share_offsets, state.predictions))
+    predictions, relaxed, stored = out.extras
     # A client whose update is not finite is frozen: the iteration runs on the others, F, with the frozen
     # shares c = Σ_{j∉F} p_j held constant (module docstring). Sums over the frozen clients are written
     # Σ_{j∉F} (p_j − w) so that they are exactly 0 when every client is finite: then this is the plain iteration.
-    finite, num_nonfinite = finite_clients(new_x, predictions, relaxed)
+    finite, num_nonfinite = out.agg.finite, out.agg.num_nonfinite
     moved = finite[:, None]
     n_f = jnp.sum(finite, dtype=b.dtype)
     n_safe = jnp.maximum(n_f, 1)
@@ -333,11 +339,10 @@ def admm_sharing(
     accepted = n_f > 0
     z_bar = jnp.where(accepted, t + frozen_excess(t) / n, state.z_bar)
     scaled_dual = jnp.where(accepted, state.scaled_dual + mean_relaxed - t, state.scaled_dual)
-    new_offsets = relaxed + (t - mean_relaxed) - predictions
-    params = per_client.scatter(state.params, batches.client_id, new_x, finite).table
-    share_offsets = per_client.scatter(state.share_offsets, batches.client_id, new_offsets, finite).table
-    shares = keep_rows(finite, predictions, stored)
-    stored_predictions = per_client.scatter(state.predictions, batches.client_id, shares, finite).table
+    params, relaxed_rows, stored_predictions = (s.table for s in out.stored)
+    written = jnp.zeros((n,), bool).at[batches.client_id].max(out.stored[1].written, mode="drop")[:, None]
+    share_offsets = jnp.where(written, relaxed_rows + (t - mean_relaxed) - stored_predictions, relaxed_rows)
+    shares = jnp.where(moved, predictions, stored)
     mean_prediction = jnp.mean(shares, axis=0)
     combined = n * mean_prediction
     if loss == "squared":

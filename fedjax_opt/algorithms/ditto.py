@@ -69,8 +69,7 @@ class DittoState:
     metrics: `core.server.ROUND_METRICS` (of the global model) plus
       `personal_loss`, the mean f_i(v_i; D_s) over the personal steps of the
       clients that wrote their v_i.
-    downlink_error: the server's downlink error e_t when the aggregator has a
-      downlink with error feedback (`core.averaging`, "Downlink"); None otherwise.
+    downlink_error: as `core.averaging.AveragingState.downlink_error`.
   """
 
   params: PyTree

@@ -81,9 +81,7 @@ class FineTuningState:
     key: PRNG key, split once per round (aggregator randomness).
     metrics: `core.server.ROUND_METRICS` plus `finetuning` (bool: the round
       was a stage-2 round).
-    downlink_error: the server's downlink error e_t, shared by both stages, when
-      the aggregator has a downlink with error feedback (`core.averaging`,
-      "Downlink"); None otherwise.
+    downlink_error: as `core.averaging.AveragingState.downlink_error` (shared by both stages).
   """
 
   params: PyTree

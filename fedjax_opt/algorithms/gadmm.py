@@ -68,7 +68,7 @@ One `step` is one iteration k (heads, then tails, then duals):
     every edge e = (i, j):      λ_e^{k+1} = λ_e^k + ρ (θ_i^{k+1} − θ_j^{k+1})
 
 Every node of a group only needs the other group's models, so a group runs
-in parallel (mapped over its workers by `core.client_map`). The worker update
+in parallel (one `core.rounds.client_round` over its workers, below). The worker update
 is exact when `prox(v, rho, data, mask)` is given (e.g.
 `fedjax_opt.core.prox.prox_least_squares` or `prox_quadratic`, called with the
 penalty ρ d_n); otherwise it is inexact (`core.prox.prox_update`): K optax
@@ -126,6 +126,13 @@ State. The per-worker models θ_n (and θ̂_n) are `[N, ...]` tables
 (`core.per_client`), the duals an `[E, ...]` table; `state.params` is the
 workers' average (1/N) Σ_n θ_n, for evaluation only.
 
+Each group's update is `core.rounds.client_round` over the group's workers
+without an aggregator, every worker taking part (`weight` is ignored; each
+worker counts one step, with or without examples): its rows are θ_n and, for
+`cq_ggadmm`, θ̂_n after the censoring test (Q_n if it transmits, else θ̂_n),
+and, by that round's rule, a worker is finite when both are (a transmitted
+Q_n that overflows drops the worker as a non-finite θ_n does).
+
 A worker whose update is not finite (a NaN in its data, say) follows the
 library's rule (docs/architecture.md, "The round") and changes nothing: it
 keeps θ_n, transmits nothing (θ̂_n stays), and the duals λ_e of its edges
@@ -161,8 +168,9 @@ from fedjax_opt.core import execution
 from fedjax_opt.core import prox as prox_lib
 from fedjax_opt.core import per_client
 from fedjax_opt.core.differentiation import refuse_derivative
-from fedjax_opt.core.local import masked_mean_loss
-from fedjax_opt.core.server import finite_clients, keep_rows
+from fedjax_opt.core.local import LocalResult, masked_mean_loss
+from fedjax_opt.core.rounds import ClientOutput, client_round
+from fedjax_opt.core.server import keep_rows
 from fedjax_opt.core.tree import global_norm
 from fedjax_opt.core.types import ClientBatches, FederatedAlgorithm, LossFn, PyTree, materialize
 from fedjax_opt.core.validation import (check_full_participation, check_in_range, check_int, check_key, check_loss_fn,
@@ -338,11 +346,6 @@ def _neighbour_sum(table: PyTree, edges: np.ndarray, num_nodes: int) -> PyTree:
       lambda t: jax.ops.segment_sum(jnp.take(t, source, axis=0), target, num_segments=num_nodes), table)
 
 
-def _row_norms(tree: PyTree) -> jax.Array:
-  """`[C]` Euclidean norm of each row over every leaf."""
-  return jnp.sqrt(sum(jnp.sum(jnp.square(leaf.reshape(leaf.shape[0], -1)), axis=1) for leaf in jax.tree.leaves(tree)))
-
-
 def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, prox: prox_lib.ProxFn | None,
                 client_optimizer: optax.GradientTransformation | None, local_steps: int | None, objective: str,
                 *, compression: tuple[compression_lib.Compressor | None, Any, Any] | None = None
@@ -363,48 +366,52 @@ def _group_admm(name: str, loss_fn: LossFn, rho: Any, graph: graphs_lib.Graph, p
   groups = (np.flatnonzero(colour == 0), np.flatnonzero(colour == 1))  # heads, tails
   degree = graphs_lib.degrees(graph)
 
-  def worker_update(rho_k, worker):
-    data, mask, theta_old, v, d, c = worker
+  def worker_update(shared, data, mask, theta_old, *sent):
+    rho_k, threshold = shared
+    examples, v, d, c, *key = data
     # argmin c f_n + (ρ d/2)‖θ − v‖² = prox with penalty ρ d / c; θ = v when c = 0 (no term in the objective).
     has_term = c > 0
     penalty = rho_k * d / jnp.where(has_term, c, 1)
-    new = prox_lib.prox_update(loss_fn, prox, client_optimizer, local_steps, v, penalty, theta_old, data, mask)
+    new = prox_lib.prox_update(loss_fn, prox, client_optimizer, local_steps, v, penalty, theta_old, examples, mask)
     new = jax.tree.map(lambda a, b: jnp.where(has_term, a, b.astype(a.dtype)), new, v)
-    objective, _ = masked_mean_loss(loss_fn, new, *prox_lib.client_examples(data, mask))
-    return new, objective
+    objective, count = masked_mean_loss(loss_fn, new, *prox_lib.client_examples(examples, mask))
+    # Every worker takes part in every iteration, with or without examples (module docstring).
+    result = LocalResult(delta=jax.tree.map(jnp.subtract, new, theta_old), loss=objective, num_examples=count,
+                         num_steps=jnp.ones((), jnp.int32))
+    if not compress:
+      return ClientOutput(result, rows=(new,))
+    (sent_old,) = sent
+    change = jax.tree.map(jnp.subtract, new, sent_old)
+    if compressor is None:
+      candidate = new  # Q_n = θ_n, bit for bit
+    else:
+      change = compressor.compress(key[0], change)[0]
+      candidate = jax.tree.map(jnp.add, sent_old, change)
+    change, threshold = refuse_derivative((change, threshold), "CQ-GGADMM's censoring test and stochastic "
+                                          "compressor (a run is piecewise constant in them)")
+    transmit = global_norm(change) >= threshold  # else θ̂_n stays
+    return ClientOutput(result, rows=(new, jax.tree.map(lambda q, o: jnp.where(transmit, q, o.astype(q.dtype)),
+                                                        candidate, sent_old)), extras=transmit)
 
   def group_update(group, key, theta, sent, dual_term, rho_k, threshold, batches, scale, weight):
-    """One group's parallel update; returns the new tables and (objective, transmitted `[G]`, finite `[G]`, dropped)."""
+    """One group's parallel update, a `client_round` over its workers; returns the new tables and (objective,
+    transmitted `[G]`, finite `[G]`, dropped)."""
     dtype = jnp.result_type(*jax.tree.leaves(theta))
     d = jnp.asarray(degree[group], dtype)
     neighbours = _rows(_neighbour_sum(sent, edges, n), group)
     v = jax.tree.map(lambda s, b: (s - b / rho_k) / d.reshape((-1,) + (1,) * (s.ndim - 1)),
                      neighbours, _rows(dual_term, group))
-    ids = jnp.asarray(group, jnp.int32)
-    data, mask = _rows(materialize(batches.data), group), jnp.take(batches.mask, group, axis=0)
-    theta_old = per_client.gather(theta, ids)
-    new, objective = client_map_lib.map_clients(mode, worker_update, rho_k,
-                                                (data, mask, theta_old, v, d, jnp.take(scale, group)))
-    finite, dropped = finite_clients(new)
-    objective = jnp.sum(jnp.where(finite, jnp.take(weight, group) * objective, 0))
-    theta = per_client.scatter(theta, ids, new, finite).table
+    inputs = (_rows(materialize(batches.data), group), v, d, jnp.take(scale, group))
+    if compressor is not None:  # worker i of the group compresses with split(key, G)[i]
+      inputs += (jax.random.split(key, len(group)),)
+    workers = ClientBatches(data=inputs, mask=jnp.take(batches.mask, group, axis=0),
+                            weight=jnp.ones((len(group),), dtype), client_id=jnp.asarray(group, jnp.int32))
+    out = client_round(mode, worker_update, (rho_k, threshold), workers, tables=(theta, sent) if compress else (theta,))
+    finite, theta = out.agg.finite, out.stored[0].table
+    objective = jnp.sum(jnp.where(finite, jnp.take(weight, group) * out.results.loss, 0))
     if not compress:
-      return theta, theta, (objective, finite, finite, dropped)
-    sent_old = per_client.gather(sent, ids)
-    change = jax.tree.map(jnp.subtract, new, sent_old)
-    if compressor is None:
-      candidate = new  # Q_n = θ_n, bit for bit
-    else:  # worker i of the group compresses with split(key, G)[i]
-      keys = jax.random.split(key, len(group))
-      change = client_map_lib.map_clients(mode, lambda _, worker: compressor.compress(*worker)[0], None,
-                                          (keys, change))
-      candidate = jax.tree.map(jnp.add, sent_old, change)
-    if compress:  # CQ-GGADMM: a discrete decision per worker
-      change, threshold = refuse_derivative((change, threshold), "CQ-GGADMM's censoring test and stochastic "
-                                            "compressor (a run is piecewise constant in them)")
-    transmit = finite & (_row_norms(change) >= threshold)
-    sent = per_client.scatter(sent, ids, candidate, transmit).table
-    return theta, sent, (objective, transmit, finite, dropped)
+      return theta, theta, (objective, finite, finite, out.agg.num_nonfinite)
+    return theta, out.stored[1].table, (objective, finite & out.extras, finite, out.agg.num_nonfinite)
 
   def init(params: PyTree, key: jax.Array) -> GADMMState:
     check_key(key)

@@ -90,8 +90,7 @@ class PFedMeState:
     key: PRNG key, split once per round (aggregator randomness).
     metrics: `core.server.ROUND_METRICS` (client_loss: the personal objective's
       data term f_i(θ; D_r) averaged over the inner steps).
-    downlink_error: the server's downlink error e_t when the aggregator has a
-      downlink with error feedback (`core.averaging`, "Downlink"); None otherwise.
+    downlink_error: as `core.averaging.AveragingState.downlink_error`.
   """
 
   params: PyTree
