@@ -157,7 +157,7 @@ def test_a_setting_overrides_the_wiring_and_none_keeps_it(digits):
   spec = registry.REGISTRY["l2gd"]
   original = spec.factory
   try:
-    stub = lambda loss, **kw: captured.update(kw)  # noqa: E731  (the factory's declarations, its call recorded)
+    stub = lambda loss_fn, **kw: captured.update(kw)  # noqa: E731  (the factory's declarations, its call recorded)
     stub.hyperparameters = original.hyperparameters
     object.__setattr__(spec, "factory", stub)
     registry.build("l2gd", ctx, registry.resolve("l2gd", {"alpha": 0.7}, None))

@@ -155,3 +155,35 @@ def test_cocoa_checks_its_arguments_and_inputs():
     algorithm.step(state, pack(clients, S, B + 1))
   with pytest.raises(ValueError, match="full participation"):
     algorithm.step(state, pack(clients[:3], S, B))
+
+
+def test_hinge_optimum_is_the_primal_minimum_of_an_independent_qp():
+  """`fo.algorithms.hinge_optimum` (the maximum of CoCoA+'s dual) equals min (1/n) Σ ξ_i + (λ/2)‖w‖² subject to
+  ξ_i ≥ 0 and ξ_i ≥ 1 − t_i a_iᵀw, a_i = (x_i, 1), solved by scipy's SLSQP on the primal (strong duality)."""
+  import scipy.optimize
+  rng = np.random.default_rng(3)
+  n, d, lam = 12, 2, 0.1
+  x = rng.normal(size=(n, d))
+  t = np.where(x[:, 0] + 0.3 * rng.normal(size=n) > 0, 1.0, -1.0)
+  a = np.hstack([x, np.ones((n, 1))])
+  objective = lambda z: z[d + 1:].mean() + 0.5 * lam * z[:d + 1] @ z[:d + 1]
+  constraints = [{"type": "ineq", "fun": lambda z: z[d + 1:]},
+                 {"type": "ineq", "fun": lambda z: z[d + 1:] - (1.0 - t * (a @ z[:d + 1]))}]
+  primal = scipy.optimize.minimize(objective, np.concatenate([np.zeros(d + 1), np.ones(n)]), method="SLSQP",
+                                   constraints=constraints, options=dict(ftol=1e-14, maxiter=2000))
+  assert primal.success, primal.message
+  np.testing.assert_allclose(fo.algorithms.hinge_optimum(x, t, lam), primal.fun, rtol=1e-7)
+
+
+def test_cocoa_model_scores_and_losses_are_numpy_s():
+  rng = np.random.default_rng(4)
+  x, y = rng.normal(size=(6, 3)).astype(np.float32), np.array([0, 1, 1, 0, 1, 0], np.float32)
+  params = {"w": jnp.asarray(rng.normal(size=3), jnp.float32), "b": jnp.float32(0.2)}
+  s = x.astype(np.float64) @ np.asarray(params["w"], np.float64) + 0.2
+  t = 2 * y - 1
+  for loss, want in (("squared", 0.5 * (s - t) ** 2), ("hinge", np.maximum(0, 1 - t * s))):
+    model = fo.algorithms.cocoa_model(3, loss)
+    np.testing.assert_allclose(model.loss_fn(params, {"x": x, "y": y}), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(model.accuracy_fn(params, {"x": x, "y": y}), ((s > 0) == (y == 1)).astype(np.float32))
+  with pytest.raises(ValueError, match="loss"):
+    fo.algorithms.cocoa_model(3, "logistic")

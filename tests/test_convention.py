@@ -72,7 +72,7 @@ HELPERS = {
     "hessian_vector_product", "meta_gradient", "l2gd_max_step_size", "l2sgd_plus_step_size", "optimal_p",
     "laplacian_penalty", "prox_least_squares", "prox_quadratic", "stochastic_quantize", "personalized_params",
     "consensus_distance", "fedem_client_params", "fedem_mixture_model", "fedem_responsibilities",
-    "fedmd_client_params",
+    "fedmd_client_params", "cocoa_model", "hinge_optimum",
     # matched averaging: host-driven, growing widths, not FederatedAlgorithm factories
     "fedma", "pfnm", "bbp_map", "fedma_model",
 }

@@ -30,7 +30,7 @@ __getattr__, __dir__, __all__ = _lazy.attach(__name__, names={
     # classical distributed baselines: Newton-type (DANE, FedDANE, FADL, GIANT), primal-dual (CoCoA+), one-shot
     ".dane": ("dane", "feddane", "fadl"),
     ".giant": ("giant",),
-    ".cocoa": ("cocoa", "CoCoAState"),
+    ".cocoa": ("cocoa", "CoCoAState", "cocoa_model", "hinge_optimum"),
     ".one_shot": ("one_shot_average", "OneShotState"),
     "fedjax_opt.core.newton": ("NewtonState",),
     # personalization
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
   from fedjax_opt.algorithms.admm_sharing import ADMMSharingState, admm_sharing
   from fedjax_opt.algorithms.asynchronous import AsyncState, co_op, fedasync, fedbuff, zeno_plus_plus
   from fedjax_opt.algorithms.clustered_fl import ClusteredFLState, clustered_fl
-  from fedjax_opt.algorithms.cocoa import CoCoAState, cocoa
+  from fedjax_opt.algorithms.cocoa import CoCoAState, cocoa, cocoa_model, hinge_optimum
   from fedjax_opt.algorithms.dane import dane, fadl, feddane
   from fedjax_opt.algorithms.decentralized import (DecentralizedState, consensus_distance, dpsgd, gossip,
                                                    gradient_tracking)

@@ -96,6 +96,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_opt.core import client_map as client_map_lib
 from fedjax_opt.core import execution
@@ -107,7 +108,7 @@ from fedjax_opt.core.types import Aggregator, ClientBatches, FederatedAlgorithm,
 from fedjax_opt.core.validation import (check_choice, check_full_participation, check_int, check_key,
                                         check_num_clients, check_optional_int, check_positive)
 
-__all__ = ["COCOA_METRICS", "CoCoAState", "cocoa"]
+__all__ = ["COCOA_METRICS", "CoCoAState", "cocoa", "cocoa_model", "hinge_optimum"]
 
 LOSSES = ("squared", "hinge")
 
@@ -332,3 +333,59 @@ cocoa = execution.accepts_policy_keywords(cocoa, refuses_aggregator=(
     "dual variables on which its local subproblems and its duality-gap certificate rest"),
     evaluation="global", exchanges="metrics", hyperparameters={"lam": execution.REGULARIZER,
         "gamma": execution.MIXING_WEIGHT, "local_steps": execution.COUNT, "sigma_prime": execution.SCALE})
+
+
+def cocoa_model(num_features: int, loss: str = "squared"):
+  """CoCoA+'s primal, the linear score s = xᵀw + b on two classes, as a `fo.models.Model` (`{"w": [d], "b": []}`).
+
+  What `cocoa`'s state holds (`state.params`), made usable by the evaluation code: label y ∈ {0, 1} is
+  t = 2y − 1 ∈ {−1, 1}; the loss per example is `loss`'s, ½(s − t)² ("squared") or max(0, 1 − t s) ("hinge");
+  an example is classified as 1 where s > 0; `apply` gives the logits (−s/2, s/2), whose softmax is the
+  logistic model of the same score. `init` is w = 0, b = 0, the image of the duals α = 0.
+  """
+  from fedjax_opt.models import Model  # pylint: disable=import-outside-toplevel
+
+  check_choice(loss, "loss", LOSSES)
+
+  def score(params, x):
+    return jnp.reshape(x, (x.shape[0], -1)).astype(params["w"].dtype) @ params["w"] + params["b"]
+
+  def loss_fn(params, batch):
+    s, t = score(params, batch["x"]), 2.0 * batch["y"] - 1.0
+    return 0.5 * jnp.square(s - t) if loss == "squared" else jnp.maximum(0.0, 1.0 - t * s)
+
+  def accuracy_fn(params, batch):
+    return ((score(params, batch["x"]) > 0) == (batch["y"] == 1)).astype(jnp.float32)
+
+  def apply(params, x):
+    s = score(params, x)
+    return jnp.stack([-0.5 * s, 0.5 * s], axis=-1)
+
+  return Model(init=lambda key: {"w": jnp.zeros((num_features,), jnp.float32), "b": jnp.zeros((), jnp.float32)},
+               apply=apply, loss_fn=loss_fn, accuracy_fn=accuracy_fn,
+               name="linear_" + ("ridge" if loss == "squared" else "svm"), input_shape=(num_features,), num_classes=2)
+
+
+def hinge_optimum(x: np.ndarray, t: np.ndarray, lam: float) -> float:
+  """min_w P(w) of the hinge loss with the ridge, (1/n) Σ max(0, 1 − t_i a_iᵀw) + (λ/2)‖w‖², a_i = (x_i, 1): the
+  reference F* of `cocoa(loss="hinge")`, whose primal is not smooth (L-BFGS on it does not apply).
+
+  It is the maximum of the dual (strong duality), a smooth concave quadratic over a box, solved by float64
+  L-BFGS-B: with β_i = α_i t_i ∈ [0, 1], D(β) = (1/n) Σ β_i − ‖Σ β_i t_i a_i‖² / (2λn²).
+
+  Args:
+    x: `[n, d]` features (float64 is used). t: `[n]` labels in {−1, 1}. lam: λ > 0.
+  """
+  import scipy.optimize  # pylint: disable=import-outside-toplevel  (host-side, float64)
+
+  x, t = np.asarray(x, np.float64).reshape(len(t), -1), np.asarray(t, np.float64)
+  a = np.hstack([x, np.ones((len(x), 1))])
+  n, lam = len(t), float(lam)
+
+  def negative_dual(beta):
+    v = a.T @ (beta * t)
+    return -(beta.sum() / n - v @ v / (2 * lam * n * n)), -(1.0 / n - t * (a @ v) / (lam * n * n))
+
+  result = scipy.optimize.minimize(negative_dual, np.zeros(n), jac=True, method="L-BFGS-B", bounds=[(0, 1)] * n,
+                                   options=dict(maxiter=20000, maxcor=20, gtol=1e-12, ftol=1e-15))
+  return float(-result.fun)

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 __all__ = ["ARCHITECTURES", "Architectures", "CLIENT_LR", "Context", "DEFAULT_CLIENT_LR", "FAMILIES",
            "HyperParameterError", "NEWTON_CG_ITERS", "NEWTON_DIRECT_MAX", "PSEUDO", "REGISTRY", "Spec", "WIRED",
-           "architecture_model", "binary_linear_model", "build", "candidates_fit", "check_registry", "cocoa",
+           "architecture_model", "build", "candidates_fit", "check_registry",
            "declared_wiring", "describe_defaults", "refuse_aggregation", "refuse_downlink", "resolve"]
 
 
@@ -589,57 +589,6 @@ def _newton_wire(ctx, hyper):
   return {}
 
 
-def cocoa(loss_fn: Callable, lam: Any, gamma: Any = 1.0, *, loss: str = "squared", num_clients: int,
-          num_examples: int, local_steps: int | None = None, sigma_prime: Any = None, client_map: Any = None):
-  """`fo.algorithms.cocoa` as the command line builds it: the factory's own arguments after the run's loss, which
-  it does not use (CoCoA+ has its own losses, on a linear model: `binary_linear_model`); λ is the run's `l2`."""
-  del loss_fn
-  from fedjax_opt import algorithms
-
-  return algorithms.cocoa(lam, gamma, loss=loss, num_clients=num_clients, num_examples=num_examples,
-                          local_steps=local_steps, sigma_prime=sigma_prime, client_map=client_map)
-
-
-def _declaring(wrapper: Callable, factory: Callable) -> Callable:
-  """`wrapper` (the command line's own call of `factory`) with `factory`'s declarations
-  (`core.execution.DECLARATIONS`: aggregation, default aggregator, evaluation, exchanges, hyper-parameters)."""
-  from fedjax_opt.core import execution
-
-  for name in execution.DECLARATIONS:
-    setattr(wrapper, name, getattr(factory, name))
-  return wrapper
-
-
-def binary_linear_model(num_features: int, loss: str):
-  """The linear model s = xᵀw + b, `{"w": [d], "b": []}`, of CoCoA+ on two classes, as a `fo.models.Model`.
-
-  Label y ∈ {0, 1} is t = 2y − 1 ∈ {−1, 1}; the loss per example is ½(s − t)² ("squared") or max(0, 1 − t s)
-  ("hinge"), the primal losses of `fo.algorithms.cocoa`; an example is classified as 1 where s > 0. `apply` gives
-  the logits (−s/2, s/2), whose softmax is the logistic model of the same score.
-  """
-  import jax.numpy as jnp
-
-  from fedjax_opt.models import Model
-
-  def score(params, x):
-    return jnp.reshape(x, (x.shape[0], -1)).astype(params["w"].dtype) @ params["w"] + params["b"]
-
-  def loss_fn(params, batch):
-    s, t = score(params, batch["x"]), 2.0 * batch["y"] - 1.0
-    return 0.5 * jnp.square(s - t) if loss == "squared" else jnp.maximum(0.0, 1.0 - t * s)
-
-  def accuracy_fn(params, batch):
-    return ((score(params, batch["x"]) > 0) == (batch["y"] == 1)).astype(jnp.float32)
-
-  def apply(params, x):
-    s = score(params, x)
-    return jnp.stack([-0.5 * s, 0.5 * s], axis=-1)
-
-  return Model(init=lambda key: {"w": jnp.zeros((num_features,), jnp.float32), "b": jnp.zeros((), jnp.float32)},
-               apply=apply, loss_fn=loss_fn, accuracy_fn=accuracy_fn,
-               name="linear_" + ("ridge" if loss == "squared" else "svm"), input_shape=(num_features,), num_classes=2)
-
-
 def _cocoa_wire(ctx, hyper):
   classes = getattr(ctx.model, "num_classes", 2)
   if classes != 2:
@@ -649,13 +598,15 @@ def _cocoa_wire(ctx, hyper):
 
 
 def _cocoa_wrap(algo, ctx, hyper):
-  """CoCoA+ on the run's data: the primal starts at 0 in `binary_linear_model`'s parameters (whatever the run's
+  """CoCoA+ on the run's data: the primal starts at 0 in `fo.algorithms.cocoa_model`'s parameters (whatever the run's
   model), and every round's labels y ∈ {0, 1} are given to it as t = 2y − 1, its features flattened."""
   import jax.numpy as jnp
 
   from fedjax_opt.core.types import FederatedAlgorithm, materialize
 
-  model = binary_linear_model(math.prod(ctx.model.input_shape), hyper["loss"])
+  from fedjax_opt.algorithms import cocoa_model
+
+  model = cocoa_model(math.prod(ctx.model.input_shape), hyper["loss"])
 
   def init(params, key):
     del params  # w(α₀) = 0: CoCoA+'s primal is its duals' image
@@ -684,35 +635,24 @@ def _one_shot_wrap(algo, ctx, hyper):
 
 def _cocoa_scorer(model, hyper, dataset):
   del dataset
-  return binary_linear_model(math.prod(model.input_shape), hyper["loss"])
+  from fedjax_opt.algorithms import cocoa_model
+
+  return cocoa_model(math.prod(model.input_shape), hyper["loss"])
 
 
 def _cocoa_reference(hyper, batches) -> float | None:
-  """F* of CoCoA+'s hinge loss: the maximum of its dual, a smooth quadratic over a box, by float64 L-BFGS-B.
-
-  With a_i = (x_i, 1), t_i ∈ {−1, 1} and β_i = α_i t_i ∈ [0, 1], D(β) = (1/n) Σ β_i − ‖Σ β_i t_i a_i‖² / (2λn²),
-  and max D = min P (strong duality). None for the squared loss (smooth: L-BFGS on the primal).
-  """
+  """F* of CoCoA+'s hinge loss on the round's pooled examples (`fo.algorithms.hinge_optimum`); None for the squared
+  loss (smooth: L-BFGS on the primal)."""
   if hyper["loss"] != "hinge":
     return None
   import numpy as np
-  import scipy.optimize
 
+  from fedjax_opt.algorithms import hinge_optimum
   from fedjax_opt.core.types import materialize
 
   data, mask = materialize(batches.data), np.asarray(batches.mask, bool)
   x = np.asarray(data["x"], np.float64)[mask].reshape(int(mask.sum()), -1)
-  t = 2.0 * np.asarray(data["y"], np.float64)[mask] - 1.0
-  a = np.hstack([x, np.ones((len(x), 1))])
-  n, lam = len(t), float(hyper["l2"])
-
-  def negative_dual(beta):
-    v = a.T @ (beta * t)
-    return -(beta.sum() / n - v @ v / (2 * lam * n * n)), -(1.0 / n - t * (a @ v) / (lam * n * n))
-
-  result = scipy.optimize.minimize(negative_dual, np.zeros(n), jac=True, method="L-BFGS-B", bounds=[(0, 1)] * n,
-                                   options=dict(maxiter=20000, maxcor=20, gtol=1e-12, ftol=1e-15))
-  return float(-result.fun)
+  return hinge_optimum(x, 2.0 * np.asarray(data["y"], np.float64)[mask] - 1.0, hyper["l2"])
 
 
 def _builder_graph(builder: str, num_nodes: int):
@@ -840,7 +780,7 @@ def _builders() -> dict[str, Callable[[Any], Spec]]:
           sampling="full", objective="pooled", convex=True),
       "cocoa": lambda a: Spec(
           "distributed", "CoCoA+: local SDCA on each client's dual block, the updates added (Ma et al. 2015); two "
-          "classes, a linear model with the squared (ridge) or hinge (SVM) loss, λ = l2", _declaring(cocoa, a.cocoa),
+          "classes, a linear model with the squared (ridge) or hinge (SVM) loss, λ = l2", a.cocoa,
           {"gamma": 1.0, "loss": "squared", **distributed}, _cocoa_wire, sampling="full_fixed", objective="pooled",
           convex=True, wrap=_cocoa_wrap, scorer=_cocoa_scorer, reference=_cocoa_reference),
       "one_shot_average": lambda a: Spec(
@@ -1069,7 +1009,9 @@ def build(name: str, ctx: Context, hyper: Mapping[str, Any]):
       kwargs["client_map"] = ctx.client_map
     if ctx.aggregator is not None and spec.takes_aggregator:
       kwargs["aggregator"] = ctx.aggregator
-    algo = spec.factory(loss_fn, **kwargs)
+    # A factory whose signature has no loss_fn (CoCoA+: its own losses on a linear model) is called without it.
+    takes_loss = "loss_fn" in params
+    algo = spec.factory(loss_fn, **kwargs) if takes_loss else spec.factory(**kwargs)
     return algo if spec.wrap is None else spec.wrap(algo, ctx, hyper)
   except (ValueError, TypeError) as e:
     message = str(e).splitlines()[0] if str(e) else type(e).__name__
