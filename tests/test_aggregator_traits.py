@@ -397,7 +397,7 @@ def test_majority_vote_is_declared_a_sum_so_a_secure_sum_of_votes_composes_from_
   rng = np.random.default_rng(0)
   updates = {"w": rng.normal(size=(5, 7)).astype(np.float32)}
   weights = np.array([1.0, 1.0, 0.0, 1.0, 1.0], np.float32)
-  out, _ = secure.aggregate(updates, jnp.asarray(weights), secure.init({"w": jnp.zeros(7)}), KEY)
+  out, _ = jax.jit(secure.aggregate)(updates, jnp.asarray(weights), secure.init({"w": jnp.zeros(7)}), KEY)
   votes = np.sign(updates["w"]) + (updates["w"] == 0)  # a 1-bit code has no zero: sgn(0) = +1
   want = np.sign((weights[:, None] * votes).sum(0))
   np.testing.assert_array_equal(np.sign(np.asarray(out["w"])), want)

@@ -15,7 +15,8 @@ why they take no downlink).
   a composing stack builds, with exactly the traits the composition module
   computed, and its algorithm accepts it; a refused one raises one line that
   names both pieces the module names.
-* Every composing cell runs one jitted round on the tiny least-squares problem
+* Every composing cell (all 43 uplink cells and four of their 40 downlink twins
+  in the default tier, the other 36 twins in the slow tier) runs one jitted round on the tiny least-squares problem
   of tests/algorithm_examples.py (4 clients, 2 local SGD steps) and is
   compared with a float64 NumPy transcription of its pipeline: local SGD (with
   Ditto's personal steps, SCAFFOLD's control variates, FedDyn's correction
@@ -212,9 +213,18 @@ def _got(state, field):
 
 
 COMPOSING = [c for c in CELLS if c.verdict.composes]
+D_IN_DEFAULT_TIER = {"fedavg:M-D", "ditto:DP-D", "fedavg:C-A-R-D", "ditto:C-SA-DP-D"}
+"""The downlink's twins of the uplink stacks compile a round each (40 of them); these four run in the default tier,
+the others in the slow tier (CI runs both). Every uplink stack's own cell runs in the default tier, and every
+factory's downlink is checked against its plain run by test_convention.py."""
 
 
-@pytest.mark.parametrize("cell", COMPOSING, ids=lambda c: c.id)
+def _tiered(cell):
+  slow = "D" in cell.stack and cell.id not in D_IN_DEFAULT_TIER
+  return pytest.param(cell, id=cell.id, marks=pytest.mark.slow if slow else ())
+
+
+@pytest.mark.parametrize("cell", [_tiered(c) for c in COMPOSING])
 def test_composing_cell_is_one_round_of_its_numpy_transcription(cell):
   params, batches = example_inputs("fedavg")
   algo = _algorithm(cell.algorithm, co.build(cell.stack, SETTINGS))

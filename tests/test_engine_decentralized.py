@@ -39,7 +39,7 @@ def _assert_close(a, b, atol):
 
 
 @pytest.mark.parametrize("name", NODES)
-@pytest.mark.parametrize("poisoned", [None, BAD])
+@pytest.mark.parametrize("poisoned", [pytest.param(None, marks=pytest.mark.slow), BAD])  # clean: slow tier
 def test_sequential_and_chunked_maps_give_the_vmap_state(name, poisoned):
   params, batches = example_inputs(name, poisoned=poisoned)
   runs = {mode: _run(EXAMPLES[name](client_map=mode), params, batches) for mode in ("vmap", "sequential", "chunked:3")}

@@ -70,6 +70,7 @@ def _close(a, b):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # the maps compile each family twice; the NaN test below runs the round in the default tier
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_sequential_and_vmap_give_the_same_states(name):
   _close(_path(FACTORIES[name]("sequential"), _batches()), _path(FACTORIES[name]("vmap"), _batches()))

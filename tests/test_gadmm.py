@@ -399,6 +399,7 @@ _FORMER_DUALS = [[0.31440816187333365, -0.09036816770510643, 0.312463779202569, 
                  [0.37838354334345314, -2.2642836017068526, -0.8328902860854673, -1.0445790879655952]]
 
 
+@pytest.mark.slow  # several quantizer runs and two full CQ-GGADMM runs, compiled
 def test_bits_shorthand_is_the_former_quantizer_bit_for_bit():
   """`range_quantize(b)` (and the `stochastic_quantize` alias) equals the former quantizer bit for bit (values and
   dtypes, mixed-dtype pytrees, b = 1 … 32); `bits=2` and `compressor=range_quantize(2)` give the same run bit for bit,
