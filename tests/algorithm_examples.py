@@ -129,3 +129,22 @@ def example_inputs(name: str, *, poisoned: int | None = None, seed: int = 0):
                              weight=jnp.full((N,), float(np.prod(shape[1:]))),
                              client_id=jnp.arange(N, dtype=jnp.int32))
   return params, batches
+
+
+# ----------------------------------------------------------------------------- float64 NumPy views of the model
+
+
+def flat_params(params):
+  """The examples' model {"b": [], "w": [D]} as one float64 vector, in leaf order: b, then w."""
+  return np.append(np.asarray(params["b"], np.float64), np.asarray(params["w"], np.float64))
+
+
+def flat_table(table):
+  """A per-client table {"b": [N], "w": [N, D]} as [N, 1 + D] float64 rows."""
+  return np.column_stack([np.asarray(table["b"], np.float64), np.asarray(table["w"], np.float64)])
+
+
+def lsq_gradient(z, x, y):
+  """∇ of the mean of ½(xᵀw + b − y)² over a batch, at z = (b, w), in float64 NumPy."""
+  r = x @ z[1:] + z[0] - y
+  return np.append(r.mean(), x.T @ r / len(y))

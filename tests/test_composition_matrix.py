@@ -43,6 +43,7 @@ import numpy as np
 import optax
 import pytest
 from algorithm_examples import S, example_inputs, loss_fn
+from algorithm_examples import flat_params as _vec, flat_table as _rows, lsq_gradient as _grad
 
 import fedjax_opt as fo
 
@@ -116,20 +117,6 @@ def test_cell_verdict_is_what_the_constructors_and_the_factory_do(cell):
 
 
 # ----------------------------------------------------------------------------- NumPy transcriptions
-
-
-def _vec(params):
-  return np.append(np.asarray(params["b"], np.float64), np.asarray(params["w"], np.float64))
-
-
-def _rows(table):
-  return np.column_stack([np.asarray(table["b"], np.float64), np.asarray(table["w"], np.float64)])
-
-
-def _grad(z, x, y):
-  """∇ of the mean of ½(xᵀw + b − y)² over a batch, at z = (b, w)."""
-  r = x @ z[1:] + z[0] - y
-  return np.append(r.mean(), x.T @ r / len(y))
 
 
 def _sgd(z, x, y, lr, correction=lambda v: 0.0, steps=S):

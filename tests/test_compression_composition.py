@@ -34,6 +34,7 @@ import numpy as np
 import optax
 import pytest
 from algorithm_examples import S, example_inputs, loss_fn
+from algorithm_examples import flat_params as _vec, flat_table as _rows, lsq_gradient as _grad
 
 import fedjax_opt as fo
 
@@ -48,21 +49,6 @@ INDEX_BITS = 2  # ⌈log₂ 4⌉
 
 
 # ----------------------------------------------------------------------------- NumPy references
-
-
-def _vec(params):
-  return np.append(np.asarray(params["b"], np.float64), np.asarray(params["w"], np.float64))
-
-
-def _rows(table):
-  """A per-client table {"b": [N], "w": [N, 3]} as [N, P] float64."""
-  return np.column_stack([np.asarray(table["b"], np.float64), np.asarray(table["w"], np.float64)])
-
-
-def _grad(z, x, y):
-  """Gradient of the mean of ½(xᵀw + b − y)² over a batch, at z = (b, w)."""
-  r = x @ z[1:] + z[0] - y
-  return np.append(r.mean(), x.T @ r / len(y))
 
 
 def _local_sgd(z, x, y, lr, correction=0.0, steps=S):

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import fedjax_opt as fo
+from conftest import run_rounds
 
 N, M, D = 4, 7, 3
 MODES = ("vmap", "sequential", "chunked:3")
@@ -42,11 +43,7 @@ def _worker_batches(rng, n, nan_worker=None):
 
 
 def _run(algo, params, batches, steps=3):
-  state = algo.init(params, jax.random.key(1))
-  step = jax.jit(algo.step)
-  for _ in range(steps):
-    state = step(state, batches)
-  return state
+  return run_rounds(algo.step, algo.init(params, jax.random.key(1)), batches, steps)[0]
 
 
 def _assert_states_close(a, b):

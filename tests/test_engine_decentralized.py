@@ -15,17 +15,14 @@ import pytest
 from algorithm_examples import EXAMPLES, example_inputs, loss_fn
 
 import fedjax_opt as fo
+from conftest import run_rounds
 
 NODES = ("gossip", "dpsgd", "gradient_tracking", "p2p_bayes", "d_fedem")
 BAD = 1
 
 
 def _run(algo, params, batches, rounds=2):
-  state = algo.init(params, jax.random.key(0))
-  step = jax.jit(algo.step)
-  for _ in range(rounds):
-    state = step(state, batches)
-  return state
+  return run_rounds(algo.step, algo.init(params, jax.random.key(0)), batches, rounds)[0]
 
 
 def _floats(state):
